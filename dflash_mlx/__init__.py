@@ -1,0 +1,17 @@
+"""dflash-mlx: DFlash block-diffusion speculative decoding for MLX."""
+
+# The Linux CPU fast path has to run before anything imports mlx.core (see platform.py).
+from .platform import preload_blas
+
+preload_blas()
+
+from .cache import SpeculativeCache  # noqa: E402
+from .loading import load, load_draft, load_pair  # noqa: E402
+from .models.dflash import DFlashConfig, DFlashDraftModel  # noqa: E402
+from .models.targets import SUPPORTED_FAMILIES, Target  # noqa: E402
+from .speculative import GenerationResponse, GenerationResult, generate, stream_generate  # noqa: E402
+
+__all__ = [
+    "DFlashConfig", "DFlashDraftModel", "GenerationResponse", "GenerationResult", "SUPPORTED_FAMILIES",
+    "SpeculativeCache", "Target", "generate", "load", "load_draft", "load_pair", "stream_generate",
+]

@@ -1,0 +1,78 @@
+"""The target's and the drafter's caches, which grow, commit and roll back together.
+
+Invariant between cycles: both caches hold exactly the committed tokens except the newest one
+(`pending`), which the next verify pass feeds to the target as the first position of its block.
+The target cache holds its usual KV (and recurrent) state; the drafter's cache holds keys/values
+made from the target's hidden features at those same positions, so drafter and target always see
+the same context. Keeping this object alive between calls continues a conversation without
+prefilling it again.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from .models.dflash import DFlashDraftModel
+from .models.targets import Target
+
+
+class SpeculativeCache:
+    def __init__(self, target: Target, draft: Optional[DFlashDraftModel]):
+        self.target = target
+        self.draft = draft
+        self.target_cache = target.make_cache()
+        self.draft_cache = draft.make_cache() if draft is not None else None
+        self.tokens: list[int] = []  # every committed token, processed or pending
+        self.processed = 0  # how many of them the target (and drafter) have seen
+
+    @property
+    def pending(self) -> list[int]:
+        return self.tokens[self.processed:]
+
+    def prefill(self, tokens: list[int], step: int = 2048,
+                progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
+        """Process pending + new tokens; return the target's logits (1, vocab) after the last one.
+
+        Long prompts go through in chunks of `step`, each chunk's features going straight into the
+        drafter's cache, so the whole prompt's features never sit in memory at once.
+        """
+        self.tokens.extend(tokens)
+        todo = self.pending
+        if not todo:
+            raise ValueError("nothing to prefill: the prompt is empty")
+        logits = None
+        for start in range(0, len(todo), step):
+            chunk = mx.array([todo[start:start + step]])
+            logits, features = self.target(chunk, self.target_cache, last_logits_only=True)
+            if self.draft_cache is not None:
+                self.draft.absorb(features, self.draft_cache)
+            mx.eval(logits, [c.state for c in self.target_cache],
+                    [c.state for c in self.draft_cache or []])
+            self.processed += chunk.shape[1]
+            if progress is not None:
+                progress(start + chunk.shape[1], len(todo))
+        return logits[:, -1]
+
+    def verify(self, block: mx.array):
+        """Run the target over a block whose first token is the pending one: (logits, features)."""
+        return self.target(block, self.target_cache)
+
+    def commit(self, features: Optional[mx.array], new_tokens: list[int]) -> None:
+        """After a verify pass: keep its first len(new_tokens) positions, and commit new_tokens.
+
+        The block was [pending, x_1, ...]; the emitted tokens are x_1 .. x_{m-1} (accepted) and one
+        more, which becomes the new pending token. So positions 0 .. m-1 of the block stay.
+        """
+        keep = len(new_tokens)
+        self.target.rollback(self.target_cache, keep)
+        if self.draft_cache is not None and features is not None:
+            self.draft.absorb(features[:, :keep], self.draft_cache)
+        self.tokens.extend(new_tokens)
+        self.processed += keep
+
+    @property
+    def nbytes(self) -> int:
+        caches = self.target_cache + (self.draft_cache or [])
+        return sum(c.nbytes for c in caches if not c.empty())

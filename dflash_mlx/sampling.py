@@ -1,0 +1,129 @@
+"""Sampling distributions and the two acceptance rules of speculative decoding.
+
+The distribution we sample from is exactly the one mlx-lm's `make_sampler` draws from (its own
+top-p, min-p and top-k filters on the log-probabilities, then temperature), so a temperature > 0
+run follows the same distribution as plain `mlx_lm.generate` with the same settings.
+
+Both rules take a verify pass over `[last, x_1 .. x_{B-1}]` and return (n, next): the number n of
+proposals accepted and the token the target contributes after them. Everything stays on the device
+until the caller reads the two numbers, so a cycle synchronises once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def logprobs(self, logits: mx.array) -> mx.array:
+        """Log-probabilities of the distribution plain sampling draws each token from."""
+        x = logits.astype(mx.float32)
+        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        if 0 < self.top_p < 1:
+            x = apply_top_p(x, self.top_p)
+        if self.min_p > 0:
+            x = apply_min_p(x, self.min_p)
+        if 0 < self.top_k < x.shape[-1]:
+            x = apply_top_k(x, self.top_k)
+        x = x / self.temperature
+        return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+    def probs(self, logits: mx.array) -> mx.array:
+        return mx.exp(self.logprobs(logits))
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """One token per row of logits (argmax at temperature 0)."""
+        if self.greedy:
+            return mx.argmax(logits, axis=-1)
+        return mx.random.categorical(self.logprobs(logits))
+
+
+def _accepted_prefix(accept: mx.array) -> mx.array:
+    """Length of the leading run of True in a 1-D boolean array."""
+    return mx.cumprod(accept.astype(mx.int32)).sum()
+
+
+def match_accept(proposals: mx.array, target_tokens: mx.array):
+    """Accept proposals while they equal the target's own choices; then take the target's token.
+
+    Used at temperature 0 (target_tokens = argmax) and with a custom sampler (target_tokens drawn
+    by it at every position: the output is then a draw from that sampler whatever the drafter does,
+    because a proposal survives only where it equals the target's own draw).
+    """
+    n = _accepted_prefix(proposals == target_tokens[:-1])
+    return n, target_tokens[n]
+
+
+def rejection_accept(proposals: mx.array, q: mx.array, p: mx.array):
+    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    proposals: (B-1,) drawn independently from the drafter's per-position distributions q (B-1, V);
+    p: (B, V) the target's distributions at the B verify positions. Proposal k survives with
+    probability min(1, p_k(x_k) / q_k(x_k)); at the first rejection the target's token is drawn from
+    normalize(max(0, p_k - q_k)); if all survive it is drawn from p_{B-1}. DFlash drafts every
+    position from its own marginal, independently of the other proposals, so q_k is exactly the
+    distribution x_k was drawn from and the output follows p.
+    """
+    k = mx.arange(proposals.shape[0])
+    px = p[k, proposals]
+    qx = q[k, proposals]
+    u = mx.random.uniform(shape=px.shape)
+    n = _accepted_prefix(u * qx < px)
+    residual = mx.concatenate([mx.maximum(p[:-1] - q, 0.0), p[-1:]], axis=0)[n]
+    total = residual.sum()
+    # An empty residual means p_n == q_n up to rounding, where rejection cannot really happen.
+    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[n])
+    return n, mx.random.categorical(mx.log(residual))
+
+
+def acceptance(params: SamplingParams, sampler: Optional[Callable]):
+    """Pick the drafting and acceptance rules for these settings.
+
+    Returns (draft, accept): draft(logits) -> (proposals, q or None);
+    accept(proposals, q, target_logits) -> (n, next_token).
+    """
+    if sampler is not None:
+        def draft(logits):
+            return mx.argmax(logits, axis=-1), None
+
+        def accept(x, q, logits):
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return match_accept(x, sampler(lp))
+    elif params.greedy:
+        def draft(logits):
+            return mx.argmax(logits, axis=-1), None
+
+        def accept(x, q, logits):
+            return match_accept(x, mx.argmax(logits, axis=-1))
+    else:
+        def draft(logits):
+            logq = params.logprobs(logits)
+            return mx.random.categorical(logq), mx.exp(logq)
+
+        def accept(x, q, logits):
+            return rejection_accept(x, q, params.probs(logits))
+    return draft, accept

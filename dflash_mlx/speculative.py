@@ -1,0 +1,265 @@
+"""The speculative cycle: draft a block in one parallel pass, verify it in one target pass, commit.
+
+    prefill   target(prompt) -> first token; the tapped hidden states fill the drafter's cache
+    cycle     draft : drafter([last, MASK * (B-1)] | context)   -> B-1 proposals (+ their q)
+              verify: target([last, proposals])                  -> B logits + hidden states
+              accept: greedy match, or rejection sampling        -> n proposals + 1 target token
+              commit: roll both caches back to the n+1 kept positions, add their features
+              yield the n+1 tokens (cut at EOS, a stop string or max_tokens)
+
+Every cycle yields at least one token, and every yielded token is one the target itself would have
+produced: the same tokens as plain greedy decoding at temperature 0, the same distribution above.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .cache import SpeculativeCache
+from .models.dflash import DFlashDraftModel
+from .models.targets import Target
+from .sampling import SamplingParams, acceptance
+
+
+@dataclass
+class GenerationResponse:
+    """One streamed piece, field-compatible with z-lab's MLX `stream_generate`."""
+
+    text: str  # new text since the previous response
+    tokens: list[int]  # new tokens since the previous response
+    accepted: Optional[int]  # this cycle's acceptance length (proposals kept + 1); None for the first token
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int  # generated so far
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: Optional[str] = None  # "stop" (EOS or stop string), "length", or None while running
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: Optional[str]
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    acceptance_lengths: list[int] = field(default_factory=list)  # one per cycle
+
+    @property
+    def cycles(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance(self) -> float:
+        """tau: tokens committed per target verify pass (the paper's acceptance length)."""
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.acceptance_lengths).items()))
+
+
+def check_pair(target: Target, draft: DFlashDraftModel) -> None:
+    """Fail early, naming both values, when a drafter was not made for this target."""
+    cfg = draft.config
+    pairs = [("hidden size", cfg.hidden_size, target.hidden_size),
+             ("vocab size", cfg.vocab_size, target.vocab_size)]
+    if cfg.num_target_layers is not None:
+        pairs.append(("number of target layers", cfg.num_target_layers, target.num_layers))
+    for what, d, t in pairs:
+        if d != t:
+            raise ValueError(f"drafter does not fit this target: drafter {what} is {d}, target {what} is {t}")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise ValueError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
+                         f"(size {target.vocab_size})")
+
+
+def prepare(model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]) -> Target:
+    """Wrap an mlx-lm model as a Target tapping the drafter's layers, and bind the drafter to it."""
+    layer_ids = draft.config.target_layer_ids if draft is not None else []
+    if isinstance(model, Target):
+        if list(model.layer_ids) != list(layer_ids):
+            model = Target(model.model, layer_ids)
+    else:
+        model = Target(model, layer_ids)
+    if draft is not None:
+        check_pair(model, draft)
+        if getattr(draft, "_bound_to", None) is not model.model:
+            draft.bind(model.embed, model.lm_head, model.shared_state)
+            draft._bound_to = model.model
+    return model
+
+
+def _encode(tokenizer: TokenizerWrapper, prompt) -> list[int]:
+    if isinstance(prompt, mx.array):
+        return prompt.reshape(-1).tolist()
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    return [int(t) for t in prompt]
+
+
+class _StopText:
+    """Holds back just enough streamed text to never show the start of a stop string."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """-> (text safe to show now, whether a stop string was hit)."""
+        text = self.held + text
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return text[:min(hits)], True
+        keep = max((len(s) - 1 for s in self.stops), default=0)
+        cut = len(text) - keep if keep else len(text)
+        self.held = text[cut:]
+        return text[:cut], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+def stream_generate(
+    model: Union[nn.Module, Target],
+    draft: Optional[DFlashDraftModel],
+    tokenizer,
+    prompt: Union[str, Sequence[int], mx.array],
+    *,
+    block_size: Optional[int] = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: Optional[int] = None,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    stop: Sequence[str] = (),
+    prompt_cache: Optional[SpeculativeCache] = None,
+    prefill_step_size: int = 2048,
+    compile: bool = True,
+) -> Iterator[GenerationResponse]:
+    """Generate from `model` (an mlx-lm model) with DFlash drafting by `draft`, streaming.
+
+    The prompt is a string (tokenised as is: apply a chat template first, see `apply_chat_template`),
+    a list of token ids or an mx.array. With `prompt_cache` (a SpeculativeCache from an earlier call)
+    the prompt holds only the new tokens. `sampler`, if given, is an mlx-lm style sampler
+    (log-probabilities -> token) that replaces temperature/top-p/top-k/min-p; proposals are then
+    accepted where they equal its draws. `block_size=1` or `draft=None` is plain decoding.
+    """
+    params = SamplingParams(temperature, top_p, top_k, min_p)
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    block_size = block_size or (draft.block_size if draft is not None else 1)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if block_size == 1:
+        draft = None
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    prompt_ids = _encode(tokenizer, prompt)
+    if not prompt_ids and (prompt_cache is None or not prompt_cache.pending):
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_tokens == 0:
+        return
+    target = prepare(model, draft)
+    if prompt_cache is not None and (prompt_cache.target.model is not target.model
+                                     or prompt_cache.draft is not draft):
+        raise ValueError("prompt_cache was made for another model pair")
+    if seed is not None:
+        mx.random.seed(seed)
+    propose, accept = acceptance(params, sampler)
+    pick = (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))) \
+        if sampler is not None else params.sample
+    cache = prompt_cache or SpeculativeCache(target, draft)
+    eos = set(tokenizer.eos_token_ids)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    stops = _StopText(stop)
+
+    tic = time.perf_counter()
+    logits = cache.prefill(prompt_ids, prefill_step_size)
+    first = int(pick(logits).item())
+    prompt_tps = len(prompt_ids) / (time.perf_counter() - tic)
+    tic = time.perf_counter()
+    produced = 0
+
+    def respond(new: list[int], accepted: Optional[int], finish: Optional[str]) -> GenerationResponse:
+        """Turn committed tokens into a response: text (EOS not shown), stop strings, stats."""
+        nonlocal produced
+        produced += len(new)
+        for t in new:
+            if t not in eos:
+                detok.add_token(t)
+        if finish is not None:
+            detok.finalize()
+        text, hit = stops.feed(detok.last_segment)
+        if hit:
+            finish = "stop"
+        if finish is not None:
+            text += "" if hit else stops.flush()
+        elapsed = time.perf_counter() - tic
+        return GenerationResponse(text, new, accepted, len(prompt_ids), prompt_tps, produced,
+                                  produced / max(elapsed, 1e-9), mx.get_peak_memory() / 1e9, finish)
+
+    def finish_reason(new: list[int]) -> tuple[list[int], Optional[str]]:
+        """Cut new tokens after an EOS or at max_tokens."""
+        for i, t in enumerate(new):
+            if t in eos:
+                return new[:i + 1], "stop"
+        room = max_tokens - produced
+        if len(new) >= room:
+            return new[:room], "length"
+        return new, None
+
+    new, finish = finish_reason([first])
+    cache.tokens.append(first)
+    response = respond(new, None, finish)
+    yield response
+    while response.finish_reason is None:
+        last = cache.pending[-1]
+        if draft is not None:
+            x, q = propose(draft.propose_logits(last, cache.draft_cache, block_size, compile)[0])
+            block = mx.concatenate([mx.array([last]), x.astype(mx.int32)])[None]
+        else:
+            x, q, block = mx.array([], dtype=mx.int32), None, mx.array([[last]])
+        logits, features = cache.verify(block)
+        n, nxt = accept(x, q, logits[0])
+        mx.eval(n, nxt, x)
+        n, tokens = n.item(), x.tolist()
+        new, finish = finish_reason(tokens[:n] + [nxt.item()])
+        cache.commit(features, new)
+        response = respond(new, n + 1, finish)
+        yield response
+
+
+def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs) -> GenerationResult:
+    """Run `stream_generate` to the end; return the text, tokens and acceptance statistics."""
+    text, tokens, acc, last = [], [], [], None
+    for last in stream_generate(model, draft, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(last.text, end="", flush=True)
+        text.append(last.text)
+        tokens.extend(last.tokens)
+        if last.accepted is not None:
+            acc.append(last.accepted)
+    if verbose:
+        print()
+    if last is None:
+        return GenerationResult("", [], "length", 0, 0.0, 0, 0.0, mx.get_peak_memory() / 1e9)
+    return GenerationResult("".join(text), tokens, last.finish_reason, last.prompt_tokens, last.prompt_tps,
+                            last.generation_tokens, last.generation_tps, last.peak_memory, acc)

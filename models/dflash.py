@@ -1,0 +1,251 @@
+"""The DFlash drafter (z-lab, arXiv 2602.06036), ported to MLX by hand: mlx-lm has no such model.
+
+A drafter is a few Qwen3-style decoder layers that denoise one block of `block_size` positions in
+a single parallel pass. Its inputs are
+
+* the block: the last committed token followed by `block_size - 1` copies of `mask_token_id`,
+  embedded with the *target's* embedding;
+* context features: the target's hidden states at `target_layer_ids`, concatenated and projected by
+  `fc` + `hidden_norm`. Every layer turns them into extra keys/values (the same k_proj/v_proj and
+  k_norm as the block) so the block's queries see `[context ; block]`: the whole committed context
+  plus the block bidirectionally.
+
+Output position k of the block is the proposal for block position k + 1, read out through the
+target's lm_head after the drafter's own final `norm`. The checkpoint layout is z-lab's:
+`config.json` with a `dflash_config` section, and safetensors keys `fc`, `hidden_norm`, `norm`,
+`layers.N.self_attn.{q,k,v,o}_proj`, `layers.N.self_attn.{q,k}_norm`, `layers.N.mlp.*`,
+`layers.N.{input,post_attention}_layernorm`; no embedding and no lm_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The paper's default taps: one per draft layer, evenly spread over layers 1 .. L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    num_target_layers: Optional[int] = None
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 40960
+    layer_types: Optional[list[str]] = None
+    sliding_window: Optional[int] = None
+    attention_bias: bool = False
+    extra: dict = field(default_factory=dict, repr=False)  # other config.json keys, kept for export
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"drafter config: layer_types has {len(self.layer_types)} entries "
+                f"for {self.num_hidden_layers} layers"
+            )
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("drafter config: sliding_attention layers need a sliding_window")
+        if not self.target_layer_ids:
+            raise ValueError("drafter config: dflash_config.target_layer_ids is empty")
+        if self.block_size < 1:
+            raise ValueError(f"drafter config: block_size must be >= 1, got {self.block_size}")
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "DFlashConfig":
+        """Read a z-lab `config.json` (the dflash keys live in `dflash_config`)."""
+        dflash = cfg.get("dflash_config") or {}
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "intermediate_size", "vocab_size") if k not in cfg]
+        if "mask_token_id" not in dflash and "mask_token_id" not in cfg:
+            missing.append("dflash_config.mask_token_id")
+        if missing:
+            raise ValueError(f"drafter config.json lacks {', '.join(missing)}: is this a DFlash drafter?")
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra", "target_layer_ids", "mask_token_id"}
+        kwargs = {k: v for k, v in cfg.items() if k in known}
+        kwargs.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        # Qwen3 configs list layer_types even with sliding windows off; only honour them when on.
+        if not cfg.get("use_sliding_window", True) or not cfg.get("sliding_window"):
+            kwargs.pop("layer_types", None)
+            kwargs.pop("sliding_window", None)
+        layer_ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
+        if layer_ids is None:
+            if cfg.get("num_target_layers") is None:
+                raise ValueError("drafter config.json has neither target_layer_ids nor num_target_layers")
+            layer_ids = default_target_layer_ids(cfg["num_target_layers"], cfg["num_hidden_layers"])
+        kwargs["block_size"] = int(dflash.get("block_size", cfg.get("block_size", 16)))
+        extra = {k: v for k, v in cfg.items() if k not in known and k != "dflash_config"}
+        return cls(target_layer_ids=list(layer_ids),
+                   mask_token_id=int(dflash.get("mask_token_id", cfg.get("mask_token_id"))),
+                   extra=extra, **kwargs)
+
+    def to_dict(self) -> dict:
+        """The z-lab `config.json` layout, which vLLM, SGLang and transformers read."""
+        out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
+               "tie_word_embeddings": False, **self.extra}
+        for f in dataclasses.fields(self):
+            if f.name not in ("extra", "target_layer_ids", "mask_token_id"):
+                out[f.name] = getattr(self, f.name)
+        out["dflash_config"] = {"target_layer_ids": list(self.target_layer_ids),
+                                "mask_token_id": self.mask_token_id}
+        return out
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, sliding: bool):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.scale = cfg.head_dim**-0.5
+        self.window = cfg.sliding_window if sliding else None
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(cfg.head_dim, cfg.rope_theta, False, cfg.rope_scaling,
+                                    cfg.max_position_embeddings)
+
+    def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
+        """Keys (k_norm, RoPE from `offset`) and values of x: context features or block states."""
+        B, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def __call__(self, x, ctx_keys, ctx_values, mask, offset):
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=offset)
+        k, v = self.keys_values(x, offset)
+        keys = mx.concatenate([ctx_keys, k], axis=2)
+        values = mx.concatenate([ctx_values, v], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, sliding: bool):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg, sliding)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, x, ctx_keys, ctx_values, mask, offset):
+        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, mask, offset)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def block_mask(ctx_len, capacity: int, block: int, window: Optional[int]) -> mx.array:
+    """Which of `[context buffer (capacity rows) ; block]` each block query may attend to.
+
+    The first `ctx_len` buffer rows hold committed context (the rest is unused capacity); the block
+    is fully visible to itself (bidirectional). A sliding-window layer also drops keys that lie
+    `window` or more positions behind the query. `ctx_len` may be an mx.array (inside mx.compile).
+    """
+    ctx_pos = mx.arange(capacity)
+    q_pos = ctx_len + mx.arange(block)
+    k_pos = mx.concatenate([ctx_pos, q_pos])
+    visible = mx.concatenate([ctx_pos < ctx_len, mx.ones((block,), dtype=mx.bool_)])[None, :]
+    if window is not None:
+        visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
+    return visible
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = [DFlashLayer(config, t == "sliding_attention") for t in config.layer_types]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.traces = 0  # how often the compiled draft step was traced (a recompile counter)
+        self._step = None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def make_cache(self) -> list[KVCache]:
+        """One KV cache per layer, holding the keys/values of committed context only."""
+        return [KVCache() for _ in self.layers]
+
+    def context(self, features: mx.array) -> mx.array:
+        """fc + hidden_norm over concatenated target hidden states: the drafter's context."""
+        return self.hidden_norm(self.fc(features))
+
+    def absorb(self, features: mx.array, cache: list[KVCache]) -> None:
+        """Append committed positions' target features to the drafter's cache as keys/values."""
+        ctx = self.context(features.astype(self.fc.weight.dtype))
+        offset = cache[0].offset
+        for layer, c in zip(self.layers, cache):
+            c.update_and_fetch(*layer.self_attn.keys_values(ctx, offset))
+
+    def denoise(self, block_embeddings, ctx_keys, ctx_values, ctx_len) -> mx.array:
+        """One parallel pass over the block; returns the final-normed hidden states."""
+        L = block_embeddings.shape[1]
+        capacity = ctx_keys[0].shape[2]
+        masks = {w: block_mask(ctx_len, capacity, L, w) for w in {l.self_attn.window for l in self.layers}}
+        h = block_embeddings
+        for layer, k, v in zip(self.layers, ctx_keys, ctx_values):
+            h = layer(h, k, v, masks[layer.self_attn.window], ctx_len)
+        return self.norm(h)
+
+    def bind(self, embed: Callable, lm_head: Callable, shared_state: Any) -> None:
+        """Share the target's embedding and lm_head, and compile the draft step around them.
+
+        `shared_state` is the tree of arrays behind `embed` and `lm_head`; passing it (and our own
+        parameters) as compile inputs keeps the compiled step correct if weights change later.
+        """
+
+        def step(block_tokens, ctx_keys, ctx_values, ctx_len):
+            self.traces += 1  # runs only while tracing, never on a compiled call
+            h = self.denoise(embed(block_tokens).astype(self.fc.weight.dtype), ctx_keys, ctx_values, ctx_len)
+            return lm_head(h[:, 1:])
+
+        self._eager_step = step
+        self._step = mx.compile(step, inputs=[self.state, shared_state])
+
+    def propose_logits(self, last_token: int, cache: list[KVCache], block_size: int, compiled: bool = True):
+        """Logits (1, block_size-1, vocab) for the block [last_token, MASK, ...] after the cache."""
+        if self._step is None:
+            raise RuntimeError("drafter is not bound to a target: call bind() (load_pair does this)")
+        block = mx.array([[last_token] + [self.config.mask_token_id] * (block_size - 1)])
+        keys = [c.keys for c in cache]
+        values = [c.values for c in cache]
+        fn = self._step if compiled else self._eager_step
+        return fn(block, keys, values, mx.array(cache[0].offset))

@@ -1,0 +1,136 @@
+"""Target adapters: mlx-lm's own model classes, plus what speculative decoding needs from them.
+
+mlx-lm implements every target architecture; this module only adds, for the length of one call,
+(1) a record of the hidden states leaving the decoder layers in `target_layer_ids` (the drafter's
+context features), and (2) exact rollback of the cache to the accepted prefix of a verify pass.
+
+Recording works by standing a thin `_Tap` in for each layer of interest in the inner model's
+`layers` list during the call and putting the real layers back afterwards: no class is patched
+and nothing outlives the call. Attention layers roll back by trimming their KV cache. The
+Gated-DeltaNet layers of qwen3_5 carry recurrent and convolution state that cannot be trimmed, so
+the adapter keeps the state from before the verify pass and replays the layer over the accepted
+prefix only (from the layer inputs the tap recorded), which gives exactly the state a pass over
+that prefix would have left.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+SUPPORTED_FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss")
+
+
+def family_of(model: nn.Module) -> str:
+    """mlx-lm's module name for the model (e.g. 'llama' for Llama 3 and SmolLM2)."""
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+class _Tap:
+    """Stands in for one decoder layer during a single call: runs it, and records its input/output."""
+
+    def __init__(self, layer, index: int, record: dict):
+        self._layer, self._index, self._record = layer, index, record
+
+    def __call__(self, x, *args, **kwargs):
+        out = self._layer(x, *args, **kwargs)
+        self._record[self._index] = (x, out)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
+
+
+def _replay_gated_delta(layer, x: mx.array, cache: ArraysCache) -> None:
+    """Advance a qwen3_5 Gated-DeltaNet cache over inputs x (output discarded)."""
+    layer.linear_attn(layer.input_layernorm(x), None, cache)
+
+
+class Target:
+    """An mlx-lm model seen as a speculative-decoding target."""
+
+    def __init__(self, model: nn.Module, layer_ids=()):
+        self.family = family_of(model)
+        if self.family not in SUPPORTED_FAMILIES:
+            raise ValueError(
+                f"target model family '{self.family}' is not supported by dflash-mlx; "
+                f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
+            )
+        self.model = model
+        lm = getattr(model, "language_model", model)  # qwen3_5 wraps its text model
+        self.args = lm.args
+        self.inner = lm.model
+        self._lm_head = None if getattr(self.args, "tie_word_embeddings", False) else lm.lm_head
+        self.num_layers = len(self.inner.layers)
+        self.hidden_size = self.args.hidden_size
+        self.vocab_size = self.args.vocab_size
+        self.layer_ids = list(layer_ids)
+        for i in self.layer_ids:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(
+                    f"target_layer_ids contains {i}, but the target has {self.num_layers} layers "
+                    f"(valid ids: 0..{self.num_layers - 1})"
+                )
+        self._recurrent = [i for i, l in enumerate(self.inner.layers) if getattr(l, "is_linear", False)]
+        self._last = None  # (tokens, recorded layer inputs, recurrent states before the call)
+
+    # The drafter shares these two with the target.
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.inner.embed_tokens(tokens)
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        if self._lm_head is None:
+            return self.inner.embed_tokens.as_linear(h)
+        return self._lm_head(h)
+
+    @property
+    def shared_state(self) -> list:
+        return [self.inner.embed_tokens, self._lm_head or {}]
+
+    def make_cache(self) -> list:
+        """mlx-lm's cache for the model, except sliding-window layers get a plain KVCache.
+
+        A RotatingKVCache cannot be trimmed once it has wrapped around, and rollback must be exact.
+        mlx-lm builds the sliding-window mask from the window size for any cache, so attention is
+        unchanged; the cost is that those layers keep their whole history in memory.
+        """
+        cache = self.model.make_cache() if hasattr(self.model, "make_cache") else [
+            KVCache() for _ in range(self.num_layers)]
+        return [KVCache() if isinstance(c, RotatingKVCache) else c for c in cache]
+
+    def __call__(self, tokens: mx.array, cache: list, last_logits_only: bool = False):
+        """Run the target over tokens (shape (1, n)) -> (logits, features).
+
+        features is (1, n, len(layer_ids) * hidden_size): the tapped layers' outputs, concatenated.
+        """
+        record: dict[int, Any] = {}
+        layers = self.inner.layers
+        watched = set(self.layer_ids) | set(self._recurrent)
+        states = {i: list(cache[i].cache) for i in self._recurrent}
+        self.inner.layers = [_Tap(l, i, record) if i in watched else l for i, l in enumerate(layers)]
+        try:
+            h = self.inner(tokens, cache)
+        finally:
+            self.inner.layers = layers
+        logits = self.lm_head(h[:, -1:] if last_logits_only else h)
+        features = mx.concatenate([record[i][1] for i in self.layer_ids], axis=-1) if self.layer_ids else None
+        self._last = (tokens.shape[1], {i: record[i][0] for i in self._recurrent}, states)
+        return logits, features
+
+    def rollback(self, cache: list, keep: int) -> None:
+        """Keep only the first `keep` positions of the last call in the cache."""
+        n, inputs, states = self._last
+        if keep == n:
+            return
+        if not 0 < keep < n:
+            raise ValueError(f"cannot keep {keep} of the {n} positions of the last call")
+        for i, c in enumerate(cache):
+            if i in inputs:
+                c.cache = list(states[i])
+                _replay_gated_delta(self.inner.layers[i], inputs[i][:, :keep], c)
+            else:
+                c.trim(n - keep)
+        self._last = None

@@ -1,0 +1,118 @@
+"""Tiny random models in the real formats, a word-level tokenizer, and reference decoding."""
+
+from __future__ import annotations
+
+import importlib
+
+import dflash_mlx  # noqa: F401  (BLAS preload before mlx.core)
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.generate import generate_step
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from dflash_mlx.models.dflash import DFlashConfig, DFlashDraftModel
+
+VOCAB = 96
+HIDDEN = 64
+
+_COMMON = dict(hidden_size=HIDDEN, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=VOCAB,
+               max_position_embeddings=4096, rope_theta=10000.0)
+
+CONFIGS = {
+    "llama": dict(_COMMON, model_type="llama", tie_word_embeddings=True),
+    "qwen3": dict(_COMMON, model_type="qwen3", tie_word_embeddings=False),
+    "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", tie_word_embeddings=False, num_experts=4,
+                      num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
+                      moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen3_5": dict(_COMMON, model_type="qwen3_5", tie_word_embeddings=False, full_attention_interval=2,
+                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                    rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "gpt_oss": dict(_COMMON, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
+}
+FAMILIES = list(CONFIGS)
+
+
+def make_target(family: str = "llama", seed: int = 0, **overrides):
+    """A float32 mlx-lm model of the family with random weights (scaled to give peaky logits)."""
+    config = dict(CONFIGS[family], **overrides)
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    # Default inits give near-uniform logits; widen them so greedy decoding has clear winners.
+    model.update(tree_map(lambda p: p * 2.0 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def draft_config(target_layers: int = 4, layer_ids=(1, 2), block_size: int = 16, vocab: int = VOCAB,
+                 hidden: int = HIDDEN, layers: int = 2, **overrides) -> DFlashConfig:
+    return DFlashConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=vocab,
+                        target_layer_ids=list(layer_ids), mask_token_id=vocab - 1, block_size=block_size,
+                        num_target_layers=target_layers, rms_norm_eps=1e-5, rope_theta=10000.0,
+                        max_position_embeddings=4096, **overrides)
+
+
+def make_draft(seed: int = 1, cls=DFlashDraftModel, **kwargs) -> DFlashDraftModel:
+    mx.random.seed(seed)
+    draft = cls(draft_config(**kwargs))
+    mx.eval(draft.parameters())
+    return draft
+
+
+def make_tokenizer(vocab: int = VOCAB, eos: int = 2) -> TokenizerWrapper:
+    """A word-level tokenizer over tokens w0 .. w{vocab-1}; the text of a token is 'wN '."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{eos}", unk_token="w0")
+    return TokenizerWrapper(hf)
+
+
+def greedy_reference(model, prompt: list[int], n: int, eos=()) -> list[int]:
+    """Plain greedy decoding with mlx-lm itself: the tokens speculative decoding must reproduce."""
+    out = []
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+        out.append(int(tok))
+        if out[-1] in eos:
+            break
+    return out
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    mx.random.seed(1000 + seed)
+    return mx.random.randint(3, VOCAB - 1, (length,)).tolist()
+
+
+class OracleDraft(DFlashDraftModel):
+    """Proposes the target's own greedy continuation, with one error injected per cycle at a
+    position taken from `errors` in turn (None = no error), so every acceptance length occurs."""
+
+    def __init__(self, config, reference: list[int], errors):
+        super().__init__(config)
+        self.reference = reference  # prompt + greedy continuation
+        self.errors = list(errors)
+        self.cycle = 0
+
+    def propose_logits(self, last_token, cache, block_size, compiled=True):
+        start = cache[0].offset  # position of last_token
+        guess = [self.reference[p] if p < len(self.reference) else 0 for p in range(start + 1, start + block_size)]
+        err = self.errors[self.cycle % len(self.errors)]
+        self.cycle += 1
+        if err is not None and err < len(guess):
+            guess[err] = (guess[err] + 1) % self.config.vocab_size
+        logits = mx.full((1, block_size - 1, self.config.vocab_size), -30.0)
+        for i, t in enumerate(guess):
+            logits[0, i, t] = 30.0
+        return logits
+
+
+def flat_params(model) -> dict:
+    return dict(tree_flatten(model.parameters()))
