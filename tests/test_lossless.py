@@ -1,0 +1,75 @@
+"""Greedy speculative decoding must reproduce mlx-lm's own greedy decoding token for token."""
+
+import pytest
+from tiny import (FAMILIES, OracleDraft, draft_config, greedy_reference, make_draft, make_target,
+                  make_tokenizer, prompt_of)
+
+from dflash_mlx import generate, stream_generate
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {f: make_target(f) for f in FAMILIES}
+
+
+def no_eos_tokenizer(tokens):
+    """A tokenizer whose EOS id does not occur in `tokens`, so nothing ends early."""
+    return make_tokenizer(eos=next(i for i in range(3, 90) if i not in tokens))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block_size", [1, 2, 7, 16])
+@pytest.mark.parametrize("prompt_len", [1, 5, 37])
+def test_random_drafter_matches_plain_greedy(targets, family, block_size, prompt_len):
+    model = targets[family]
+    prompt = prompt_of(prompt_len, seed=prompt_len)
+    ref = greedy_reference(model, prompt, 24)
+    out = generate(model, make_draft(), no_eos_tokenizer(ref), prompt, max_tokens=24, block_size=block_size)
+    assert out.tokens == ref
+    assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block_size", [2, 7, 16])
+def test_every_acceptance_length_stays_lossless(targets, family, block_size):
+    model = targets[family]
+    prompt = prompt_of(11, seed=3)
+    n = block_size * (block_size + 1) // 2 + 10
+    ref = greedy_reference(model, prompt, n + block_size)
+    # Cycle i injects an error at block position errors[i]: acceptance lengths 1..B all occur.
+    draft = OracleDraft(draft_config(block_size=block_size), prompt + ref, [None, *range(block_size - 1)])
+    out = generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=n)
+    assert out.tokens == ref[:n]
+    assert set(out.acceptance_lengths) == set(range(1, block_size + 1))
+
+
+def test_max_tokens_cuts_inside_a_block(targets):
+    model, prompt = targets["llama"], prompt_of(9)
+    ref = greedy_reference(model, prompt, 40)
+    draft = OracleDraft(draft_config(block_size=16), prompt + ref, [None])
+    pieces = list(stream_generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=21))
+    assert [len(p.tokens) for p in pieces] == [1, 16, 4]
+    assert sum((p.tokens for p in pieces), []) == ref[:21]
+    assert pieces[-1].finish_reason == "length" and pieces[-1].generation_tokens == 21
+
+
+def test_eos_inside_an_accepted_block_ends_there(targets):
+    model, prompt = targets["qwen3"], prompt_of(9, seed=5)
+    ref = greedy_reference(model, prompt, 60)
+    # Pick as EOS a token whose first occurrence falls inside the second or third block.
+    eos_at = next(i for i in range(5, 40) if ref[i] not in ref[:i])
+    draft = OracleDraft(draft_config(block_size=16), prompt + ref, [None])
+    out = generate(model, draft, make_tokenizer(eos=ref[eos_at]), prompt, max_tokens=60)
+    assert out.tokens == ref[:eos_at + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_stop_string_ends_generation_and_is_not_shown(targets):
+    model, prompt = targets["llama"], prompt_of(9)
+    ref = greedy_reference(model, prompt, 30)
+    tok = no_eos_tokenizer(ref)
+    full = generate(model, make_draft(), tok, prompt, max_tokens=30).text
+    stop = full.split()[6]  # the text of the 7th token
+    out = generate(model, make_draft(), tok, prompt, max_tokens=30, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert out.text == full[:full.index(stop)]

@@ -1,0 +1,134 @@
+"""Above temperature 0 the output must follow the target's own sampling distribution exactly."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+from tiny import draft_config, make_draft, make_target, make_tokenizer
+
+import dflash_mlx.speculative as speculative
+from dflash_mlx import SpeculativeCache, stream_generate
+from dflash_mlx.models.dflash import DFlashDraftModel
+from dflash_mlx.sampling import SamplingParams
+
+V, T, B, RUNS = 8, 4, 3, 1500
+PROMPT = [1, 5, 3, 6]
+
+
+def nucleus_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """Plain sampling's distribution, written independently: top-p on the untempered
+    probabilities (keep a token while the mass of strictly more probable tokens is < top_p),
+    then temperature over the kept tokens."""
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    more_probable = np.array([p[p > x].sum() for x in p])
+    keep = more_probable < top_p
+    z = np.where(keep, logits / temperature, -np.inf)
+    q = np.exp(z - z.max())
+    return q / q.sum()
+
+
+def exact_joint(model, temperature, top_p) -> dict:
+    """P(first T tokens) for every sequence of T tokens, from the target's logits."""
+    probs = {(): 1.0}
+    for _ in range(T):
+        seqs = list(probs)
+        logits = np.array(model(mx.array([PROMPT + list(s) for s in seqs]))[:, -1].astype(mx.float32))
+        probs = {s + (t,): probs[s] * pt for s, row in zip(seqs, logits)
+                 for t, pt in enumerate(nucleus_probs(row.astype(np.float64), temperature, top_p))}
+    return probs
+
+
+class TargetPathDraft(DFlashDraftModel):
+    """A good drafter: at each block position it proposes from the target's own distribution
+    along the drafter's greedy path (exactly right whenever the earlier proposals were greedy)."""
+
+    def __init__(self, config, model, cache_holder):
+        super().__init__(config)
+        self.model, self.holder = model, cache_holder
+
+    def propose_logits(self, last_token, cache, block_size, compiled=True):
+        seq = self.holder[0].tokens[:cache[0].offset] + [last_token]
+        rows = []
+        for _ in range(block_size - 1):
+            row = self.model(mx.array([seq]))[0, -1]
+            rows.append(row)
+            seq = seq + [int(mx.argmax(row).item())]
+        return mx.stack(rows)[None]
+
+
+def sample_counts(model, draft, holder, temperature, top_p) -> dict:
+    tok = make_tokenizer(vocab=V, eos=V + 5)  # no EOS inside the vocabulary
+    target = speculative.prepare(model, draft)
+    counts = {}
+    for seed in range(RUNS):
+        holder[0] = SpeculativeCache(target, draft)
+        out = sum((r.tokens for r in stream_generate(
+            target, draft, tok, PROMPT, max_tokens=T, block_size=B, temperature=temperature,
+            top_p=top_p, seed=seed, prompt_cache=holder[0])), [])
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    return counts
+
+
+def chi_square_p(counts: dict, joint: dict) -> float:
+    """Pearson's test over all T-token sequences, pooling those expected fewer than 5 times."""
+    assert sum(counts.values()) == RUNS and all(len(s) == T for s in counts)
+    big = [s for s, p in joint.items() if p * RUNS >= 5]
+    observed = [counts.get(s, 0) for s in big]
+    expected = [joint[s] * RUNS for s in big]
+    observed.append(RUNS - sum(observed))
+    expected.append(RUNS - sum(expected))
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_target("llama", seed=4, vocab_size=V)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize("drafter", ["bad", "good"])
+def test_output_follows_the_target_distribution(model, temperature, top_p, drafter):
+    holder = [None]
+    if drafter == "bad":
+        draft = make_draft(seed=11, vocab=V)
+    else:
+        draft = TargetPathDraft(draft_config(vocab=V), model, holder)
+    joint = exact_joint(model, temperature, top_p)
+    p = chi_square_p(sample_counts(model, draft, holder, temperature, top_p), joint)
+    assert p > 1e-3, f"chi-square p-value {p:.2e}: output does not follow the target's distribution"
+
+
+def test_the_check_catches_a_lossy_rule(model, monkeypatch):
+    """Negative control: accepting every proposal makes the output the drafter's, and the test sees it."""
+
+    def accept_all(params, sampler):
+        def draft(logits):
+            logq = params.logprobs(logits)
+            return mx.random.categorical(logq), None
+
+        def accept(x, q, logits):
+            return mx.array(x.shape[0]), mx.random.categorical(params.logprobs(logits[-1]))
+        return draft, accept
+
+    monkeypatch.setattr(speculative, "acceptance", accept_all)
+    holder = [None]
+    joint = exact_joint(model, 1.0, 1.0)
+    p = chi_square_p(sample_counts(model, make_draft(seed=11, vocab=V), holder, 1.0, 1.0), joint)
+    assert p < 1e-6
+
+
+def test_probabilities_match_the_independent_reference():
+    logits = mx.random.normal((5, 50), key=mx.random.key(0)) * 3
+    for temperature, top_p in [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5)]:
+        ours = np.array(SamplingParams(temperature, top_p).probs(logits))
+        ref = np.stack([nucleus_probs(np.array(r, dtype=np.float64), temperature, top_p) for r in logits])
+        np.testing.assert_allclose(ours, ref, atol=1e-5)
+
+
+def test_bad_sampling_settings_are_refused():
+    for kwargs in [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2)]:
+        with pytest.raises(ValueError):
+            SamplingParams(**kwargs)
