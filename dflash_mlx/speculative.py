@@ -73,13 +73,15 @@ class GenerationResult:
 def check_pair(target: Target, draft: DFlashDraftModel) -> None:
     """Fail early, naming both values, when a drafter was not made for this target."""
     cfg = draft.config
-    pairs = [("hidden size", cfg.hidden_size, target.hidden_size),
-             ("vocab size", cfg.vocab_size, target.vocab_size)]
+    checks = [(cfg.hidden_size, target.hidden_size, "hidden size {d}, target hidden size {t}"),
+              (cfg.vocab_size, target.vocab_size, "vocab size {d}, target vocab size {t}")]
     if cfg.num_target_layers is not None:
-        pairs.append(("number of target layers", cfg.num_target_layers, target.num_layers))
-    for what, d, t in pairs:
+        checks.append((cfg.num_target_layers, target.num_layers,
+                       "num_target_layers {d}, but the target has {t} layers"))
+    for d, t, what in checks:
         if d != t:
-            raise ValueError(f"drafter does not fit this target: drafter {what} is {d}, target {what} is {t}")
+            raise ValueError(f"this drafter was not made for this target: drafter {what.format(d=d, t=t)} "
+                             f"(use the drafter trained for this target)")
     if not 0 <= cfg.mask_token_id < target.vocab_size:
         raise ValueError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
                          f"(size {target.vocab_size})")

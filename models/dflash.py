@@ -233,12 +233,15 @@ class DFlashDraftModel(nn.Module):
         """
 
         def step(block_tokens, ctx_keys, ctx_values, ctx_len):
-            self.traces += 1  # runs only while tracing, never on a compiled call
             h = self.denoise(embed(block_tokens).astype(self.fc.weight.dtype), ctx_keys, ctx_values, ctx_len)
             return lm_head(h[:, 1:])
 
+        def traced_step(*args):
+            self.traces += 1  # runs only while mx.compile traces, never on a cached call
+            return step(*args)
+
         self._eager_step = step
-        self._step = mx.compile(step, inputs=[self.state, shared_state])
+        self._step = mx.compile(traced_step, inputs=[self.state, shared_state])
 
     def propose_logits(self, last_token: int, cache: list[KVCache], block_size: int, compiled: bool = True):
         """Logits (1, block_size-1, vocab) for the block [last_token, MASK, ...] after the cache."""

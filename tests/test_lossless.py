@@ -2,7 +2,7 @@
 
 import pytest
 from tiny import (FAMILIES, OracleDraft, draft_config, greedy_reference, make_draft, make_target,
-                  make_tokenizer, prompt_of)
+                  make_tokenizer, no_eos_tokenizer, prompt_of)
 
 from dflash_mlx import generate, stream_generate
 
@@ -10,11 +10,6 @@ from dflash_mlx import generate, stream_generate
 @pytest.fixture(scope="module")
 def targets():
     return {f: make_target(f) for f in FAMILIES}
-
-
-def no_eos_tokenizer(tokens):
-    """A tokenizer whose EOS id does not occur in `tokens`, so nothing ends early."""
-    return make_tokenizer(eos=next(i for i in range(3, 90) if i not in tokens))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -116,3 +116,8 @@ class OracleDraft(DFlashDraftModel):
 
 def flat_params(model) -> dict:
     return dict(tree_flatten(model.parameters()))
+
+
+def no_eos_tokenizer(tokens) -> TokenizerWrapper:
+    """A tokenizer whose EOS id does not occur in `tokens`, so nothing ends early."""
+    return make_tokenizer(eos=next(i for i in range(3, VOCAB) if i not in tokens))

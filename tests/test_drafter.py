@@ -1,0 +1,137 @@
+"""The drafter port: its math against NumPy float64, the z-lab checkpoint layout, the compiled step."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import FAMILIES, VOCAB, flat_params, greedy_reference, make_draft, make_target, no_eos_tokenizer, prompt_of
+
+from dflash_mlx import DFlashConfig, SpeculativeCache, generate, load_draft
+from dflash_mlx.speculative import prepare
+
+
+# ---- an independent float64 NumPy version of the drafter's math ---------------------------------
+def rms(x, w, eps=1e-5):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rope(x, positions, base=10000.0):
+    """Rotate-half RoPE: x (heads, seq, dim) at absolute positions."""
+    half = x.shape[-1] // 2
+    freqs = base ** (-np.arange(half) * 2.0 / x.shape[-1])
+    ang = positions[:, None] * freqs[None]
+    cos, sin = np.cos(ang), np.sin(ang)
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+def numpy_draft_logits(w, cfg: DFlashConfig, features, block, embed):
+    S, L, hd = features.shape[0], len(block), cfg.head_dim
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    ctx = rms(features @ w["fc.weight"].T, w["hidden_norm.weight"])
+    h = embed[block]
+    pos_ctx, pos_blk = np.arange(S), np.arange(S, S + L)
+    for i in range(cfg.num_hidden_layers):
+        p = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
+        x = rms(h, p("input_layernorm.weight"))
+
+        def kv(src, pos):
+            k = (src @ p("self_attn.k_proj.weight").T).reshape(len(src), nkv, hd).transpose(1, 0, 2)
+            v = (src @ p("self_attn.v_proj.weight").T).reshape(len(src), nkv, hd).transpose(1, 0, 2)
+            return rope(rms(k, p("self_attn.k_norm.weight")), pos), v
+
+        kc, vc = kv(ctx, pos_ctx)
+        kb, vb = kv(x, pos_blk)
+        k, v = np.concatenate([kc, kb], 1), np.concatenate([vc, vb], 1)
+        q = (x @ p("self_attn.q_proj.weight").T).reshape(L, nh, hd).transpose(1, 0, 2)
+        q = rope(rms(q, p("self_attn.q_norm.weight")), pos_blk)
+        k, v = np.repeat(k, nh // nkv, 0), np.repeat(v, nh // nkv, 0)
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(hd)  # every block query sees all context + the whole block
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        o = (a @ v).transpose(1, 0, 2).reshape(L, nh * hd)
+        h = h + o @ p("self_attn.o_proj.weight").T
+        x = rms(h, p("post_attention_layernorm.weight"))
+        g, u = x @ p("mlp.gate_proj.weight").T, x @ p("mlp.up_proj.weight").T
+        h = h + (g / (1 + np.exp(-g)) * u) @ p("mlp.down_proj.weight").T
+    return rms(h, w["norm.weight"]) @ embed.T  # tied target: lm_head = embedding
+
+
+def test_drafter_logits_match_a_float64_numpy_reference():
+    model, draft = make_target("llama"), make_draft()
+    target = prepare(model, draft)
+    features = mx.random.normal((1, 23, 2 * 64), key=mx.random.key(3))
+    cache = draft.make_cache()
+    draft.absorb(features, cache)
+    ours = np.array(draft.propose_logits(17, cache, 8)[0])
+    w = {k: np.array(v, dtype=np.float64) for k, v in flat_params(draft).items()}
+    embed = np.array(target.inner.embed_tokens.weight, dtype=np.float64)
+    block = [17] + [draft.mask_token_id] * 7
+    ref = numpy_draft_logits(w, draft.config, np.array(features[0], dtype=np.float64), block, embed)[1:]
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def write_zlab_checkpoint(path, draft, dtype=mx.bfloat16):
+    """What z-lab publishes: config.json with dflash_config, and bf16 safetensors, no embeddings."""
+    cfg = draft.config
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings, "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers, "layer_types": ["full_attention"] * cfg.num_hidden_layers,
+        "sliding_window": None, "use_sliding_window": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "dflash_config": {"target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id},
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(path / "model.safetensors"), {k: v.astype(dtype) for k, v in flat_params(draft).items()})
+    return config
+
+
+def test_a_zlab_layout_checkpoint_loads_and_runs(tmp_path):
+    draft = make_draft()
+    write_zlab_checkpoint(tmp_path / "d", draft)
+    keys = set(mx.load(str(tmp_path / "d" / "model.safetensors")))
+    assert "fc.weight" in keys and "layers.1.self_attn.k_norm.weight" in keys and "hidden_norm.weight" in keys
+    loaded = load_draft(str(tmp_path / "d"))
+    assert loaded.config.target_layer_ids == [1, 2] and loaded.config.mask_token_id == VOCAB - 1
+    assert loaded.config.block_size == 16
+    assert loaded.fc.weight.dtype == mx.float32  # float32 on the CPU
+    for k, v in flat_params(loaded).items():  # the bf16 values, exactly
+        np.testing.assert_array_equal(np.array(v), np.array(flat_params(draft)[k].astype(mx.bfloat16).astype(mx.float32)))
+    model = make_target("llama")
+    prompt = prompt_of(7)
+    ref = greedy_reference(model, prompt, 20)
+    assert generate(model, loaded, no_eos_tokenizer(ref), prompt, max_tokens=20).tokens == ref
+
+
+def test_config_round_trip_and_default_layer_ids():
+    cfg = make_draft().config
+    again = DFlashConfig.from_dict(cfg.to_dict())
+    assert again.to_dict() == cfg.to_dict()
+    d = cfg.to_dict()
+    del d["dflash_config"]["target_layer_ids"]
+    d["num_target_layers"], d["num_hidden_layers"] = 36, 5
+    d["layer_types"] = None
+    assert DFlashConfig.from_dict(d).target_layer_ids == [1, 9, 17, 25, 33]  # z-lab's Qwen3-4B taps
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_step_equals_eager_and_is_not_retraced_per_cycle(family):
+    model, draft = make_target(family), make_draft(block_size=4)
+    target = prepare(model, draft)
+    cache = SpeculativeCache(target, draft)
+    cache.prefill(prompt_of(30))
+    traces = draft.traces
+    for step in range(40):  # grow the context one cycle at a time, 1..4 positions per cycle
+        a = draft.propose_logits(5, cache.draft_cache, 4, compiled=True)
+        b = draft.propose_logits(5, cache.draft_cache, 4, compiled=False)
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
+        draft.absorb(mx.random.normal((1, 1 + step % 4, 128)), cache.draft_cache)
+    # 40 cycles took the context from 30 to ~130 positions inside one 256-row cache buffer:
+    # one trace for that buffer size at most, never one per cycle.
+    assert draft.traces - traces <= 1

@@ -1,0 +1,49 @@
+"""Bad input fails early with a message that names what is wrong."""
+
+import importlib
+
+import pytest
+from tiny import _COMMON, make_draft, make_target, make_tokenizer, prompt_of
+
+from dflash_mlx import generate, stream_generate
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_target("llama")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(hidden=32), "drafter hidden size 32, target hidden size 64"),
+    (dict(vocab=80), "drafter vocab size 80, target vocab size 96"),
+    (dict(target_layers=6), "drafter num_target_layers 6, but the target has 4 layers"),
+    (dict(layer_ids=(1, 4)), "target_layer_ids contains 4, but the target has 4 layers"),
+])
+def test_a_drafter_made_for_another_target_is_refused(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        generate(model, make_draft(**kwargs), make_tokenizer(), [5, 6], max_tokens=4)
+
+
+def test_empty_prompt_is_refused(model):
+    for prompt in ("", [], ):
+        with pytest.raises(ValueError, match="prompt is empty"):
+            generate(model, make_draft(), make_tokenizer(), prompt, max_tokens=4)
+
+
+def test_max_tokens_zero_yields_nothing(model):
+    assert list(stream_generate(model, make_draft(), make_tokenizer(), prompt_of(4), max_tokens=0)) == []
+    assert generate(model, make_draft(), make_tokenizer(), prompt_of(4), max_tokens=0).tokens == []
+
+
+def test_an_unsupported_family_names_itself_and_the_supported_ones():
+    module = importlib.import_module("mlx_lm.models.qwen2")
+    qwen2 = module.Model(module.ModelArgs.from_dict(dict(_COMMON, model_type="qwen2")))
+    with pytest.raises(ValueError, match=r"family 'qwen2' is not supported.*llama, qwen3, qwen3_moe"):
+        generate(qwen2, make_draft(), make_tokenizer(), [5, 6], max_tokens=4)
+
+
+def test_bad_block_size_and_max_tokens_are_refused(model):
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        generate(model, make_draft(), make_tokenizer(), [5, 6], block_size=-1)
+    with pytest.raises(ValueError, match="max_tokens must be >= 0"):
+        generate(model, make_draft(), make_tokenizer(), [5, 6], max_tokens=-3)
