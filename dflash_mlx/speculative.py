@@ -112,6 +112,21 @@ def _encode(tokenizer: TokenizerWrapper, prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
+class _NoText:
+    """The detokenizer of a run without a tokenizer (token ids only)."""
+
+    last_segment = ""
+
+    def reset(self):
+        pass
+
+    def add_token(self, token):
+        pass
+
+    def finalize(self):
+        pass
+
+
 class _StopText:
     """Holds back just enough streamed text to never show the start of a stop string."""
 
@@ -162,6 +177,7 @@ def stream_generate(
     the prompt holds only the new tokens. `sampler`, if given, is an mlx-lm style sampler
     (log-probabilities -> token) that replaces temperature/top-p/top-k/min-p; proposals are then
     accepted where they equal its draws. `block_size=1` or `draft=None` is plain decoding.
+    `tokenizer=None` works on token ids alone: no text, no EOS.
     """
     params = SamplingParams(temperature, top_p, top_k, min_p)
     if max_tokens < 0:
@@ -171,8 +187,10 @@ def stream_generate(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if block_size == 1:
         draft = None
-    if not isinstance(tokenizer, TokenizerWrapper):
+    if tokenizer is not None and not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
+    if tokenizer is None and isinstance(prompt, str):
+        raise ValueError("a string prompt needs a tokenizer")
     prompt_ids = _encode(tokenizer, prompt)
     if not prompt_ids and (prompt_cache is None or not prompt_cache.pending):
         raise ValueError("the prompt is empty: give at least one token")
@@ -188,8 +206,8 @@ def stream_generate(
     pick = (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))) \
         if sampler is not None else params.sample
     cache = prompt_cache or SpeculativeCache(target, draft)
-    eos = set(tokenizer.eos_token_ids)
-    detok = tokenizer.detokenizer
+    eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
+    detok = tokenizer.detokenizer if tokenizer is not None else _NoText()
     detok.reset()
     stops = _StopText(stop)
 

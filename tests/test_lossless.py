@@ -68,3 +68,14 @@ def test_stop_string_ends_generation_and_is_not_shown(targets):
     out = generate(model, make_draft(), tok, prompt, max_tokens=30, stop=[stop])
     assert out.finish_reason == "stop"
     assert out.text == full[:full.index(stop)]
+
+
+def test_array_prompt_and_a_custom_greedy_sampler(targets):
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    model, prompt = targets["qwen3_moe"], prompt_of(6, seed=8)
+    ref = greedy_reference(model, prompt, 20)
+    out = generate(model, make_draft(), no_eos_tokenizer(ref), mx.array(prompt), max_tokens=20,
+                   block_size=5, sampler=make_sampler(0.0))
+    assert out.tokens == ref

@@ -59,7 +59,7 @@ class TargetPathDraft(DFlashDraftModel):
         return mx.stack(rows)[None]
 
 
-def sample_counts(model, draft, holder, temperature, top_p) -> dict:
+def sample_counts(model, draft, holder, temperature, top_p, sampler=None) -> dict:
     tok = make_tokenizer(vocab=V, eos=V + 5)  # no EOS inside the vocabulary
     target = speculative.prepare(model, draft)
     counts = {}
@@ -67,7 +67,7 @@ def sample_counts(model, draft, holder, temperature, top_p) -> dict:
         holder[0] = SpeculativeCache(target, draft)
         out = sum((r.tokens for r in stream_generate(
             target, draft, tok, PROMPT, max_tokens=T, block_size=B, temperature=temperature,
-            top_p=top_p, seed=seed, prompt_cache=holder[0])), [])
+            top_p=top_p, seed=seed, sampler=sampler, prompt_cache=holder[0])), [])
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     return counts
 
@@ -99,6 +99,14 @@ def test_output_follows_the_target_distribution(model, temperature, top_p, draft
     joint = exact_joint(model, temperature, top_p)
     p = chi_square_p(sample_counts(model, draft, holder, temperature, top_p), joint)
     assert p > 1e-3, f"chi-square p-value {p:.2e}: output does not follow the target's distribution"
+
+
+def test_a_custom_sampler_keeps_its_own_distribution(model):
+    from mlx_lm.sample_utils import make_sampler
+
+    holder = [None]
+    counts = sample_counts(model, make_draft(seed=11, vocab=V), holder, 0.0, 1.0, sampler=make_sampler(0.7, top_p=0.9))
+    assert chi_square_p(counts, exact_joint(model, 0.7, 0.9)) > 1e-3
 
 
 def test_the_check_catches_a_lossy_rule(model, monkeypatch):

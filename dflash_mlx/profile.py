@@ -1,0 +1,119 @@
+"""`dflash-mlx profile`: what one speculative cycle costs against its two model passes.
+
+On a random float32 Llama-style target (no download needed), it times
+  * a whole cycle inside `stream_generate` (draft, verify, accept, commit, detokenise),
+  * the verify pass alone (target over block_size tokens) and the draft step alone,
+so overhead = cycle / (verify + draft) - 1 is what the runtime adds around the two passes; with the
+draft step compiled and not; and plain autoregressive tokens/s with and without the BLAS preload
+(the second in a subprocess, since the preload must precede the first `import mlx.core`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+
+from .platform import DISABLE_ENV, blas
+
+
+def random_pair(hidden=1024, layers=8, vocab=32000, draft_layers=1, block_size=16, seed=0):
+    """A random Llama-architecture target and a DFlash drafter that fits it (float32)."""
+    from mlx_lm.models import llama
+
+    from .models.dflash import DFlashConfig, DFlashDraftModel
+
+    mx.random.seed(seed)
+    heads = hidden // 64
+    model = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=hidden * 3,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), rms_norm_eps=1e-5,
+        vocab_size=vocab, tie_word_embeddings=True))
+    draft = DFlashDraftModel(DFlashConfig(
+        hidden_size=hidden, num_hidden_layers=draft_layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4), intermediate_size=hidden * 3, vocab_size=vocab,
+        target_layer_ids=[1, layers // 2, layers - 2][:max(1, min(3, layers))], mask_token_id=vocab - 1,
+        block_size=block_size, num_target_layers=layers))
+    mx.eval(model.parameters(), draft.parameters())
+    return model, draft
+
+
+def _median_ms(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def ar_tokens_per_s(model, prompt, n=48) -> float:
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt), model, max_tokens=n + 4)
+    for _ in range(4):  # warm-up
+        next(steps)
+    t = time.perf_counter()
+    for _ in steps:
+        pass
+    return n / (time.perf_counter() - t)
+
+
+def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt_len=128,
+            with_subprocess=True) -> dict:
+    from .cache import SpeculativeCache
+    from .speculative import prepare, stream_generate
+
+    model, draft = random_pair(hidden, layers, vocab, block_size=block_size)
+    target = prepare(model, draft)
+    prompt = mx.random.randint(0, vocab - 1, (prompt_len,)).tolist()
+    result = {"config": dict(hidden=hidden, layers=layers, vocab=vocab, block_size=block_size,
+                             prompt_len=prompt_len, cycles=cycles), "blas": blas["status"]}
+
+    for compiled in (True, False):
+        stamps = []
+        gen = stream_generate(target, draft, None, prompt, max_tokens=10**6, block_size=block_size,
+                              compile=compiled)
+        for _ in range(cycles + 4):
+            next(gen)
+            stamps.append(time.perf_counter())
+        gen.close()
+        result[f"cycle_ms_{'compiled' if compiled else 'eager'}"] = 1000 * statistics.median(
+            b - a for a, b in zip(stamps[3:], stamps[4:]))
+
+    # The parts alone, at the same context length.
+    cache = SpeculativeCache(target, draft)
+    cache.prefill(prompt)
+    block = mx.array([prompt[:block_size]])
+
+    def verify():
+        logits, features = cache.verify(block)
+        mx.eval(logits, features)
+        target.rollback(cache.target_cache, 1)
+
+    def draft_step(compiled):
+        mx.eval(draft.propose_logits(prompt[0], cache.draft_cache, block_size, compiled))
+
+    verify()
+    draft_step(True)
+    draft_step(False)
+    result["verify_ms"] = _median_ms(verify, cycles)
+    result["draft_ms_compiled"] = _median_ms(lambda: draft_step(True), cycles)
+    result["draft_ms_eager"] = _median_ms(lambda: draft_step(False), cycles)
+    result["overhead_compiled"] = result["cycle_ms_compiled"] / (result["verify_ms"] + result["draft_ms_compiled"]) - 1
+    result["overhead_eager"] = result["cycle_ms_eager"] / (result["verify_ms"] + result["draft_ms_eager"]) - 1
+    result["draft_traces"] = draft.traces
+    result["ar_tokens_per_s"] = ar_tokens_per_s(model, prompt)
+    if with_subprocess and blas["library"]:
+        env = dict(os.environ, **{DISABLE_ENV: "1"})
+        code = ("import json, dflash_mlx.profile as p, mlx.core as mx;"
+                f"m, _ = p.random_pair({hidden}, {layers}, {vocab});"
+                f"print(json.dumps(p.ar_tokens_per_s(m, list(range(1, {prompt_len + 1})), n=8)))")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        result["ar_tokens_per_s_without_blas_preload"] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
