@@ -1,0 +1,105 @@
+"""`dflash-mlx convert`: drafters and targets into MLX folders, and drafters back to z-lab's layout.
+
+Every conversion writes into a temporary folder beside the destination and moves it into place only
+when complete, so a failed or interrupted run never leaves a half folder that would later load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .loading import load_draft, resolve
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+@contextlib.contextmanager
+def atomic_folder(dest: str | Path, force: bool = False):
+    """Yield a temporary folder; on success it replaces `dest`, on failure it disappears."""
+    dest = Path(dest)
+    if dest.exists() and not force:
+        raise FileExistsError(f"{dest} already exists (pass --force to replace it)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            dest.rename(old)
+            tmp.rename(dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def is_drafter(path: Path) -> bool:
+    cfg = path / "config.json"
+    return cfg.exists() and "dflash_config" in json.loads(cfg.read_text())
+
+
+def convert_draft(source: str, dest: str | Path, dtype: str = "bfloat16", quantize: bool = False,
+                  q_bits: int = 4, q_group_size: int = 64, force: bool = False) -> Path:
+    """A z-lab drafter (HF id or folder) -> MLX folder in `dtype`, optionally quantized."""
+    draft = load_draft(source, dtype=DTYPES[dtype])
+    config = draft.config.to_dict()
+    if quantize:
+        nn.quantize(draft, group_size=q_group_size, bits=q_bits)
+        config["quantization"] = {"group_size": q_group_size, "bits": q_bits}
+    with atomic_folder(dest, force) as tmp:
+        mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(draft.parameters())),
+                            metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    return Path(dest)
+
+
+def export_draft(source: str, dest: str | Path, force: bool = False) -> Path:
+    """An MLX drafter -> z-lab's Hugging Face layout (config.json + bf16 safetensors), which
+    vLLM, SGLang and transformers read."""
+    draft = load_draft(source, dtype=None)
+    if any(".scales" in k for k, _ in tree_flatten(draft.parameters())):
+        raise ValueError("cannot export a quantized drafter: export the float one it came from")
+    config = draft.config.to_dict()
+    config.pop("quantization", None)
+    config["torch_dtype"] = "bfloat16"
+    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(draft.parameters())}
+    with atomic_folder(dest, force) as tmp:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    return Path(dest)
+
+
+def convert_target(source: str, dest: str | Path, dtype: Optional[str] = None, quantize: bool = False,
+                   q_bits: int = 4, q_group_size: int = 64, force: bool = False,
+                   progress: Optional[Callable[[str], None]] = None) -> Path:
+    """A target (HF id, folder or .gguf file) -> MLX folder that mlx_lm.load and our load read."""
+    src = Path(source).expanduser()
+    with atomic_folder(dest, force) as tmp:
+        if src.suffix == ".gguf":
+            if not src.exists():
+                raise FileNotFoundError(f"no GGUF file at {source}")
+            from .gguf import convert_gguf
+
+            if quantize:
+                raise ValueError("a GGUF target keeps its own quantization; use --dtype to dequantize it")
+            convert_gguf(src, tmp, DTYPES[dtype] if dtype else None, progress)
+        else:
+            from mlx_lm.convert import convert as mlx_lm_convert
+
+            tmp.rmdir()  # mlx-lm's convert insists on creating the folder itself
+            mlx_lm_convert(str(resolve(source)), str(tmp), quantize=quantize, q_group_size=q_group_size,
+                           q_bits=q_bits, dtype=dtype)
+    return Path(dest)

@@ -1,0 +1,191 @@
+"""GGUF target -> MLX model folder that `mlx_lm.load` reads (written by hand: mlx-lm has no GGUF
+import). MLX itself reads the tensors (`mx.load`), keeping Q4_0/Q4_1/Q8_0 in its own quantized
+layout (group size 32); this module maps names, undoes llama.cpp's Q/K row permutation, writes
+config.json from the GGUF metadata, and rebuilds tokenizer.json / tokenizer_config.json from the
+GGUF tokenizer with the `tokenizers` library.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+GGUF_GROUP_SIZE = 32
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_TYPES = "F32, F16, BF16, Q4_0, Q4_1 and Q8_0"
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre` (the regexes the original tokenizers use).
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def _scalar(meta, key, default=None):
+    v = meta.get(key, default)
+    return v.item() if isinstance(v, mx.array) else v
+
+
+def read_gguf(path: str | Path):
+    """-> (tensors, metadata), with a clear error for the tensor types MLX cannot read."""
+    try:
+        return mx.load(str(path), return_metadata=True)
+    except Exception as e:  # MLX raises a terse RuntimeError/ValueError
+        msg = str(e)
+        if "type" in msg.lower() or "not supported" in msg.lower():
+            raise ValueError(f"{path}: {msg.strip()}; MLX reads GGUF tensors of types {SUPPORTED_TYPES}: "
+                             "pick a file with one of those, or convert the Hugging Face weights instead") from None
+        raise ValueError(f"{path} is not a readable GGUF file: {msg.strip()}") from None
+
+
+def gguf_config(meta: dict, tensors: dict) -> dict:
+    """An mlx-lm (Hugging Face style) config.json from the GGUF metadata."""
+    arch = _scalar(meta, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"GGUF architecture '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+    g = lambda k, d=None: _scalar(meta, f"{arch}.{k}", d)  # noqa: E731
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    vocab = len(meta["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in meta else int(g("vocab_size"))
+    config = {
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "head_dim": int(g("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 4096)),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    if arch == "qwen2":
+        config["attention_bias"] = True
+    if _scalar(meta, f"{arch}.rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": float(g("rope.scaling.factor"))}
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        value = _scalar(meta, f"tokenizer.ggml.{name}_token_id")
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+def _unpermute(w: mx.array, n_heads: int) -> mx.array:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> rotate-half halves).
+
+    Rows are independent in MLX's quantized layout too, so this applies to weight, scales and
+    biases alike.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _mlx_name(name: str) -> str:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)", name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    m = re.fullmatch(r"(\w+)\.(weight|bias|scales|biases)", name)
+    if m and m.group(1) in _TOP_NAMES:
+        return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"unexpected GGUF tensor '{name}' for this architecture")
+
+
+def gguf_weights(tensors: dict, config: dict, dtype: Optional[mx.Dtype]):
+    """-> (MLX weights, quantization config or None)."""
+    weights = {_mlx_name(k): v for k, v in tensors.items()}
+    if config["model_type"] == "llama":  # llama.cpp permutes Q/K rows for this architecture only
+        for k in list(weights):
+            for proj, heads in (("q_proj", config["num_attention_heads"]), ("k_proj", config["num_key_value_heads"])):
+                if f".self_attn.{proj}." in k:
+                    weights[k] = _unpermute(weights[k], heads)
+    quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+    if dtype is not None:
+        for base in quantized:
+            w, s, b = weights.pop(f"{base}.weight"), weights.pop(f"{base}.scales"), weights.pop(f"{base}.biases")
+            # Dequantize in float32: GGUF's float16 scales times 4-bit levels are not float16 numbers.
+            weights[f"{base}.weight"] = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32),
+                                                      group_size=GGUF_GROUP_SIZE,
+                                                      bits=32 * w.shape[-1] // (s.shape[-1] * GGUF_GROUP_SIZE))
+        return {k: v.astype(dtype) for k, v in weights.items()}, None
+    bits = {base: 32 * weights[f"{base}.weight"].shape[-1] // (weights[f"{base}.scales"].shape[-1] * GGUF_GROUP_SIZE)
+            for base in quantized}
+    if not bits:
+        return weights, None
+    common = max(set(bits.values()), key=list(bits.values()).count)
+    quant = {"group_size": GGUF_GROUP_SIZE, "bits": common}
+    quant.update({base: {"group_size": GGUF_GROUP_SIZE, "bits": b} for base, b in bits.items() if b != common})
+    return weights, quant
+
+
+def gguf_tokenizer(meta: dict):
+    """-> (tokenizers.Tokenizer, tokenizer_config dict) from the GGUF tokenizer metadata."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = _scalar(meta, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer model '{kind}' is not supported (only byte-level BPE, 'gpt2')")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    types = meta["tokenizer.ggml.token_type"].tolist()
+    pre = _scalar(meta, "tokenizer.ggml.pre", "gpt2")
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=pre == "llama-bpe"))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    split = {"llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre, _GPT2_SPLIT)
+    steps = [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
+    if pre in ("smollm", "starcoder", "refact"):  # these split every digit apart first
+        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    # Control (3) and user-defined (4) tokens are matched whole, before BPE.
+    tok.add_tokens([AddedToken(t, special=types[i] == 3, normalized=False)
+                    for i, t in enumerate(tokens) if types[i] in (3, 4)])
+
+    def token(key):
+        i = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None else None
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
+        "pad_token": token("padding"),
+        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(_scalar(meta, f"{_scalar(meta, 'general.architecture')}.context_length", 4096)),
+    }
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return tok, {k: v for k, v in config.items() if v is not None}
+
+
+def convert_gguf(path: str | Path, out: Path, dtype: Optional[mx.Dtype] = None,
+                 progress: Optional[Callable[[str], None]] = None) -> None:
+    """Write an MLX model folder for a GGUF target into `out` (an empty folder)."""
+    say = progress or (lambda _: None)
+    say("reading GGUF")
+    tensors, meta = read_gguf(path)
+    config = gguf_config(meta, tensors)
+    tokenizer, tokenizer_config = gguf_tokenizer(meta)
+    say("mapping weights")
+    weights, quantization = gguf_weights(tensors, config, dtype)
+    if quantization:
+        config["quantization"] = quantization
+    say("writing weights")
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
