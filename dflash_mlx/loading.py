@@ -2,7 +2,8 @@
 
 A name is, in this order: a pair in `models/registry.toml` (its name, target or an alias), a local
 `.gguf` file (converted once into a cache folder), a local folder (MLX or Hugging Face safetensors),
-or a Hugging Face repo id (downloaded with huggingface_hub into its standard, resumable cache).
+or a Hugging Face repo id (downloaded with huggingface_hub into its standard cache; files already
+downloaded are kept, and a dropped connection resumes within the run).
 """
 
 from __future__ import annotations
@@ -100,16 +101,22 @@ def resolve(name: str, allow_patterns=("*.json", "*.safetensors")) -> Path:
         raise FileNotFoundError(f"no model folder at {name}, and it is not a known pair or a "
                                 "Hugging Face id like org/name (see `dflash-mlx models`)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
         return Path(snapshot_download(name, allow_patterns=list(allow_patterns)))
-    except GatedRepoError:
-        raise PermissionError(f"{name} is gated on Hugging Face: accept its license there, then "
-                              "`hf auth login`") from None
+    except GatedRepoError:  # (a subclass of RepositoryNotFoundError: keep it first)
+        raise PermissionError(f"{name} is gated on Hugging Face: accept its license on its page, and "
+                              "log in with `hf auth login`") from None
     except (RepositoryNotFoundError, RevisionNotFoundError):
         raise FileNotFoundError(f"{name} was not found on Hugging Face (check the spelling; private "
                                 "repos need `hf auth login`)") from None
+    except LocalEntryNotFoundError:
+        raise ConnectionError(f"cannot reach Hugging Face to download {name}, and it is not in the "
+                              "local cache: check the network (or HF_ENDPOINT)") from None
+    except HfHubHTTPError as e:
+        raise ConnectionError(f"Hugging Face refused the download of {name}: {str(e).splitlines()[0]}") from None
 
 
 def resolve_target(name: str, dtype: Optional[mx.Dtype] = None) -> Path:

@@ -121,6 +121,6 @@ def test_gated_repo(hub):
 
 def test_hub_down_and_nothing_cached(hub):
     hub.close()
-    with pytest.raises(OSError) as info:
+    with pytest.raises(ConnectionError, match="cannot reach Hugging Face") as info:
         resolve("org/tiny")
     assert "was not found on Hugging Face" not in str(info.value)  # a network failure is not a missing repo

