@@ -1,0 +1,28 @@
+"""The registry finds a target's drafter by name, target id or alias."""
+
+import pytest
+
+from dflash_mlx.loading import find_pair, load_pair, registry, resolve
+
+
+def test_every_pair_is_complete_and_unique():
+    pairs = registry()
+    names = [p.name for p in pairs]
+    assert len(names) == len(set(names))
+    for p in pairs:
+        assert p.target and p.draft and p.family and p.disk
+
+
+@pytest.mark.parametrize("name", ["qwen3-4b", "Qwen/Qwen3-4B", "mlx-community/Qwen3-4B-4bit", "MLX-COMMUNITY/qwen3-4b-8bit"])
+def test_a_target_finds_its_drafter(name):
+    assert find_pair(name).draft == "z-lab/Qwen3-4B-DFlash-b16"
+
+
+def test_unknown_target_without_drafter_says_what_to_do():
+    with pytest.raises(ValueError, match="no known drafter for someone/unknown-model: pass one"):
+        load_pair("someone/unknown-model")
+
+
+def test_a_name_that_is_neither_folder_nor_id_is_explained():
+    with pytest.raises(FileNotFoundError, match="not a known pair or a Hugging Face id"):
+        resolve("./no/such/folder")
