@@ -166,18 +166,23 @@ class DFlashLayer(nn.Module):
 
 
 def block_mask(ctx_len, capacity: int, block: int, window: Optional[int]) -> mx.array:
-    """Which of `[context buffer (capacity rows) ; block]` each block query may attend to.
+    """Which of `[context (capacity rows) ; block]` keys each block query may attend to.
 
-    The first `ctx_len` buffer rows hold committed context (the rest is unused capacity); the block
-    is fully visible to itself (bidirectional). A sliding-window layer also drops keys that lie
-    `window` or more positions behind the query. `ctx_len` may be an mx.array (inside mx.compile).
+    A block starting at position `ctx_len` sees the context rows before it (rows from `ctx_len` on
+    are unused cache capacity, or, in training, positions at or after its anchor) and its whole own
+    block (bidirectional). A sliding-window layer also drops keys `window` or more positions behind
+    the query. `ctx_len` is a scalar (inference; an mx.array inside mx.compile) or one value per
+    block of a batch (training): the mask then has shape (N, 1, block, capacity + block).
     """
+    ctx_len = mx.array(ctx_len).reshape(-1, 1, 1, 1)
     ctx_pos = mx.arange(capacity)
-    q_pos = ctx_len + mx.arange(block)
-    k_pos = mx.concatenate([ctx_pos, q_pos])
-    visible = mx.concatenate([ctx_pos < ctx_len, mx.ones((block,), dtype=mx.bool_)])[None, :]
+    visible = mx.concatenate([mx.broadcast_to(ctx_pos < ctx_len, (ctx_len.shape[0], 1, 1, capacity)),
+                              mx.ones((ctx_len.shape[0], 1, 1, block), dtype=mx.bool_)], axis=-1)
     if window is not None:
-        visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
+        q_pos = ctx_len + mx.arange(block)[:, None]
+        k_pos = mx.concatenate([mx.broadcast_to(ctx_pos, (ctx_len.shape[0], 1, 1, capacity)),
+                                ctx_len + mx.arange(block)], axis=-1)
+        visible = visible & (q_pos - k_pos < window)
     return visible
 
 
@@ -216,7 +221,11 @@ class DFlashDraftModel(nn.Module):
             c.update_and_fetch(*layer.self_attn.keys_values(ctx, offset))
 
     def denoise(self, block_embeddings, ctx_keys, ctx_values, ctx_len) -> mx.array:
-        """One parallel pass over the block; returns the final-normed hidden states."""
+        """One parallel pass over the block(s); returns the final-normed hidden states.
+
+        Inference passes one block and the cache buffers; training passes N blocks (batch axis) with
+        the whole sequence's context keys and one `ctx_len` (the anchor position) per block.
+        """
         L = block_embeddings.shape[1]
         capacity = ctx_keys[0].shape[2]
         masks = {w: block_mask(ctx_len, capacity, L, w) for w in {l.self_attn.window for l in self.layers}}

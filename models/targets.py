@@ -15,7 +15,7 @@ that prefix would have left.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -101,15 +101,15 @@ class Target:
             KVCache() for _ in range(self.num_layers)]
         return [KVCache() if isinstance(c, RotatingKVCache) else c for c in cache]
 
-    def __call__(self, tokens: mx.array, cache: list, last_logits_only: bool = False):
-        """Run the target over tokens (shape (1, n)) -> (logits, features).
+    def __call__(self, tokens: mx.array, cache: Optional[list], last_logits_only: bool = False):
+        """Run the target over tokens (shape (1, n)) -> (logits, features). cache None: no cache.
 
         features is (1, n, len(layer_ids) * hidden_size): the tapped layers' outputs, concatenated.
         """
         record: dict[int, Any] = {}
         layers = self.inner.layers
         watched = set(self.layer_ids) | set(self._recurrent)
-        states = {i: list(cache[i].cache) for i in self._recurrent}
+        states = {i: list(cache[i].cache) for i in self._recurrent} if cache is not None else {}
         self.inner.layers = [_Tap(l, i, record) if i in watched else l for i, l in enumerate(layers)]
         try:
             h = self.inner(tokens, cache)

@@ -1,0 +1,305 @@
+"""`dflash-mlx train`: train a DFlash drafter for an mlx-lm target (the paper's recipe, section 4).
+
+* The target is frozen. Its hidden states at `target_layer_ids` are computed in the training pass
+  (kept in RAM as float16 after the first time a sequence is seen, so later epochs skip the target).
+* The drafter shares the target's embedding and lm_head, frozen; only the drafter's own weights train.
+* Each step takes one sequence (prompt + the target's own response, from `dflash-mlx train data`)
+  and `anchors` random positions in its response. Each anchor starts a block [token, MASK x B-1]
+  whose labels are the next B-1 tokens. All blocks go through the drafter in one pass, each as its
+  own batch row, seeing the context features strictly before its anchor and its own block
+  (bidirectionally), never another block: exactly what it sees when drafting for real.
+* Loss: cross-entropy on block positions k = 1..B-1 weighted by exp(-(k-1)/gamma), normalised by
+  the weight sum; AdamW, linear warm-up then cosine decay, gradient clipping.
+
+Checkpoints (weights, optimizer state, step) are written atomically every `checkpoint_every` steps;
+a run restarted with the same output folder resumes from the last one. The data order and anchors of
+step s depend only on (seed, s), so a resumed run follows the same curve.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .convert import atomic_folder
+from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from .models.targets import Target
+
+GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay per block size
+
+
+@dataclass
+class TrainConfig:
+    block_size: int = 16
+    num_layers: int = 2
+    target_layer_ids: Optional[list[int]] = None  # default: the paper's spread over the target
+    mask_token_id: Optional[int] = None  # default: the tokenizer's mask token, else an unused special
+    anchors: int = 16  # blocks per sequence and step
+    steps: int = 2000
+    lr: float = 6e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: Optional[float] = None
+    seed: int = 0
+    checkpoint_every: int = 200
+    eval_every: int = 0  # 0: only at the end
+    holdout: int = 16  # sequences kept out of training for the offline acceptance estimate
+    max_seq_len: int = 1024
+    history: list = field(default_factory=list)
+
+    def loss_gamma(self) -> float:
+        return self.gamma or GAMMA.get(self.block_size, 0.44 * self.block_size)
+
+
+def drafter_config(target: Target, tokenizer, cfg: TrainConfig) -> DFlashConfig:
+    """A drafter as wide as the target, with the target's attention geometry and RoPE."""
+    if cfg.block_size < 2:
+        raise ValueError(f"block size must be at least 2 to train a drafter, got {cfg.block_size}")
+    a = target.args
+    mask = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tokenizer)
+    return DFlashConfig(
+        hidden_size=a.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=getattr(a, "num_key_value_heads", None) or a.num_attention_heads,
+        head_dim=getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads,
+        intermediate_size=a.intermediate_size, vocab_size=a.vocab_size,
+        target_layer_ids=cfg.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.num_layers),
+        mask_token_id=mask, block_size=cfg.block_size, num_target_layers=target.num_layers,
+        rms_norm_eps=a.rms_norm_eps, rope_theta=float(getattr(a, "rope_theta", 10000.0)),
+        rope_scaling=getattr(a, "rope_scaling", None),
+        max_position_embeddings=getattr(a, "max_position_embeddings", None) or 32768)
+
+
+def pick_mask_token(tokenizer) -> int:
+    """The tokenizer's mask token, else the last special token that is not BOS/EOS/PAD/UNK."""
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id
+    taken = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    specials = [i for i in getattr(tokenizer, "all_special_ids", []) if i not in taken]
+    if not specials:
+        raise ValueError("the tokenizer has no spare special token to use as the mask: pass --mask-token-id")
+    return max(specials)
+
+
+def block_logits(draft: DFlashDraftModel, target: Target, features: mx.array, tokens: mx.array,
+                 anchors: mx.array) -> mx.array:
+    """Drafter logits (N, B-1, vocab) for blocks anchored at `anchors` of one sequence.
+
+    The same `denoise` as inference, with one block per batch row and ctx_len = its anchor.
+    """
+    B = draft.block_size
+    ctx = draft.context(features.astype(draft.fc.weight.dtype))
+    n = anchors.shape[0]
+    keys, values = [], []
+    for layer in draft.layers:
+        k, v = layer.self_attn.keys_values(ctx, 0)
+        keys.append(mx.broadcast_to(k, (n, *k.shape[1:])))
+        values.append(mx.broadcast_to(v, (n, *v.shape[1:])))
+    block = mx.concatenate([tokens[anchors][:, None], mx.full((n, B - 1), draft.mask_token_id)], axis=1)
+    emb = target.embed(block).astype(draft.fc.weight.dtype)
+    h = draft.denoise(emb, keys, values, anchors)
+    return target.lm_head(h[:, 1:])
+
+
+def block_labels(tokens: mx.array, anchors: mx.array, block_size: int):
+    """Labels (N, B-1) of each block (the tokens after its anchor) and which ones exist."""
+    pos = anchors[:, None] + mx.arange(1, block_size)[None]
+    valid = pos < tokens.shape[0]
+    return tokens[mx.minimum(pos, tokens.shape[0] - 1)], valid
+
+
+def loss_weights(block_size: int, gamma: float) -> mx.array:
+    """exp(-(k-1)/gamma) for block positions k = 1..B-1: early positions matter most."""
+    return mx.exp(-mx.arange(block_size - 1) / gamma)
+
+
+def block_loss(logits, labels, valid, gamma):
+    w = loss_weights(logits.shape[1] + 1, gamma)[None] * valid
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), labels, reduction="none")
+    return (ce * w).sum() / w.sum()
+
+
+def acceptance_from_blocks(logits, labels, valid) -> tuple[float, np.ndarray]:
+    """Greedy acceptance length each block would get (1 + leading correct proposals), and the
+    per-position accuracy. On self-distilled data this is the real greedy acceptance at that point."""
+    right = np.array((logits.argmax(-1) == labels) & valid)
+    lead = np.cumprod(right, axis=1).sum(axis=1)
+    v = np.array(valid)
+    return float(1 + lead.mean()), right.sum(0) / np.maximum(v.sum(0), 1)
+
+
+class FeatureCache:
+    """Target hidden features per sequence, computed once and kept as float16 in RAM."""
+
+    def __init__(self, target: Target, keep: bool = True):
+        self.target, self.keep, self.store = target, keep, {}
+
+    def __call__(self, index: int, tokens: mx.array) -> mx.array:
+        if index in self.store:
+            return self.store[index]
+        _, features = self.target(tokens[None], None, last_logits_only=True)
+        features = mx.stop_gradient(features)
+        if self.keep:
+            features = features.astype(mx.float16)
+            mx.eval(features)
+            self.store[index] = features
+        return features
+
+
+def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, n: int) -> np.ndarray:
+    """Up to n distinct anchor positions among the response tokens that have a next token."""
+    first, last = max(prompt_len, 1), length - 2
+    if last < first:
+        return np.zeros(0, dtype=np.int32)
+    choices = np.arange(first, last + 1)
+    return np.sort(rng.choice(choices, size=min(n, len(choices)), replace=False)).astype(np.int32)
+
+
+def schedule(cfg: TrainConfig):
+    warm = optim.linear_schedule(cfg.lr * 0.01, cfg.lr, max(cfg.warmup, 1))
+    decay = optim.cosine_decay(cfg.lr, max(cfg.steps - cfg.warmup, 1), cfg.lr * 0.05)
+    return optim.join_schedules([warm, decay], [max(cfg.warmup, 1)])
+
+
+def evaluate_blocks(draft, target, features_of, seqs, indices, cfg: TrainConfig, rng_seed=1234):
+    """Offline acceptance estimate and per-position accuracy on sequences `indices`."""
+    rng = np.random.default_rng(rng_seed)
+    taus, accs = [], []
+    for i in indices:
+        ids, plen = seqs[i]
+        tokens = mx.array(ids[:cfg.max_seq_len])
+        anchors = sample_anchors(rng, plen, tokens.shape[0], cfg.anchors)
+        if len(anchors) == 0:
+            continue
+        a = mx.array(anchors)
+        logits = block_logits(draft, target, features_of(i, tokens), tokens, a)
+        labels, valid = block_labels(tokens, a, cfg.block_size)
+        tau, acc = acceptance_from_blocks(logits, labels, valid)
+        taus.append(tau)
+        accs.append(acc)
+    return float(np.mean(taus)), np.mean(accs, axis=0)
+
+
+def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str | Path, cfg: TrainConfig,
+          draft: Optional[DFlashDraftModel] = None,
+          on_step: Optional[Callable[[dict], None]] = None,
+          evaluate: Optional[Callable[[DFlashDraftModel], dict]] = None) -> DFlashDraftModel:
+    """Train (or resume training) a drafter into `out`; returns the trained drafter.
+
+    `on_step(record)` sees every step's loss/lr/tokens-per-second; `evaluate(draft)` (e.g. a real
+    stream_generate tau on held-out prompts) runs every `eval_every` steps and at the end.
+    """
+    out = Path(out)
+    seqs = [s for s in seqs if len(s[0]) - s[1] >= 2]
+    if len(seqs) <= cfg.holdout:
+        raise ValueError(f"the dataset has {len(seqs)} usable sequences (a response of 2+ tokens); "
+                         f"need more than the {cfg.holdout} held out")
+    if cfg.block_size < 2:
+        raise ValueError(f"block size must be at least 2 to train a drafter, got {cfg.block_size}")
+    start = 0
+    ckpt = out / "checkpoint"
+    if (ckpt / "state.json").exists():
+        state = json.loads((ckpt / "state.json").read_text())
+        cfg = TrainConfig(**{**asdict(cfg), **state["train_config"], "steps": cfg.steps})
+        draft = DFlashDraftModel(DFlashConfig.from_dict(json.loads((ckpt / "config.json").read_text())))
+        draft.load_weights(str(ckpt / "model.safetensors"))
+        start = state["step"]
+    elif draft is None:
+        mx.random.seed(cfg.seed)
+        draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
+    target = Target(target.model, draft.config.target_layer_ids)
+    from .speculative import check_pair, prepare
+
+    check_pair(target, draft)
+    prepare(target, draft)
+    mx.eval(draft.parameters())
+
+    opt = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
+    opt.init(draft.trainable_parameters())
+    if start:
+        opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
+
+    features_of = FeatureCache(target)
+    train_idx = np.arange(cfg.holdout, len(seqs))
+    gamma = cfg.loss_gamma()
+
+    def loss_fn(model, features, tokens, anchors):
+        logits = block_logits(model, target, features, tokens, anchors)
+        labels, valid = block_labels(tokens, anchors, cfg.block_size)
+        return block_loss(logits, labels, valid, gamma)
+
+    loss_and_grad = nn.value_and_grad(draft, loss_fn)
+    history = list(cfg.history)
+    for step in range(start, cfg.steps):
+        tic = time.perf_counter()
+        rng = np.random.default_rng([cfg.seed, step])
+        i = int(rng.choice(train_idx))
+        ids, plen = seqs[i]
+        tokens = mx.array(ids[:cfg.max_seq_len])
+        anchors = sample_anchors(rng, plen, tokens.shape[0], cfg.anchors)
+        if len(anchors) == 0:
+            continue
+        features = features_of(i, tokens)
+        loss, grads = loss_and_grad(draft, features, tokens, mx.array(anchors))
+        grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
+        opt.update(draft, grads)
+        mx.eval(loss, draft.parameters(), opt.state)
+        record = {"step": step + 1, "loss": loss.item(), "grad_norm": norm.item(),
+                  "lr": float(opt.learning_rate), "block_tokens": len(anchors) * cfg.block_size,
+                  "seconds": time.perf_counter() - tic}
+        history.append({k: record[k] for k in ("step", "loss")})
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            tau, acc = evaluate_blocks(draft, target, features_of, seqs, range(cfg.holdout), cfg)
+            record.update(offline_tau=tau, position_accuracy=[round(float(x), 3) for x in acc])
+            if evaluate is not None:
+                record.update(evaluate(draft))
+            history.append({k: v for k, v in record.items() if k != "seconds"})
+        if on_step is not None:
+            on_step(record)
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            save_checkpoint(ckpt, draft, opt, step + 1, TrainConfig(**{**asdict(cfg), "history": history}))
+    return draft
+
+
+def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: TrainConfig) -> None:
+    with atomic_folder(folder, force=True) as tmp:
+        mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(draft.parameters())))
+        (tmp / "config.json").write_text(json.dumps(draft.config.to_dict(), indent=2))
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"),
+                            {k: v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)})
+        (tmp / "state.json").write_text(json.dumps({"step": step, "train_config": asdict(cfg)}))
+
+
+def export(checkpoint: str | Path, dest: str | Path, card: str = "") -> Path:
+    """The trained drafter in z-lab's layout (bf16), plus an optional model card."""
+    from .convert import export_draft
+
+    path = export_draft(str(checkpoint), dest, force=True)
+    if card:
+        (Path(dest) / "README.md").write_text(card)
+    return path
+
+
+def tau_on_prompts(target: Target, draft, tokenizer, prompts, max_tokens=128, block_size=None,
+                   temperature=0.0, seed=0) -> dict:
+    """Real acceptance length: stream_generate over chat prompts; also tokens generated."""
+    from .chat import apply_chat_template
+    from .speculative import generate
+
+    acc, n = [], 0
+    for k, messages in enumerate(prompts):
+        r = generate(target, draft, tokenizer, apply_chat_template(tokenizer, messages), max_tokens=max_tokens,
+                     block_size=block_size, temperature=temperature, seed=seed + k if temperature else None)
+        acc += r.acceptance_lengths
+        n += len(r.tokens)
+    return {"tau": sum(acc) / max(len(acc), 1), "cycles": len(acc), "tokens": n,
+            "histogram": {int(k): int(v) for k, v in zip(*np.unique(acc, return_counts=True))}}

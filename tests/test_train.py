@@ -1,0 +1,138 @@
+"""Training: the block mask, the loss, train/inference agreement, a real tiny run, resume, errors."""
+
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import _COMMON, greedy_reference, make_draft, make_target, make_tokenizer, prompt_of
+
+from dflash_mlx.data import jsonl_prompts
+from dflash_mlx.models.dflash import block_mask
+from dflash_mlx.models.targets import Target
+from dflash_mlx.speculative import generate, prepare
+from dflash_mlx.train import TrainConfig, block_labels, block_logits, block_loss, loss_weights, train
+
+
+def test_block_mask_allows_exactly_the_rule():
+    T, B, anchors = 7, 3, [1, 3, 6]
+    mask = np.array(block_mask(mx.array(anchors), T, B, None))
+    assert mask.shape == (3, 1, 1, T + B)
+    for i, a in enumerate(anchors):
+        for q in range(B):
+            for k in range(T + B):
+                context_before_anchor = k < T and k < a
+                own_block = k >= T  # the block's own keys: every position, both directions
+                assert mask[i, 0, 0, k] == (context_before_anchor or own_block), (i, q, k)
+
+
+def test_blocks_never_see_each_other():
+    model, draft = make_target("llama"), make_draft(block_size=4)
+    target = prepare(model, draft)
+    tokens = mx.array(prompt_of(30))
+    _, features = target(tokens[None], None)
+    alone = block_logits(draft, target, features, tokens, mx.array([10]))
+    together = block_logits(draft, target, features, tokens, mx.array([4, 10, 20]))
+    other = block_logits(draft, target, features, tokens, mx.array([2, 10, 25]))
+    np.testing.assert_allclose(np.array(together[1]), np.array(alone[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(other[1]), np.array(alone[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_training_blocks_equal_what_inference_drafts():
+    model, draft = make_target("qwen3"), make_draft(block_size=6)
+    target = prepare(model, draft)
+    tokens = mx.array(prompt_of(25))
+    _, features = target(tokens[None], None)
+    anchors = [5, 12, 24]
+    train_logits = block_logits(draft, target, features, tokens, mx.array(anchors))
+    for i, a in enumerate(anchors):
+        cache = draft.make_cache()
+        draft.absorb(features[:, :a], cache)  # inference: the committed context before the block
+        infer = draft.propose_logits(int(tokens[a].item()), cache, 6)
+        np.testing.assert_allclose(np.array(train_logits[i]), np.array(infer[0]), rtol=1e-4, atol=1e-4)
+
+
+def test_loss_weights_and_label_alignment_by_hand():
+    tokens = mx.array([10, 11, 12, 13, 14])
+    labels, valid = block_labels(tokens, mx.array([1, 3]), 4)
+    assert labels[0].tolist() == [12, 13, 14] and labels[1, 0].item() == 14
+    assert valid.tolist() == [[True, True, True], [True, False, False]]
+    assert np.allclose(np.array(loss_weights(4, 7.0)), [1, math.exp(-1 / 7), math.exp(-2 / 7)])
+    logits = mx.random.normal((2, 3, 20), key=mx.random.key(0))
+    lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    w = [1, math.exp(-1 / 7), math.exp(-2 / 7)]
+    ce = [-lp[0, 0, 12] * w[0], -lp[0, 1, 13] * w[1], -lp[0, 2, 14] * w[2], -lp[1, 0, 14] * w[0]]
+    expected = sum(ce) / (sum(w) + w[0])
+    assert abs(block_loss(logits, labels, valid, 7.0).item() - expected) < 1e-5
+
+
+def self_distilled(model, n=40, prompt_len=8, response=48):
+    return [(p + greedy_reference(model, p, response), prompt_len)
+            for p in (prompt_of(prompt_len, seed=s) for s in range(n))]
+
+
+@pytest.fixture(scope="module")
+def tiny_setup():
+    model = make_target("llama")
+    return model, self_distilled(model)
+
+
+def real_tau(model, draft, seqs):
+    """Mean acceptance of real stream_generate runs on prompts the drafter trained on (a random tiny
+    target's text is only learnable by heart: what this checks is that training reaches inference)."""
+    return np.mean([generate(model, draft, None, s[:8], max_tokens=48).mean_acceptance for s, _ in seqs[8:16]])
+
+
+def test_a_tiny_run_lowers_the_loss_and_raises_real_acceptance(tiny_setup, tmp_path):
+    model, seqs = tiny_setup
+    cfg = TrainConfig(block_size=8, num_layers=1, mask_token_id=95, anchors=8, steps=300, lr=3e-3, warmup=20,
+                      checkpoint_every=1000, holdout=8)
+    losses = []
+    untrained = make_draft(block_size=8, layers=1, layer_ids=(2,))
+    before = real_tau(model, untrained, seqs)
+    draft = train(Target(model), make_tokenizer(), seqs, tmp_path / "run", cfg,
+                  on_step=lambda r: losses.append(r["loss"]))
+    assert np.mean(losses[-50:]) < 0.5 * np.mean(losses[:20])
+    after = real_tau(model, draft, seqs)
+    assert after > before + 0.7, (before, after)
+    assert (tmp_path / "run" / "checkpoint" / "model.safetensors").exists()
+
+
+def test_resume_continues_the_same_run(tiny_setup, tmp_path):
+    model, seqs = tiny_setup
+    cfg = TrainConfig(steps=60, block_size=8, num_layers=1, mask_token_id=95, anchors=8, lr=3e-3, warmup=10,
+                      checkpoint_every=20, holdout=8)
+    straight = []
+    train(Target(model), make_tokenizer(), seqs, tmp_path / "a", cfg, on_step=lambda r: straight.append(r["loss"]))
+
+    first, second = [], []
+
+    def crash_at_45(record):
+        first.append(record["loss"])
+        if record["step"] == 45:
+            raise KeyboardInterrupt  # Ctrl-C between two checkpoints
+
+    with pytest.raises(KeyboardInterrupt):
+        train(Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg, on_step=crash_at_45)
+    assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 40
+    train(Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg, on_step=lambda r: second.append(r["loss"]))
+    assert len(second) == 20  # steps 41..60: only the 5 steps after the last checkpoint were redone
+    np.testing.assert_allclose(first[:40] + second, straight, rtol=2e-3, atol=2e-3)
+
+
+def test_bad_training_input_is_refused(tiny_setup, tmp_path):
+    model, seqs = tiny_setup
+    with pytest.raises(ValueError, match="usable sequences"):
+        train(Target(model), make_tokenizer(), [(s[:9], 8) for s, _ in seqs], tmp_path / "x", TrainConfig(holdout=2))
+    with pytest.raises(ValueError, match="block size must be at least 2"):
+        train(Target(model), make_tokenizer(), seqs, tmp_path / "y", TrainConfig(block_size=1, mask_token_id=95))
+    (tmp_path / "empty.jsonl").write_text('{"text": "no usable field"}\n\n')
+    with pytest.raises(ValueError, match="no usable rows"):
+        jsonl_prompts(tmp_path / "empty.jsonl")
+    import importlib
+
+    qwen2 = importlib.import_module("mlx_lm.models.qwen2")
+    unsupported = qwen2.Model(qwen2.ModelArgs.from_dict(dict(_COMMON, model_type="qwen2")))
+    with pytest.raises(ValueError, match="family 'qwen2' is not supported"):
+        Target(unsupported)
