@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from contextlib import contextmanager
 from typing import Optional
 
@@ -175,6 +176,130 @@ def _plain(model, tokenizer, ids, quiet, max_tokens, temperature, top_p, top_k, 
         text.append(last.text)
         tokens.append(last.token)
     return "".join(text), tokens, last, []
+
+
+train_app = typer.Typer(help="Train a DFlash drafter: make data, train, measure.", no_args_is_help=True)
+app.add_typer(train_app, name="train")
+
+
+@train_app.command("data")
+def train_data(
+    out: str = typer.Option(..., "--out", "-o", help="Folder for the token-id shards (resumes if it has some)."),
+    model: str = typer.Option(DEMO, "--model", "-m", help="The target that writes the answers."),
+    source: str = typer.Option("sharegpt", help="sharegpt, humaneval, a .jsonl file, or hf:org/name[:split[:field]]."),
+    limit: Optional[int] = typer.Option(None, help="Stop after this many sequences."),
+    max_new_tokens: int = typer.Option(256, help="Longest answer."),
+    max_prompt_tokens: int = typer.Option(384, help="Skip longer prompts."),
+    batch_size: int = typer.Option(64, help="Prompts generated together."),
+    shard_size: int = typer.Option(64, help="Sequences per shard (the resume granularity)."),
+):
+    """Self-distillation: the target answers prompts; its answers become training sequences."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from dflash_mlx.data import generate_data, prompt_source
+    from dflash_mlx.loading import load
+
+    with user_errors():
+        prompts = prompt_source(source)
+        target, tokenizer = load(model)
+        total = min(limit or len(prompts), len(prompts))
+        with Progress(TextColumn("generating answers"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=_stderr()) as bar:
+            task = bar.add_task("", total=total)
+            n = generate_data(target, tokenizer, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                              shard_size=shard_size, max_prompt_tokens=max_prompt_tokens, limit=limit,
+                              progress=lambda done, _: bar.update(task, completed=done))
+    typer.echo(f"{n} sequences in {out}")
+
+
+@train_app.command("run")
+def train_run(
+    data: str = typer.Option(..., "--data", help="Folder made by `dflash-mlx train data`."),
+    out: str = typer.Option(..., "--out", "-o", help="Run folder: checkpoints, log; resumes if it has one."),
+    model: str = typer.Option(DEMO, "--model", "-m", help="The target (frozen)."),
+    layers: int = typer.Option(2, help="Drafter layers (1-5 is typical)."),
+    block_size: int = typer.Option(16, help="Block size B."),
+    target_layer_ids: Optional[str] = typer.Option(None, help="Comma-separated target layers to tap "
+                                                              "(default: the paper's spread)."),
+    mask_token_id: Optional[int] = typer.Option(None, help="Token id used as MASK (default: a spare special token)."),
+    steps: int = typer.Option(2000, help="Training steps (one sequence each)."),
+    lr: float = typer.Option(6e-4, help="Peak learning rate."),
+    warmup: int = typer.Option(100, help="Warm-up steps."),
+    anchors: int = typer.Option(16, help="Blocks per sequence and step."),
+    checkpoint_every: int = typer.Option(100, help="Steps between checkpoints."),
+    eval_every: int = typer.Option(0, help="Steps between evaluations (0: at the end only)."),
+    eval_prompts: int = typer.Option(8, help="Held-out ShareGPT prompts for the real acceptance length."),
+    export_to: Optional[str] = typer.Option(None, "--export", help="Write the final drafter here (z-lab layout)."),
+):
+    """Train a drafter on self-distilled data (the paper's recipe); Ctrl-C and re-run to resume."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from dflash_mlx.data import load_shards, sharegpt_prompts
+    from dflash_mlx.loading import load
+    from dflash_mlx.models.targets import Target
+    from dflash_mlx.train import TrainConfig, export, tau_on_prompts, train
+
+    with user_errors():
+        seqs = load_shards(data)
+        if not seqs:
+            raise ValueError(f"{data} holds no training sequences: make some with `dflash-mlx train data`")
+        target_model, tokenizer = load(model)
+        cfg = TrainConfig(block_size=block_size, num_layers=layers, mask_token_id=mask_token_id, steps=steps, lr=lr,
+                          warmup=warmup, anchors=anchors, checkpoint_every=checkpoint_every, eval_every=eval_every,
+                          target_layer_ids=[int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None)
+        held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
+        Path(out).expanduser().mkdir(parents=True, exist_ok=True)
+        log = open(Path(out).expanduser() / "log.jsonl", "a")
+
+        def evaluate(draft):
+            return {"tau": tau_on_prompts(Target(target_model, draft.config.target_layer_ids), draft, tokenizer,
+                                          held_out, max_tokens=96)["tau"]} if held_out else {}
+
+        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                      TimeRemainingColumn(), console=_stderr()) as bar:
+            task = bar.add_task("", total=steps)
+
+            def on_step(r):
+                log.write(json.dumps(r) + "\n")
+                log.flush()
+                desc = f"loss {r['loss']:.3f}  {r['block_tokens'] / r['seconds']:.0f} block tokens/s"
+                if "offline_tau" in r:
+                    desc += f"  offline tau {r['offline_tau']:.2f}" + (f"  tau {r['tau']:.2f}" if "tau" in r else "")
+                    bar.console.print(f"step {r['step']}: {desc}")
+                bar.update(task, completed=r["step"], description=desc)
+
+            draft = train(Target(target_model), tokenizer, seqs, out, cfg, on_step=on_step, evaluate=evaluate)
+        if export_to:
+            export(Path(out) / "checkpoint", export_to)
+            typer.echo(f"drafter written to {export_to}")
+
+
+@train_app.command("eval")
+def train_eval(
+    draft: str = typer.Option(..., "--draft", "-d", help="The drafter to measure."),
+    model: str = typer.Option(DEMO, "--model", "-m", help="Its target."),
+    prompts: str = typer.Option("sharegpt-heldout", help="sharegpt-heldout, humaneval, a .jsonl file or hf:..."),
+    limit: Optional[int] = typer.Option(None, help="Use the first N prompts."),
+    block_size: Optional[int] = typer.Option(None, help="Block size (default: the drafter's)."),
+    temp: float = typer.Option(0.0, "--temp", help="Temperature (rejection sampling above 0)."),
+    max_tokens: int = typer.Option(256, help="Tokens per answer."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Mean acceptance length tau of a drafter on a prompt set, from real stream_generate runs."""
+    from dflash_mlx.data import prompt_source
+    from dflash_mlx.loading import load, load_draft
+    from dflash_mlx.train import tau_on_prompts
+
+    with user_errors():
+        target, tokenizer = load(model)
+        drafter = load_draft(draft)
+        ps = prompt_source(prompts)[:limit]
+        r = tau_on_prompts(target, drafter, tokenizer, ps, max_tokens=max_tokens, block_size=block_size,
+                           temperature=temp)
+    r.update(prompts=prompts, n_prompts=len(ps), block_size=block_size or drafter.block_size, temperature=temp)
+    typer.echo(json.dumps(r) if as_json else
+               f"tau {r['tau']:.2f} over {r['cycles']} cycles, {r['tokens']} tokens, {len(ps)} prompts "
+               f"({prompts}, block {r['block_size']}, temperature {temp})")
 
 
 def _stderr():

@@ -90,6 +90,39 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
     return out
 
 
+def hf_prompts(spec: str) -> list[list[dict]]:
+    """Prompts from a Hugging Face dataset on a user's machine: 'org/name[:split[:field]]'
+    (default split 'train'; field: the first of prompt/question/instruction/text present)."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise ValueError("Hugging Face datasets need the package: pip install datasets") from None
+    name, split, column = (spec.split(":") + [None, None])[:3]
+    rows = load_dataset(name, split=split or "train")
+    column = column or next((c for c in ("prompt", "question", "instruction", "text") if c in rows.column_names), None)
+    if column is None:
+        raise ValueError(f"{name} has no prompt/question/instruction/text column: name one as {name}:split:column")
+    return [[{"role": "user", "content": str(r[column])}] for r in rows if str(r[column]).strip()]
+
+
+def prompt_source(source: str) -> list[list[dict]]:
+    """'sharegpt' (train split), 'sharegpt-heldout', 'humaneval', a .jsonl file, or 'hf:org/name[:split[:field]]'."""
+    if source == "sharegpt":
+        return sharegpt_prompts("train")
+    if source == "sharegpt-heldout":
+        return sharegpt_prompts("heldout")
+    if source == "humaneval":
+        return humaneval_prompts()
+    if source.startswith("hf:"):
+        return hf_prompts(source[3:])
+    if Path(source).suffix == ".jsonl" or Path(source).exists():
+        if not Path(source).exists():
+            raise FileNotFoundError(f"no prompt file at {source}")
+        return jsonl_prompts(source)
+    raise ValueError(f"unknown prompt source {source!r}: use sharegpt, sharegpt-heldout, humaneval, "
+                     "a .jsonl file or hf:org/name")
+
+
 def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:
     """All sequences of a data folder as (token ids, prompt length)."""
     seqs = []

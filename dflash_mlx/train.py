@@ -84,7 +84,9 @@ def pick_mask_token(tokenizer) -> int:
     if getattr(tokenizer, "mask_token_id", None) is not None:
         return tokenizer.mask_token_id
     taken = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    specials = [i for i in getattr(tokenizer, "all_special_ids", []) if i not in taken]
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    specials = [i for i, t in added.items() if getattr(t, "special", False)]
+    specials = [i for i in specials + list(getattr(tokenizer, "all_special_ids", [])) if i not in taken]
     if not specials:
         raise ValueError("the tokenizer has no spare special token to use as the mask: pass --mask-token-id")
     return max(specials)
