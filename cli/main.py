@@ -178,6 +178,80 @@ def _plain(model, tokenizer, ids, quiet, max_tokens, temperature, top_p, top_k, 
     return "".join(text), tokens, last, []
 
 
+@app.command()
+def chat(
+    model: str = typer.Option(DEMO, "--model", "-m", help="Target: registry name, HF id, folder or .gguf."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Drafter (default: the registry's for --model)."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per drafted block."),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Longest answer."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think",
+                                         help="Qwen3-style thinking on or off (where the template has it)."),
+    hide_thinking: bool = typer.Option(False, help="Do not show thinking text (it is shown dimmed)."),
+):
+    """Talk to a model in the terminal; answers stream as the target accepts them."""
+    from rich.console import Console
+
+    from dflash_mlx.chat import ChatSession
+    from dflash_mlx.loading import find_pair, load, load_draft
+    from dflash_mlx.platform import backend
+
+    from .chat import run
+
+    console = Console(highlight=False)
+    with user_errors():
+        with console.status(f"loading {model} ..."):
+            target, tokenizer = load(model)
+            name = draft or (find_pair(model).draft if find_pair(model) else None)
+            if name is None:
+                raise ValueError(f"no known drafter for {model}: pass --draft")
+            drafter = load_draft(name)
+        session = ChatSession(target, drafter, tokenizer, system=system, temperature=temp, block_size=block_size,
+                              max_tokens=max_tokens,
+                              template_kwargs={} if think is None else {"enable_thinking": think})
+    run(session, console, f"[bold]dflash-mlx chat[/bold] · {model} + {name} · {backend()}", hide_thinking)
+
+
+@app.command()
+def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Known target/drafter pairs, and what is already on this machine."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflash_mlx.loading import local_copies, registry
+
+    rows = [dict(name=p.name, target=p.target, draft=p.draft, family=p.family, disk=p.disk,
+                 local=local_copies(p)) for p in registry()]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    t = Table(title="target / drafter pairs (dflash-mlx chat --model NAME)")
+    for col in ("name", "target", "drafter", "family", "on this machine"):
+        t.add_column(col)
+    for r in rows:
+        local = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in r["local"].items()) or "-"
+        t.add_row(r["name"], r["target"], r["draft"], r["family"], local)
+    Console().print(t)
+
+
+@app.command()
+def doctor(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """What this machine runs MLX with, and what would make it faster."""
+    from dflash_mlx.platform import report
+
+    r = report()
+    if as_json:
+        typer.echo(json.dumps(r, indent=2))
+        return
+    for key, value in r["facts"].items():
+        typer.echo(f"{key:>18}: {value}")
+    for line in r["advice"]:
+        typer.secho(f"advice: {line}", fg="yellow")
+    if not r["advice"]:
+        typer.secho("all good", fg="green")
+
+
 train_app = typer.Typer(help="Train a DFlash drafter: make data, train, measure.", no_args_is_help=True)
 app.add_typer(train_app, name="train")
 

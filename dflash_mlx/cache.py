@@ -26,6 +26,7 @@ class SpeculativeCache:
         self.draft_cache = draft.make_cache() if draft is not None else None
         self.tokens: list[int] = []  # every committed token, processed or pending
         self.processed = 0  # how many of them the target (and drafter) have seen
+        self.last_prefill = 0  # tokens the last prefill ran through the target
 
     @property
     def pending(self) -> list[int]:
@@ -40,6 +41,7 @@ class SpeculativeCache:
         """
         self.tokens.extend(tokens)
         todo = self.pending
+        self.last_prefill = len(todo)
         if not todo:
             raise ValueError("nothing to prefill: the prompt is empty")
         logits = None
@@ -71,6 +73,21 @@ class SpeculativeCache:
             self.draft.absorb(features[:, :keep], self.draft_cache)
         self.tokens.extend(new_tokens)
         self.processed += keep
+
+    def truncate(self, n: int) -> bool:
+        """Keep only the first n committed tokens. Returns False (and changes nothing) when that
+        would cut into state that cannot be trimmed (recurrent layers): start a new cache then."""
+        if n >= self.processed:
+            del self.tokens[n:]
+            return True
+        caches = self.target_cache + (self.draft_cache or [])
+        if not all(c.is_trimmable() for c in caches):
+            return False
+        for c in caches:
+            c.trim(self.processed - n)
+        self.processed = n
+        del self.tokens[n:]
+        return True
 
     @property
     def nbytes(self) -> int:

@@ -1,12 +1,17 @@
-"""Prompts for chat models."""
+"""Prompts for chat models, and a multi-turn conversation that keeps its caches between turns."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import json
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Union
+
+from .cache import SpeculativeCache
+from .speculative import GenerationResponse, prepare, stream_generate
 
 
 def apply_chat_template(tokenizer, messages: Union[str, list[dict]], *, system: Optional[str] = None,
-                        **template_kwargs) -> list[int]:
+                        add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template, ready for a reply.
 
     `messages` is a user message or a list of {"role", "content"} dicts; extra keyword arguments
@@ -19,6 +24,87 @@ def apply_chat_template(tokenizer, messages: Union[str, list[dict]], *, system: 
         messages = [{"role": "system", "content": system}, *messages]
     if getattr(tokenizer, "chat_template", None) is None:
         return tokenizer.encode("\n".join(m["content"] for m in messages))
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         **template_kwargs)
     # The template already writes any BOS token it wants.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ChatSession:
+    """A conversation with one model pair. Each turn renders the whole conversation with the chat
+    template, keeps the part of both caches that still matches it, and prefills only the rest, so
+    the time to first token does not grow with the history."""
+
+    def __init__(self, model, draft, tokenizer, *, system: Optional[str] = None, temperature: float = 0.0,
+                 block_size: Optional[int] = None, max_tokens: int = 1024, max_context: Optional[int] = None,
+                 template_kwargs: Optional[dict] = None):
+        self.target = prepare(model, draft)
+        self.draft, self.tokenizer = draft, tokenizer
+        self.system, self.temperature, self.block_size, self.max_tokens = system, temperature, block_size, max_tokens
+        self.max_context = max_context or getattr(self.target.args, "max_position_embeddings", None) or 4096
+        self.template_kwargs = template_kwargs or {}
+        self.messages: list[dict] = []
+        self.cache = SpeculativeCache(self.target, draft)
+        self.turns: list[dict] = []  # per-turn statistics
+
+    def reset(self) -> None:
+        self.messages = []
+        self.cache = SpeculativeCache(self.target, self.draft)
+
+    def conversation(self) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+
+    def context_tokens(self) -> int:
+        return len(self.cache.tokens)
+
+    def reply(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> Iterator[GenerationResponse]:
+        """Stream the answer to a user message. `should_stop()` is checked after every piece; when it
+        turns true the answer ends there, and the partial answer stays in the conversation."""
+        self.messages.append({"role": "user", "content": text})
+        ids = apply_chat_template(self.tokenizer, self.conversation(), **self.template_kwargs)
+        if len(ids) + self.max_tokens > self.max_context:
+            self.messages.pop()
+            raise ContextFull(len(ids), self.max_context)
+        keep = common_prefix(self.cache.tokens, ids)
+        if not self.cache.truncate(keep):
+            self.cache, keep = SpeculativeCache(self.target, self.draft), 0
+        answer, accepted, tokens, last = [], [], 0, None
+        stopped = False
+        try:
+            for last in stream_generate(self.target, self.draft, self.tokenizer, ids[keep:], prompt_cache=self.cache,
+                                        max_tokens=self.max_tokens, temperature=self.temperature,
+                                        block_size=self.block_size):
+                answer.append(last.text)
+                tokens += len(last.tokens)
+                if last.accepted is not None:
+                    accepted.append(last.accepted)
+                yield last
+                if should_stop():
+                    stopped = True
+                    break
+        finally:
+            self.messages.append({"role": "assistant", "content": "".join(answer)})
+            self.turns.append({
+                "prefill_tokens": self.cache.last_prefill, "tokens": tokens,
+                "tokens_per_s": last.generation_tps if last else 0.0,
+                "mean_acceptance": sum(accepted) / len(accepted) if accepted else None,
+                "drafted_share": sum(a - 1 for a in accepted) / tokens if tokens else 0.0,
+                "interrupted": stopped, "context_tokens": self.context_tokens()})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"messages": self.conversation(), "turns": self.turns}, indent=2))
+
+
+class ContextFull(ValueError):
+    def __init__(self, used: int, limit: int):
+        super().__init__(f"the conversation needs {used} tokens plus room for the answer, and the model's "
+                         f"context holds {limit}: /reset to start a new conversation")

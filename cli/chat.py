@@ -1,0 +1,170 @@
+"""`dflash-mlx chat`: a terminal conversation with speculative decoding."""
+
+from __future__ import annotations
+
+import signal
+from typing import Optional
+
+from rich.console import Console
+from rich.markup import escape
+
+HELP = """[bold]commands[/bold]
+  /help            this list
+  /reset           forget the conversation
+  /system TEXT     set the system prompt (empty: none)
+  /temp X          sampling temperature (0 = greedy, exactly the target's text)
+  /block N         tokens per drafted block
+  /stats           totals for this conversation
+  /save FILE       write the conversation as JSON
+  /exit            quit (or Ctrl-D)
+Ctrl-C stops an answer and keeps what was written. End a line with \\ to continue it,
+or wrap several lines in \"\"\"."""
+
+
+def read_message(console: Console) -> str:
+    """One message: a line, lines continued with a trailing backslash, or a \"\"\"-block."""
+    line = console.input("[bold green]you>[/bold green] ")
+    if line.strip() == '"""':
+        lines = []
+        while (line := console.input("... ")).strip() != '"""':
+            lines.append(line)
+        return "\n".join(lines)
+    lines = [line]
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        lines.append(console.input("... "))
+    return "\n".join(lines)
+
+
+class ThinkingFilter:
+    """Splits streamed text into answer and <think>...</think> parts so thinking can be dimmed."""
+
+    def __init__(self):
+        self.thinking = False
+
+    def split(self, text: str) -> list[tuple[str, bool]]:
+        """-> [(text, is_thinking)]; both tags count as thinking."""
+        out = []
+        while text:
+            tag = "</think>" if self.thinking else "<think>"
+            i = text.find(tag)
+            if i < 0:
+                out.append((text, self.thinking))
+                break
+            if self.thinking:
+                out.append((text[:i + len(tag)], True))
+            else:
+                out += [(text[:i], False), (tag, True)]
+            text = text[i + len(tag):]
+            self.thinking = not self.thinking
+        return [(t, k) for t, k in out if t]
+
+
+def status_line(turn: dict) -> str:
+    parts = [f"{turn['tokens']} tokens", f"{turn['tokens_per_s']:.1f} tokens/s"]
+    if turn["mean_acceptance"] is not None:
+        parts += [f"tau {turn['mean_acceptance']:.2f}", f"{turn['drafted_share']:.0%} drafted"]
+    parts.append(f"prefill {turn['prefill_tokens']}")
+    if turn["interrupted"]:
+        parts.append("stopped")
+    return " · ".join(parts)
+
+
+def run(session, console: Console, banner: str, hide_thinking: bool = False) -> None:
+    try:
+        import readline  # noqa: F401  (arrow keys and history for input())
+    except ImportError:  # pragma: no cover - Windows
+        pass
+    console.print(banner)
+    console.print("[dim]type /help for commands, Ctrl-D to quit[/dim]")
+    while True:
+        try:
+            text = read_message(console)
+        except EOFError:
+            console.print()
+            return
+        except KeyboardInterrupt:
+            console.print()
+            continue
+        if not text.strip():
+            continue
+        if text.startswith("/"):
+            if command(session, console, text.strip()) == "exit":
+                return
+            continue
+        answer(session, console, text, hide_thinking)
+
+
+def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
+    from dflash_mlx.chat import ContextFull
+
+    stop = False
+
+    def on_sigint(*_):
+        nonlocal stop
+        stop = True
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    thinking = ThinkingFilter()
+    try:
+        console.print("[bold blue]model>[/bold blue] ", end="")
+        for piece in session.reply(text, should_stop=lambda: stop):
+            for part, is_thinking in thinking.split(piece.text):
+                if is_thinking and hide_thinking:
+                    continue
+                console.print(escape(part), end="", style="dim" if is_thinking else None, soft_wrap=True)
+    except ContextFull as e:
+        console.print(f"\n[yellow]{e}[/yellow]")
+        return
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    console.print()
+    if stop:
+        console.print("[yellow]stopped; the partial answer stays in the conversation[/yellow]")
+    console.print(f"[dim]{status_line(session.turns[-1])}[/dim]")
+
+
+def command(session, console: Console, line: str) -> Optional[str]:
+    name, _, arg = line.partition(" ")
+    arg = arg.strip()
+    try:
+        if name in ("/exit", "/quit"):
+            return "exit"
+        if name == "/help":
+            console.print(HELP)
+        elif name == "/reset":
+            session.reset()
+            console.print("[dim]conversation cleared[/dim]")
+        elif name == "/system":
+            session.system = arg or None
+            console.print(f"[dim]system prompt {'set' if arg else 'cleared'}[/dim]")
+        elif name == "/temp":
+            value = float(arg)
+            if value < 0:
+                raise ValueError("temperature must be >= 0")
+            session.temperature = value
+            console.print(f"[dim]temperature {value}[/dim]")
+        elif name == "/block":
+            value = int(arg)
+            if value < 1:
+                raise ValueError("block size must be >= 1")
+            session.block_size = value
+            console.print(f"[dim]block size {value}[/dim]")
+        elif name == "/stats":
+            turns = session.turns
+            toks = sum(t["tokens"] for t in turns)
+            taus = [t["mean_acceptance"] for t in turns if t["mean_acceptance"] is not None]
+            console.print(f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
+                          f"{(sum(taus) / len(taus)) if taus else 0:.2f}, context {session.context_tokens()}"
+                          f"/{session.max_context} tokens, temperature {session.temperature}, block "
+                          f"{session.block_size or session.draft.block_size}[/dim]")
+        elif name == "/save":
+            if not arg:
+                raise ValueError("/save needs a file name")
+            session.save(arg)
+            console.print(f"[dim]saved to {arg}[/dim]")
+        else:
+            console.print(f"[yellow]unknown command {name}: /help lists them[/yellow]")
+    except (ValueError, OSError) as e:
+        console.print(f"[yellow]{e}[/yellow]")
+    return None

@@ -1,0 +1,98 @@
+"""The chat: cache reuse across turns (in Python) and the real terminal session (in a pseudo-terminal)."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from tiny import greedy_reference, make_draft
+
+from dflash_mlx import apply_chat_template, generate
+from dflash_mlx.chat import ChatSession, ContextFull
+from dflash_mlx.loading import load, smollm2_gguf
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    try:
+        smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    home = tmp_path_factory.mktemp("home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DFLASH_MLX_HOME", str(home))
+    model, tokenizer = load("smollm2-135m-instruct")
+    yield model, tokenizer, home
+    mp.undo()
+
+
+def smollm2_drafter(path: Path):
+    """A drafter that fits SmolLM2-135M (random weights), in z-lab's layout."""
+    from test_drafter import write_zlab_checkpoint
+
+    draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
+    write_zlab_checkpoint(path, draft)
+    return draft
+
+
+def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(smollm2, tmp_path):
+    model, tokenizer, _ = smollm2
+    draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
+    session = ChatSession(model, draft, tokenizer, max_tokens=24)
+    list(session.reply("What is the capital of France?"))
+    before = session.context_tokens()
+    second = "".join(p.text for p in session.reply("And of Italy?"))
+    turn = session.turns[1]
+    full = apply_chat_template(tokenizer, session.messages[:-1])
+    # Only the new user turn (and the template's few tokens around it) went through the target.
+    assert turn["prefill_tokens"] == len(full) - before + 1  # +1: the first answer's last token
+    assert turn["prefill_tokens"] < 20 < before
+    fresh = generate(model, draft, tokenizer, full, max_tokens=24)
+    assert second == fresh.text
+    assert fresh.tokens == greedy_reference(model, full, len(fresh.tokens), eos={2})
+
+
+def test_a_full_context_is_refused_politely(smollm2):
+    model, tokenizer, _ = smollm2
+    draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
+    session = ChatSession(model, draft, tokenizer, max_tokens=64, max_context=80)
+    with pytest.raises(ContextFull, match="/reset"):
+        list(session.reply("word " * 60))
+    assert session.messages == []  # the refused message is not kept
+
+
+PROMPT = r"you>\S* "  # rich may close its colour code before the space
+
+
+def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    _, _, home = smollm2
+    smollm2_drafter(tmp_path / "draft")
+    env = dict(os.environ, DFLASH_MLX_HOME=str(home), COLUMNS="200", TERM="xterm")
+    child = pexpect.spawn(sys.executable, ["-m", "dflash_mlx.cli.main", "chat", "--draft", str(tmp_path / "draft"),
+                                           "--max-tokens", "400"], env=env, encoding="utf-8", timeout=180,
+                          dimensions=(50, 200))
+    try:
+        child.expect(PROMPT)
+        child.sendline("What is the capital of France? Answer in one sentence.")
+        child.expect("Paris")
+        child.expect(r"tokens/s")
+        child.expect(PROMPT)
+        child.sendline("/stats")
+        child.expect(r"1 answer, \d+ tokens")
+        child.expect(PROMPT)
+        child.sendline("Write a very long story about a dragon and a knight.")
+        child.expect(r"model>")
+        child.expect(r"\w+ \w+ \w+ \w+ \w+")  # the answer is streaming
+        child.sendintr()  # Ctrl-C in the middle of the answer
+        child.expect("stopped; the partial answer stays in the conversation")
+        child.expect(PROMPT)
+        child.sendline("In one word: which city did my first question ask about?")
+        child.expect(r"prefill (\d+)")
+        assert int(child.match.group(1)) < 40  # the earlier conversation was not prefilled again
+        child.expect(PROMPT)
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
