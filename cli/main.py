@@ -252,6 +252,55 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
         typer.secho("all good", fg="green")
 
 
+@app.command()
+def bench(
+    model: str = typer.Option(DEMO, "--model", "-m", help="Target: registry name, HF id, folder or .gguf."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Drafter (default: the registry's for --model)."),
+    prompts: str = typer.Option("humaneval", help="humaneval, sharegpt-heldout, a .jsonl file, or hf:org/name "
+                                                  "(e.g. hf:openai/gsm8k:test:question)."),
+    limit: Optional[int] = typer.Option(20, help="Use the first N prompts (0: all)."),
+    block_sizes: str = typer.Option("16", help="Comma-separated block sizes."),
+    temps: str = typer.Option("0", help="Comma-separated temperatures (identity is checked at 0)."),
+    max_tokens: int = typer.Option(256, help="Tokens per answer."),
+    out: str = typer.Option("bench-results", "--out", "-o", help="Folder for results.json, summary.md, plot.png."),
+):
+    """DFlash against plain mlx-lm decoding of the same target, prompt by prompt, in one process."""
+    from rich.console import Console
+    from rich.markdown import Markdown
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from dflash_mlx.bench import run_bench, write
+    from dflash_mlx.data import prompt_source
+    from dflash_mlx.loading import find_pair, load, load_draft
+
+    with user_errors():
+        bs = [int(x) for x in block_sizes.split(",")]
+        ts = [float(x) for x in temps.split(",")]
+        if any(b < 1 for b in bs) or any(t < 0 for t in ts):
+            raise ValueError("block sizes must be >= 1 and temperatures >= 0")
+        ps = prompt_source(prompts)[:limit or None]
+        target, tokenizer = load(model)
+        name = draft or (find_pair(model).draft if find_pair(model) else None)
+        if name is None:
+            raise ValueError(f"no known drafter for {model}: pass --draft")
+        drafter = load_draft(name)
+        with Progress(TextColumn("benchmarking"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=_stderr()) as bar:
+            task = bar.add_task("", total=len(ps) * (len(ts) + len(bs) * len(ts)))
+            results = run_bench(target, drafter, tokenizer, ps, block_sizes=bs, temperatures=ts,
+                                max_tokens=max_tokens, progress=lambda d, _: bar.update(task, completed=d))
+        results.update(model=model, draft=name, prompt_set=prompts)
+        paths = write(results, Path(out), f"dflash-mlx bench: {model} + {name} on {prompts}")
+    Console().print(Markdown(paths[1].read_text()))
+    typer.echo("wrote " + ", ".join(str(p) for p in paths))
+    bad = [s for s in results["summary"] if s["identical"] is False]
+    if bad:
+        typer.secho(f"error: DFlash output differed from plain greedy decoding on prompts "
+                    f"{sorted({p for s in bad for p in s['mismatched_prompts']})}: speculative decoding must be "
+                    "lossless, so this is a bug", fg="red", err=True)
+        raise typer.Exit(1)
+
+
 train_app = typer.Typer(help="Train a DFlash drafter: make data, train, measure.", no_args_is_help=True)
 app.add_typer(train_app, name="train")
 

@@ -1,0 +1,163 @@
+"""`dflash-mlx bench`: DFlash against plain decoding of the same target, in one process.
+
+For every prompt, in turn: plain autoregressive decoding through mlx-lm (`mlx_lm.stream_generate`,
+what a user would otherwise run), then DFlash at each block size and temperature. The first prompt is
+run once more beforehand as a warm-up and not counted. At temperature 0 every DFlash output must be
+token for token the baseline's; a difference is reported as a failure, never averaged away.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+
+def _plain(model, tokenizer, ids, max_tokens, temperature, seed):
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    tic, first, tokens = time.perf_counter(), None, []
+    for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(temperature)):
+        first = first or time.perf_counter()
+        tokens.append(r.token)
+    end = time.perf_counter()
+    return _record(tokens, tic, first, end, [])
+
+
+def _dflash(target, draft, tokenizer, ids, max_tokens, block_size, temperature, seed):
+    from .speculative import stream_generate
+
+    tic, first, tokens, acc = time.perf_counter(), None, [], []
+    for r in stream_generate(target, draft, tokenizer, ids, max_tokens=max_tokens, block_size=block_size,
+                             temperature=temperature, seed=seed):
+        first = first or time.perf_counter()
+        tokens += r.tokens
+        if r.accepted is not None:
+            acc.append(r.accepted)
+    end = time.perf_counter()
+    return _record(tokens, tic, first, end, acc)
+
+
+def _record(tokens, tic, first, end, acc):
+    decode = end - first
+    return {"tokens": tokens, "n": len(tokens), "ttft_s": first - tic, "total_s": end - tic,
+            "decode_tps": (len(tokens) - 1) / decode if decode > 0 and len(tokens) > 1 else 0.0,
+            "e2e_tps": len(tokens) / (end - tic), "acceptance": acc, "peak_memory_gb": mx.get_peak_memory() / 1e9}
+
+
+def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes=(16,), temperatures=(0.0,),
+              max_tokens: int = 256, seed: int = 0,
+              progress: Optional[Callable[[int, int], None]] = None) -> dict:
+    """-> results: per prompt and configuration, a summary per configuration, and the machine."""
+    from .chat import apply_chat_template
+    from .platform import report
+    from .speculative import prepare
+
+    target = prepare(model, draft)
+    encoded = [apply_chat_template(tokenizer, p) for p in prompts]
+    configs = [(b, t) for t in temperatures for b in block_sizes]
+    per_prompt = []
+    total = len(encoded) * (len(temperatures) + len(configs))
+    done = 0
+    for k, ids in enumerate([encoded[0]] + encoded):  # the first pass over prompt 0 is the warm-up
+        row = {"prompt": k - 1, "prompt_tokens": len(ids), "baseline": {}, "dflash": {}}
+        for t in temperatures:
+            row["baseline"][str(t)] = _plain(model, tokenizer, ids, max_tokens, t, seed)
+            done += k > 0
+        for b, t in configs:
+            r = _dflash(target, draft, tokenizer, ids, max_tokens, b, t, seed)
+            if t == 0:
+                r["identical"] = r["tokens"] == row["baseline"][str(t)]["tokens"]
+            row["dflash"][f"{b}@{t}"] = r
+            done += k > 0
+            if progress and k > 0:
+                progress(done, total)
+        if k > 0:
+            per_prompt.append(row)
+    summary = []
+    for b, t in configs:
+        base = [p["baseline"][str(t)] for p in per_prompt]
+        ours = [p["dflash"][f"{b}@{t}"] for p in per_prompt]
+        acc = [a for r in ours for a in r["acceptance"]]
+        summary.append({
+            "block_size": b, "temperature": t, "prompts": len(ours),
+            "tokens": sum(r["n"] for r in ours), "baseline_tokens": sum(r["n"] for r in base),
+            "baseline_decode_tps": _rate(base, "decode"), "dflash_decode_tps": _rate(ours, "decode"),
+            "baseline_e2e_tps": _rate(base, "e2e"), "dflash_e2e_tps": _rate(ours, "e2e"),
+            "speedup_decode": _rate(ours, "decode") / max(_rate(base, "decode"), 1e-9),
+            "speedup_e2e": _rate(ours, "e2e") / max(_rate(base, "e2e"), 1e-9),
+            "tau": sum(acc) / len(acc) if acc else 0.0, "tau_histogram": dict(sorted(Counter(acc).items())),
+            "ttft_s": sum(r["ttft_s"] for r in ours) / len(ours), "baseline_ttft_s": sum(r["ttft_s"] for r in base) / len(base),
+            "peak_memory_gb": max(r["peak_memory_gb"] for r in ours),
+            "identical": all(r.get("identical", True) for r in ours) if t == 0 else None,
+            "mismatched_prompts": [p["prompt"] for p, r in zip(per_prompt, ours) if r.get("identical") is False],
+        })
+    return {"machine": report()["facts"], "max_tokens": max_tokens, "summary": summary, "prompts": per_prompt}
+
+
+def _rate(records, kind):
+    """Tokens per second over all prompts together (a ratio of sums, not a mean of ratios)."""
+    if kind == "decode":
+        return sum(r["n"] - 1 for r in records) / max(sum(r["total_s"] - r["ttft_s"] for r in records), 1e-9)
+    return sum(r["n"] for r in records) / max(sum(r["total_s"] for r in records), 1e-9)
+
+
+def markdown(results: dict, title: str) -> str:
+    m = results["machine"]
+    lines = [f"# {title}", "", f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
+             f"BLAS: {m.get('blas preload')}. {results['summary'][0]['prompts']} prompts, up to "
+             f"{results['max_tokens']} tokens each; warm-up excluded.", "",
+             "| block | temp | tau | baseline tok/s | DFlash tok/s | speedup (decode) | speedup (end to end) "
+             "| TTFT base / DFlash (s) | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in results["summary"]:
+        same = {True: "yes", False: f"**NO** ({len(s['mismatched_prompts'])} prompts)", None: "n/a (sampling)"}
+        lines.append(f"| {s['block_size']} | {s['temperature']} | {s['tau']:.2f} | {s['baseline_decode_tps']:.1f} | "
+                     f"{s['dflash_decode_tps']:.1f} | {s['speedup_decode']:.2f}x | {s['speedup_e2e']:.2f}x | "
+                     f"{s['baseline_ttft_s']:.2f} / {s['ttft_s']:.2f} | {same[s['identical']]} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = results["summary"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    labels = [f"B={x['block_size']}\nT={x['temperature']}" for x in s]
+    axes[0].bar(labels, [x["speedup_decode"] for x in s], color="tab:blue")
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].set_title("speedup over plain decoding (decode)")
+    axes[1].bar(labels, [x["tau"] for x in s], color="tab:green")
+    axes[1].set_title("mean acceptance length tau")
+    for x in s:
+        h = x["tau_histogram"]
+        if h:
+            axes[2].plot(list(h), list(h.values()), marker="o", label=f"B={x['block_size']} T={x['temperature']}")
+    axes[2].set_title("tau histogram (cycles)")
+    axes[2].set_xlabel("tokens per cycle")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(results: dict, out: Path, title: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    slim = json.loads(json.dumps(results))
+    for p in slim["prompts"]:  # keep files small: drop token lists, keep counts
+        for group in (p["baseline"], p["dflash"]):
+            for r in group.values():
+                r.pop("tokens", None)
+    paths = [out / "results.json", out / "summary.md", out / "plot.png"]
+    paths[0].write_text(json.dumps(slim, indent=1))
+    paths[1].write_text(markdown(results, title))
+    plot(results, paths[2])
+    return paths

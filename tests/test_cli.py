@@ -1,0 +1,122 @@
+"""The command line through Typer's runner, on a tiny target/drafter pair saved as real folders."""
+
+import json
+import struct
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import save_config, save_model
+from test_drafter import write_zlab_checkpoint
+from tiny import CONFIGS, greedy_reference, make_draft, make_target, make_tokenizer
+from typer.testing import CliRunner
+
+import dflash_mlx.speculative as speculative
+from dflash_mlx.cli.main import app
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    model = make_target("llama")
+    save_model(root / "target", model)
+    save_config(dict(CONFIGS["llama"], eos_token_id=95), root / "target" / "config.json")
+    make_tokenizer(eos=95)._tokenizer.save_pretrained(root / "target")
+    write_zlab_checkpoint(root / "draft", make_draft())
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 7} w{i + 3}"})
+                                                  for i in range(5, 9)))
+    return root, model
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+
+
+def test_generate_prints_the_text_and_keeps_stats_off_stdout(pair):
+    root, model = pair
+    r = run("generate", "-m", root / "target", "-d", root / "draft", "-p", "w5 w6 w7", "--max-tokens", "12",
+            "--no-chat-template")
+    assert r.exit_code == 0, r.output
+    ref = greedy_reference(model, [5, 6, 7], 12, eos={95})
+    assert r.stdout.split() == [f"w{t}" for t in ref if t != 95]
+    assert "tokens/s" in r.stderr and "tokens/s" not in r.stdout
+
+
+def test_generate_json_and_the_plain_baseline_agree(pair):
+    root, model = pair
+    args = ["generate", "-m", root / "target", "-p", "w5 w6 w7", "--max-tokens", "12", "--no-chat-template", "--json"]
+    ours = json.loads(run(*args, "-d", root / "draft").stdout)
+    plain = json.loads(run(*args, "--no-draft").stdout)
+    assert ours["tokens"] == plain["tokens"] == greedy_reference(model, [5, 6, 7], 12, eos={95})
+    assert ours["mean_acceptance"] >= 1 and plain["mean_acceptance"] is None
+    assert set(ours) >= {"text", "tokens", "mean_acceptance", "generation_tps", "prompt_tps", "peak_memory_gb"}
+
+
+def test_bad_flags_and_inputs_fail_clearly(pair):
+    root, _ = pair
+    r = run("generate", "-m", root / "target", "-d", root / "draft", "-p", "w5", "--temp", "-1")
+    assert r.exit_code == 1 and "temperature must be >= 0" in r.stderr
+    r = run("generate", "--max-tokens", "lots")
+    assert r.exit_code == 2 and "Invalid value for '--max-tokens'" in r.output
+    r = run("generate", "-m", root / "nowhere", "-p", "w5")
+    assert r.exit_code == 1 and "no model folder" in r.stderr
+    r = run("bench", "-m", root / "target", "-d", root / "draft", "--block-sizes", "0")
+    assert r.exit_code == 1 and "block sizes must be >= 1" in r.stderr
+
+
+def png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_bench_writes_results_summary_and_plot(pair, tmp_path):
+    root, _ = pair
+    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
+            "--block-sizes", "2,8", "--temps", "0,1", "--max-tokens", "16", "-o", tmp_path / "b")
+    assert r.exit_code == 0, r.output
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert len(results["prompts"]) == 4 and {s["block_size"] for s in results["summary"]} == {2, 8}
+    greedy = [s for s in results["summary"] if s["temperature"] == 0]
+    assert all(s["identical"] is True for s in greedy)
+    assert results["machine"]["mlx backend"] == "cpu"
+    assert "| 8 | 0.0 |" in (tmp_path / "b" / "summary.md").read_text()
+    w, h = png_size(tmp_path / "b" / "plot.png")
+    assert w > 400 and h > 200
+
+
+def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
+    root, _ = pair
+
+    def lossy(params, sampler):  # a broken verifier: keeps every proposal
+        def draft(logits):
+            return mx.argmax(logits, axis=-1), None
+
+        def accept(x, q, logits):
+            return mx.array(x.shape[0]), mx.argmax(logits[-1])
+        return draft, accept
+
+    monkeypatch.setattr(speculative, "acceptance", lossy)
+    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
+            "--max-tokens", "16", "-o", tmp_path / "b")
+    assert r.exit_code == 1
+    assert "DFlash output differed from plain greedy decoding" in r.stderr
+    assert "**NO**" in (tmp_path / "b" / "summary.md").read_text()
+
+
+def test_models_and_doctor_speak_json():
+    models = json.loads(run("models", "--json").stdout)
+    assert any(m["name"] == "qwen3-4b" and m["draft"] == "z-lab/Qwen3-4B-DFlash-b16" for m in models)
+    doctor = json.loads(run("doctor", "--json").stdout)
+    assert doctor["facts"]["mlx backend"] == "cpu" and "blas preload" in doctor["facts"]
+
+
+def test_train_commands_on_the_tiny_pair(pair, tmp_path):
+    root, _ = pair
+    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "data",
+            "--max-new-tokens", "24", "--shard-size", "2", "--batch-size", "2")
+    assert r.exit_code == 0, r.output
+    assert "4 sequences" in r.stdout and len(list((tmp_path / "data").glob("shard-*.npz"))) == 2
+    r = run("train", "run", "--data", tmp_path / "data", "-o", tmp_path / "run", "-m", root / "target",
+            "--layers", "1", "--block-size", "4", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0",
+            "--export", tmp_path / "exported")
+    assert r.exit_code == 1 and "usable sequences" in r.stderr  # 4 sequences, 16 held out: refused clearly
