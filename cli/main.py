@@ -109,7 +109,7 @@ def generate_cmd(
     import time
 
     import dflash_mlx
-    from dflash_mlx.loading import load, load_draft, find_pair
+    from dflash_mlx.loading import load, load_pair
 
     if prompt is None:
         if sys.stdin.isatty():
@@ -117,13 +117,10 @@ def generate_cmd(
             raise typer.Exit(2)
         prompt = sys.stdin.read()
     with user_errors():
-        target, tokenizer = load(model)
-        drafter = None
-        if not no_draft:
-            name = draft or (find_pair(model).draft if find_pair(model) else None)
-            if name is None:
-                raise ValueError(f"no known drafter for {model}: pass --draft, or --no-draft for plain decoding")
-            drafter = load_draft(name)
+        if no_draft:
+            (target, tokenizer), drafter = load(model), None
+        else:
+            target, drafter, tokenizer = load_pair(model, draft)
         ids = (dflash_mlx.apply_chat_template(tokenizer, prompt, system=system) if chat_template
                else tokenizer.encode(prompt))
         kwargs = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
@@ -194,7 +191,7 @@ def chat(
     from rich.console import Console
 
     from dflash_mlx.chat import ChatSession
-    from dflash_mlx.loading import find_pair, load, load_draft
+    from dflash_mlx.loading import draft_for, load_pair
     from dflash_mlx.platform import backend
 
     from .chat import run
@@ -202,11 +199,8 @@ def chat(
     console = Console(highlight=False)
     with user_errors():
         with console.status(f"loading {model} ..."):
-            target, tokenizer = load(model)
-            name = draft or (find_pair(model).draft if find_pair(model) else None)
-            if name is None:
-                raise ValueError(f"no known drafter for {model}: pass --draft")
-            drafter = load_draft(name)
+            name = draft_for(model, draft)
+            target, drafter, tokenizer = load_pair(model, name)
         session = ChatSession(target, drafter, tokenizer, system=system, temperature=temp, block_size=block_size,
                               max_tokens=max_tokens,
                               template_kwargs={} if think is None else {"enable_thinking": think})
@@ -271,7 +265,7 @@ def bench(
 
     from dflash_mlx.bench import run_bench, write
     from dflash_mlx.data import prompt_source
-    from dflash_mlx.loading import find_pair, load, load_draft
+    from dflash_mlx.loading import draft_for, load_pair
 
     with user_errors():
         bs = [int(x) for x in block_sizes.split(",")]
@@ -279,11 +273,8 @@ def bench(
         if any(b < 1 for b in bs) or any(t < 0 for t in ts):
             raise ValueError("block sizes must be >= 1 and temperatures >= 0")
         ps = prompt_source(prompts)[:limit or None]
-        target, tokenizer = load(model)
-        name = draft or (find_pair(model).draft if find_pair(model) else None)
-        if name is None:
-            raise ValueError(f"no known drafter for {model}: pass --draft")
-        drafter = load_draft(name)
+        name = draft_for(model, draft)
+        target, drafter, tokenizer = load_pair(model, name)
         with Progress(TextColumn("benchmarking"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=_stderr()) as bar:
             task = bar.add_task("", total=len(ps) * (len(ts) + len(bs) * len(ts)))
@@ -391,7 +382,7 @@ def train_run(
                     bar.console.print(f"step {r['step']}: {desc}")
                 bar.update(task, completed=r["step"], description=desc)
 
-            draft = train(Target(target_model), tokenizer, seqs, out, cfg, on_step=on_step, evaluate=evaluate)
+            train(Target(target_model), tokenizer, seqs, out, cfg, on_step=on_step, evaluate=evaluate)
         if export_to:
             export(Path(out) / "checkpoint", export_to)
             typer.echo(f"drafter written to {export_to}")
@@ -410,12 +401,11 @@ def train_eval(
 ):
     """Mean acceptance length tau of a drafter on a prompt set, from real stream_generate runs."""
     from dflash_mlx.data import prompt_source
-    from dflash_mlx.loading import load, load_draft
+    from dflash_mlx.loading import load_pair
     from dflash_mlx.train import tau_on_prompts
 
     with user_errors():
-        target, tokenizer = load(model)
-        drafter = load_draft(draft)
+        target, drafter, tokenizer = load_pair(model, draft)
         ps = prompt_source(prompts)[:limit]
         r = tau_on_prompts(target, drafter, tokenizer, ps, max_tokens=max_tokens, block_size=block_size,
                            temperature=temp)

@@ -137,12 +137,14 @@ def plot(results: dict, path: Path) -> None:
     axes[0].set_title("speedup over plain decoding (decode)")
     axes[1].bar(labels, [x["tau"] for x in s], color="tab:green")
     axes[1].set_title("mean acceptance length tau")
-    for x in s:
-        h = x["tau_histogram"]
-        if h:
-            axes[2].plot(list(h), list(h.values()), marker="o", label=f"B={x['block_size']} T={x['temperature']}")
-    axes[2].set_title("tau histogram (cycles)")
-    axes[2].set_xlabel("tokens per cycle")
+    width = 0.8 / max(len(s), 1)
+    for k, x in enumerate(s):
+        h = {int(a): n for a, n in x["tau_histogram"].items()}
+        total = sum(h.values()) or 1
+        axes[2].bar([a + (k - (len(s) - 1) / 2) * width for a in h], [n / total for n in h.values()], width,
+                    label=f"B={x['block_size']} T={x['temperature']}")
+    axes[2].set_title("tokens per cycle (share of cycles)")
+    axes[2].set_xlabel("tokens committed in one cycle")
     axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -219,16 +219,22 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
     return model
 
 
+def draft_for(target: str, draft: Optional[str] = None) -> str:
+    """The drafter to use with `target`: the one given, else the registry's."""
+    if draft is not None:
+        return draft
+    pair = find_pair(target)
+    if pair is None:
+        raise ValueError(f"no known drafter for {target}: pass one (--draft), or train one with "
+                         "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)")
+    return pair.draft
+
+
 def load_pair(target: str, draft: Optional[str] = None, dtype="auto"):
     """-> (model, draft, tokenizer), checked to fit each other. Without `draft`, the registry's."""
     from .speculative import prepare
 
-    if draft is None:
-        pair = find_pair(target)
-        if pair is None:
-            raise ValueError(f"no known drafter for {target}: pass one (--draft), or train one with "
-                             "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)")
-        draft = pair.draft
+    draft = draft_for(target, draft)
     model, tokenizer = load(target, dtype)
     drafter = load_draft(draft, dtype)
     prepare(model, drafter)

@@ -1,6 +1,5 @@
 """After every cycle both caches must equal what a plain prefill of the committed tokens builds."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache

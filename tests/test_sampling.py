@@ -1,6 +1,5 @@
 """Above temperature 0 the output must follow the target's own sampling distribution exactly."""
 
-import itertools
 
 import mlx.core as mx
 import numpy as np
