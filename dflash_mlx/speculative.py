@@ -185,8 +185,7 @@ def stream_generate(
     block_size = block_size or (draft.block_size if draft is not None else 1)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if block_size == 1:
-        draft = None
+    drafting = draft is not None and block_size > 1  # else plain decoding (the drafter's cache still follows)
     if tokenizer is not None and not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if tokenizer is None and isinstance(prompt, str):
@@ -252,7 +251,7 @@ def stream_generate(
     yield response
     while response.finish_reason is None:
         last = cache.pending[-1]
-        if draft is not None:
+        if drafting:
             x, q = propose(draft.propose_logits(last, cache.draft_cache, block_size, compile)[0])
             block = mx.concatenate([mx.array([last]), x.astype(mx.int32)])[None]
         else:

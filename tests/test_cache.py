@@ -59,3 +59,18 @@ def test_a_kept_cache_continues_a_conversation_without_prefilling_it_again():
     # The second call prefilled only the pending token and the new prompt.
     assert cache.processed - before == 1 + len(follow_up) + len(second) - 1
     assert second == greedy_reference(model, prompt + first + follow_up, 12)
+
+
+def test_block_size_one_keeps_a_drafter_cache_in_step():
+    """Plain decoding (block 1) with a drafter's cache, then drafting again: both stay lossless."""
+    model, prompt = make_target("llama"), prompt_of(7, seed=4)
+    ref = greedy_reference(model, prompt, 30)
+    draft = OracleDraft(draft_config(block_size=5), prompt + ref, [None, 1])
+    target = prepare(model, draft)
+    cache = SpeculativeCache(target, draft)
+    tok = no_eos_tokenizer(ref)
+    out = sum((p.tokens for p in stream_generate(target, draft, tok, prompt, max_tokens=10, block_size=1,
+                                                  prompt_cache=cache)), [])
+    assert cache.draft_cache[0].offset == cache.processed
+    out += sum((p.tokens for p in stream_generate(target, draft, tok, [], max_tokens=20, prompt_cache=cache)), [])
+    assert out == ref
