@@ -344,12 +344,16 @@ def train_run(
     eval_every: int = typer.Option(0, help="Steps between evaluations (0: at the end only)."),
     eval_prompts: int = typer.Option(8, help="Held-out ShareGPT prompts for the real acceptance length."),
     export_to: Optional[str] = typer.Option(None, "--export", help="Write the final drafter here (z-lab layout)."),
+    init: Optional[str] = typer.Option(None, "--init", help="Start from this drafter's weights (a new run, "
+                                                            "fresh optimizer), e.g. to continue a shipped one."),
 ):
     """Train a drafter on self-distilled data (the paper's recipe); Ctrl-C and re-run to resume."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    import mlx.core as mx
+
     from dflash_mlx.data import load_shards, sharegpt_prompts
-    from dflash_mlx.loading import load
+    from dflash_mlx.loading import load, load_draft
     from dflash_mlx.models.targets import Target
     from dflash_mlx.train import TrainConfig, export, tau_on_prompts, train
 
@@ -382,7 +386,8 @@ def train_run(
                     bar.console.print(f"step {r['step']}: {desc}")
                 bar.update(task, completed=r["step"], description=desc)
 
-            train(Target(target_model), tokenizer, seqs, out, cfg, on_step=on_step, evaluate=evaluate)
+            start = load_draft(init, dtype=mx.float32) if init else None
+            train(Target(target_model), tokenizer, seqs, out, cfg, draft=start, on_step=on_step, evaluate=evaluate)
         if export_to:
             export(Path(out) / "checkpoint", export_to)
             typer.echo(f"drafter written to {export_to}")

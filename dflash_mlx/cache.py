@@ -88,8 +88,3 @@ class SpeculativeCache:
         self.processed = n
         del self.tokens[n:]
         return True
-
-    @property
-    def nbytes(self) -> int:
-        caches = self.target_cache + (self.draft_cache or [])
-        return sum(c.nbytes for c in caches if not c.empty())
