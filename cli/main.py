@@ -199,8 +199,8 @@ def chat(
     console = Console(highlight=False)
     with user_errors():
         with console.status(f"loading {model} ..."):
+            target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
-            target, drafter, tokenizer = load_pair(model, name)
         session = ChatSession(target, drafter, tokenizer, system=system, temperature=temp, block_size=block_size,
                               max_tokens=max_tokens,
                               template_kwargs={} if think is None else {"enable_thinking": think})
@@ -273,8 +273,8 @@ def bench(
         if any(b < 1 for b in bs) or any(t < 0 for t in ts):
             raise ValueError("block sizes must be >= 1 and temperatures >= 0")
         ps = prompt_source(prompts)[:limit or None]
+        target, drafter, tokenizer = load_pair(model, draft)
         name = draft_for(model, draft)
-        target, drafter, tokenizer = load_pair(model, name)
         with Progress(TextColumn("benchmarking"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=_stderr()) as bar:
             task = bar.add_task("", total=len(ps) * (len(ts) + len(bs) * len(ts)))

@@ -234,8 +234,7 @@ def load_pair(target: str, draft: Optional[str] = None, dtype="auto"):
     """-> (model, draft, tokenizer), checked to fit each other. Without `draft`, the registry's."""
     from .speculative import prepare
 
-    draft = draft_for(target, draft)
-    model, tokenizer = load(target, dtype)
-    drafter = load_draft(draft, dtype)
+    model, tokenizer = load(target, dtype)  # first: a missing target is the clearer error
+    drafter = load_draft(draft_for(target, draft), dtype)
     prepare(model, drafter)
     return model, drafter, tokenizer

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash_mlx.loading import find_pair, load_pair, registry, resolve
+from dflash_mlx.loading import draft_for, find_pair, registry, resolve
 
 
 def test_every_pair_is_complete_and_unique():
@@ -20,7 +20,9 @@ def test_a_target_finds_its_drafter(name):
 
 def test_unknown_target_without_drafter_says_what_to_do():
     with pytest.raises(ValueError, match="no known drafter for someone/unknown-model: pass one"):
-        load_pair("someone/unknown-model")
+        draft_for("someone/unknown-model")
+    assert draft_for("mlx-community/Qwen3-8B-4bit") == "z-lab/Qwen3-8B-DFlash-b16"
+    assert draft_for("anything", "my/drafter") == "my/drafter"
 
 
 def test_a_name_that_is_neither_folder_nor_id_is_explained():
