@@ -4,6 +4,7 @@ import json
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from tiny import _COMMON, greedy_reference, make_draft, make_target, make_tokenizer, prompt_of
@@ -12,7 +13,7 @@ from dflash_mlx.data import jsonl_prompts
 from dflash_mlx.models.dflash import block_mask
 from dflash_mlx.models.targets import Target
 from dflash_mlx.speculative import generate, prepare
-from dflash_mlx.train import TrainConfig, block_labels, block_logits, block_loss, loss_weights, train
+from dflash_mlx.train import TrainConfig, block_labels, block_logits, block_loss, cross_entropy, loss_weights, train
 
 
 def test_block_mask_allows_exactly_the_rule():
@@ -65,6 +66,16 @@ def test_loss_weights_and_label_alignment_by_hand():
     ce = [-lp[0, 0, 12] * w[0], -lp[0, 1, 13] * w[1], -lp[0, 2, 14] * w[2], -lp[1, 0, 14] * w[0]]
     expected = sum(ce) / (sum(w) + w[0])
     assert abs(block_loss(logits, labels, valid, 7.0).item() - expected) < 1e-5
+
+
+def test_fast_cpu_cross_entropy_matches_mlx_in_value_and_gradient():
+    logits = 8 * mx.random.normal((3, 5, 300), key=mx.random.key(1))  # large logits: the stable path matters
+    labels = mx.random.randint(0, 300, (3, 5), key=mx.random.key(2))
+    w = mx.random.uniform(shape=(3, 5), key=mx.random.key(3))
+    ours = mx.value_and_grad(lambda x: (cross_entropy(x, labels) * w).sum())(logits)
+    ref = mx.value_and_grad(lambda x: (nn.losses.cross_entropy(x, labels, reduction="none") * w).sum())(logits)
+    assert abs(ours[0].item() - ref[0].item()) < 1e-4 * abs(ref[0].item())
+    np.testing.assert_allclose(np.array(ours[1]), np.array(ref[1]), rtol=1e-4, atol=1e-6)
 
 
 def self_distilled(model, n=40, prompt_len=8, response=48):
