@@ -339,7 +339,7 @@ def train_run(
     steps: int = typer.Option(2000, help="Training steps (one sequence each)."),
     lr: float = typer.Option(6e-4, help="Peak learning rate."),
     warmup: int = typer.Option(100, help="Warm-up steps."),
-    anchors: int = typer.Option(16, help="Blocks per sequence and step."),
+    anchors: int = typer.Option(64, help="Blocks per sequence and step."),
     checkpoint_every: int = typer.Option(100, help="Steps between checkpoints."),
     eval_every: int = typer.Option(0, help="Steps between evaluations (0: at the end only)."),
     eval_prompts: int = typer.Option(8, help="Held-out ShareGPT prompts for the real acceptance length."),
