@@ -300,7 +300,8 @@ app.add_typer(train_app, name="train")
 def train_data(
     out: str = typer.Option(..., "--out", "-o", help="Folder for the token-id shards (resumes if it has some)."),
     model: str = typer.Option(DEMO, "--model", "-m", help="The target that writes the answers."),
-    source: str = typer.Option("sharegpt", help="sharegpt, humaneval, a .jsonl file, or hf:org/name[:split[:field]]."),
+    source: str = typer.Option("sharegpt", help="sharegpt, python-stdlib, humaneval, a .jsonl file, "
+                                                 "or hf:org/name[:split[:field]]."),
     limit: Optional[int] = typer.Option(None, help="Stop after this many sequences."),
     max_new_tokens: int = typer.Option(256, help="Longest answer."),
     max_prompt_tokens: int = typer.Option(384, help="Skip longer prompts."),
@@ -328,7 +329,9 @@ def train_data(
 
 @train_app.command("run")
 def train_run(
-    data: str = typer.Option(..., "--data", help="Folder made by `dflash-mlx train data`."),
+    data: list[str] = typer.Option(..., "--data", help="Folder made by `dflash-mlx train data` (repeat the "
+                                                     "option to mix folders; the first one's first sequences "
+                                                     "are held out)."),
     out: str = typer.Option(..., "--out", "-o", help="Run folder: checkpoints, log; resumes if it has one."),
     model: str = typer.Option(DEMO, "--model", "-m", help="The target (frozen)."),
     layers: int = typer.Option(2, help="Drafter layers (1-5 is typical)."),
@@ -358,9 +361,12 @@ def train_run(
     from dflash_mlx.train import TrainConfig, export, tau_on_prompts, train
 
     with user_errors():
-        seqs = load_shards(data)
-        if not seqs:
-            raise ValueError(f"{data} holds no training sequences: make some with `dflash-mlx train data`")
+        seqs = []
+        for folder in data:
+            found = load_shards(folder)
+            if not found:
+                raise ValueError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")
+            seqs += found
         target_model, tokenizer = load(model)
         cfg = TrainConfig(block_size=block_size, num_layers=layers, mask_token_id=mask_token_id, steps=steps, lr=lr,
                           warmup=warmup, anchors=anchors, checkpoint_every=checkpoint_every, eval_every=eval_every,

@@ -67,6 +67,35 @@ def humaneval_prompts() -> list[list[dict]]:
             for p in problems]
 
 
+def python_stdlib_prompts() -> list[list[dict]]:
+    """Offline code prompts in HumanEval's style: the signature and docstring of every public,
+    undecorated function of this Python's standard library (tests and GUI packages skipped) that has
+    a docstring of two or more lines, shuffled in a fixed order, each asking for the function's code."""
+    import ast
+    import sysconfig
+    import textwrap
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "site-packages"}
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        if skip & set(path.relative_to(root).parts):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and not node.decorator_list
+                    and len(node.body) > 1 and "\n" in (ast.get_docstring(node) or "")):
+                head = textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno]))
+                out.append([{"role": "user", "content": f"Complete this Python function.\n\n```python\n{head}\n```"}])
+    np.random.default_rng(0).shuffle(out)  # mixes modules, so a partial run is a fair sample
+    return out
+
+
 def jsonl_prompts(path: str | Path) -> list[list[dict]]:
     """Prompts from a JSONL file: each line {"prompt": str}, {"messages": [...]} or ShareGPT-style
     {"conversations": [{"from": "human", "value": ...}, ...]} (its first human turn)."""
@@ -106,20 +135,22 @@ def hf_prompts(spec: str) -> list[list[dict]]:
 
 
 def prompt_source(source: str) -> list[list[dict]]:
-    """'sharegpt' (train split), 'sharegpt-heldout', 'humaneval', a .jsonl file, or 'hf:org/name[:split[:field]]'."""
+    """'sharegpt' (train split), 'sharegpt-heldout', 'humaneval', 'python-stdlib', a .jsonl file, or 'hf:org/name[:split[:field]]'."""
     if source == "sharegpt":
         return sharegpt_prompts("train")
     if source == "sharegpt-heldout":
         return sharegpt_prompts("heldout")
     if source == "humaneval":
         return humaneval_prompts()
+    if source == "python-stdlib":
+        return python_stdlib_prompts()
     if source.startswith("hf:"):
         return hf_prompts(source[3:])
     if Path(source).suffix == ".jsonl" or Path(source).exists():
         if not Path(source).exists():
             raise FileNotFoundError(f"no prompt file at {source}")
         return jsonl_prompts(source)
-    raise ValueError(f"unknown prompt source {source!r}: use sharegpt, sharegpt-heldout, humaneval, "
+    raise ValueError(f"unknown prompt source {source!r}: use sharegpt, sharegpt-heldout, humaneval, python-stdlib, "
                      "a .jsonl file or hf:org/name")
 
 

@@ -119,4 +119,11 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     r = run("train", "run", "--data", tmp_path / "data", "-o", tmp_path / "run", "-m", root / "target",
             "--layers", "1", "--block-size", "4", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0",
             "--export", tmp_path / "exported")
-    assert r.exit_code == 1 and "usable sequences" in r.stderr  # 4 sequences, 16 held out: refused clearly
+    assert r.exit_code == 1 and "has 4 usable sequences" in r.stderr  # 16 held out: refused clearly
+    r = run("train", "run", "--data", tmp_path / "data", "--data", tmp_path / "data", "-o", tmp_path / "run",
+            "-m", root / "target", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0")
+    assert r.exit_code == 1 and "has 8 usable sequences" in r.stderr  # both folders were read
+    (tmp_path / "none").mkdir()
+    r = run("train", "run", "--data", tmp_path / "data", "--data", tmp_path / "none", "-o", tmp_path / "run",
+            "-m", root / "target")
+    assert r.exit_code == 1 and "none holds no training sequences" in r.stderr

@@ -1,5 +1,6 @@
 """Training: the block mask, the loss, train/inference agreement, a real tiny run, resume, errors."""
 
+import ast
 import json
 import math
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from tiny import _COMMON, greedy_reference, make_draft, make_target, make_tokenizer, prompt_of
 
-from dflash_mlx.data import jsonl_prompts
+from dflash_mlx.data import jsonl_prompts, prompt_source
 from dflash_mlx.models.dflash import block_mask
 from dflash_mlx.models.targets import Target
 from dflash_mlx.speculative import generate, prepare
@@ -147,3 +148,15 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     unsupported = qwen2.Model(qwen2.ModelArgs.from_dict(dict(_COMMON, model_type="qwen2")))
     with pytest.raises(ValueError, match="family 'qwen2' is not supported"):
         Target(unsupported)
+
+
+def test_python_stdlib_prompts_are_humaneval_style_code_questions():
+    prompts = prompt_source("python-stdlib")
+    assert len(prompts) > 1000  # every public documented function of the standard library
+    assert prompts == prompt_source("python-stdlib")  # a fixed order, so `train data` can resume
+    for messages in prompts[:50]:
+        text = messages[0]["content"]
+        assert text.startswith("Complete this Python function.\n\n```python\ndef ") and text.endswith("\n```")
+        code = text.split("```python\n", 1)[1][:-4]
+        fn = ast.parse(code).body[0]  # a signature and docstring, nothing of the body
+        assert isinstance(fn, ast.FunctionDef) and ast.get_docstring(fn) and len(fn.body) == 1
