@@ -335,6 +335,8 @@ def train_run(
     out: str = typer.Option(..., "--out", "-o", help="Run folder: checkpoints, log; resumes if it has one."),
     model: str = typer.Option(DEMO, "--model", "-m", help="The target (frozen)."),
     layers: int = typer.Option(2, help="Drafter layers (1-5 is typical)."),
+    intermediate_size: Optional[int] = typer.Option(None, help="Drafter MLP width (default: the target's; "
+                                                               "the hidden width is always the target's)."),
     block_size: int = typer.Option(16, help="Block size B."),
     target_layer_ids: Optional[str] = typer.Option(None, help="Comma-separated target layers to tap "
                                                               "(default: the paper's spread)."),
@@ -368,7 +370,8 @@ def train_run(
                 raise ValueError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")
             seqs += found
         target_model, tokenizer = load(model)
-        cfg = TrainConfig(block_size=block_size, num_layers=layers, mask_token_id=mask_token_id, steps=steps, lr=lr,
+        cfg = TrainConfig(block_size=block_size, num_layers=layers, intermediate_size=intermediate_size,
+                          mask_token_id=mask_token_id, steps=steps, lr=lr,
                           warmup=warmup, anchors=anchors, checkpoint_every=checkpoint_every, eval_every=eval_every,
                           target_layer_ids=[int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None)
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []

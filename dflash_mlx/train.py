@@ -41,6 +41,7 @@ GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay per block size
 class TrainConfig:
     block_size: int = 16
     num_layers: int = 2
+    intermediate_size: Optional[int] = None  # the drafter's MLP width; default: the target's
     target_layer_ids: Optional[list[int]] = None  # default: the paper's spread over the target
     mask_token_id: Optional[int] = None  # default: the tokenizer's mask token, else an unused special
     anchors: int = 64  # blocks per sequence and step (more amortise each step's fixed cost)
@@ -62,16 +63,19 @@ class TrainConfig:
 
 
 def drafter_config(target: Target, tokenizer, cfg: TrainConfig) -> DFlashConfig:
-    """A drafter as wide as the target, with the target's attention geometry and RoPE."""
+    """A drafter as wide as the target (it reads the target's embeddings and feeds its lm_head), with
+    the target's attention geometry and RoPE; its depth and MLP width are the run's choice."""
     if cfg.block_size < 2:
         raise ValueError(f"block size must be at least 2 to train a drafter, got {cfg.block_size}")
+    if cfg.num_layers < 1 or (cfg.intermediate_size is not None and cfg.intermediate_size < 1):
+        raise ValueError("the drafter needs at least 1 layer and an MLP width of at least 1")
     a = target.args
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tokenizer)
     return DFlashConfig(
         hidden_size=a.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=a.num_attention_heads,
         num_key_value_heads=getattr(a, "num_key_value_heads", None) or a.num_attention_heads,
         head_dim=getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads,
-        intermediate_size=a.intermediate_size, vocab_size=a.vocab_size,
+        intermediate_size=cfg.intermediate_size or a.intermediate_size, vocab_size=a.vocab_size,
         target_layer_ids=cfg.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.num_layers),
         mask_token_id=mask, block_size=cfg.block_size, num_target_layers=target.num_layers,
         rms_norm_eps=a.rms_norm_eps, rope_theta=float(getattr(a, "rope_theta", 10000.0)),

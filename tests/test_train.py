@@ -133,12 +133,25 @@ def test_resume_continues_the_same_run(tiny_setup, tmp_path):
     np.testing.assert_allclose(first[:40] + second, straight, rtol=2e-3, atol=2e-3)
 
 
+def test_drafter_depth_and_mlp_width_are_the_runs_choice(tiny_setup, tmp_path):
+    model, seqs = tiny_setup
+    cfg = TrainConfig(block_size=4, num_layers=3, intermediate_size=40, mask_token_id=95, anchors=4, steps=2,
+                      warmup=1, holdout=8)
+    draft = train(Target(model), make_tokenizer(), seqs, tmp_path / "run", cfg)
+    assert len(draft.layers) == 3 and draft.layers[0].mlp.gate_proj.weight.shape == (40, model.args.hidden_size)
+    saved = json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())
+    assert saved["intermediate_size"] == 40 and saved["num_hidden_layers"] == 3
+    assert saved["hidden_size"] == model.args.hidden_size  # the width that meets the shared embedding
+
+
 def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     model, seqs = tiny_setup
     with pytest.raises(ValueError, match="usable sequences"):
         train(Target(model), make_tokenizer(), [(s[:9], 8) for s, _ in seqs], tmp_path / "x", TrainConfig(holdout=2))
     with pytest.raises(ValueError, match="block size must be at least 2"):
         train(Target(model), make_tokenizer(), seqs, tmp_path / "y", TrainConfig(block_size=1, mask_token_id=95))
+    with pytest.raises(ValueError, match="at least 1 layer"):
+        train(Target(model), make_tokenizer(), seqs, tmp_path / "z", TrainConfig(num_layers=0, mask_token_id=95))
     (tmp_path / "empty.jsonl").write_text('{"text": "no usable field"}\n\n')
     with pytest.raises(ValueError, match="no usable rows"):
         jsonl_prompts(tmp_path / "empty.jsonl")
