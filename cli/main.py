@@ -351,8 +351,6 @@ def train_run(
     export_to: Optional[str] = typer.Option(None, "--export", help="Write the final drafter here (z-lab layout)."),
     init: Optional[str] = typer.Option(None, "--init", help="Start from this drafter's weights (a new run, "
                                                             "fresh optimizer), e.g. to continue a shipped one."),
-    init_from_target: bool = typer.Option(False, help="Start the drafter's layers as copies of the target's "
-                                                      "last layers (a new run)."),
     distill_top_k: int = typer.Option(0, help="Train on the target's top-k next-token distribution (soft "
                                               "labels) instead of its greedy token; 0: hard labels."),
 ):
@@ -367,8 +365,6 @@ def train_run(
     from dflash_mlx.train import TrainConfig, export, tau_on_prompts, train
 
     with user_errors():
-        if init and init_from_target:
-            raise ValueError("--init and --init-from-target both set the starting weights: pick one")
         seqs = []
         for folder in data:
             found = load_shards(folder)
@@ -379,7 +375,7 @@ def train_run(
         cfg = TrainConfig(block_size=block_size, num_layers=layers, intermediate_size=intermediate_size,
                           mask_token_id=mask_token_id, steps=steps, lr=lr,
                           warmup=warmup, anchors=anchors, checkpoint_every=checkpoint_every, eval_every=eval_every,
-                          init_from_target=init_from_target, distill_top_k=distill_top_k,
+                          distill_top_k=distill_top_k,
                           target_layer_ids=[int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None)
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
         Path(out).expanduser().mkdir(parents=True, exist_ok=True)

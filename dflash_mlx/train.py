@@ -55,7 +55,6 @@ class TrainConfig:
     checkpoint_every: int = 200
     eval_every: int = 0  # 0: only at the end
     holdout: int = 16  # sequences kept out of training for the offline acceptance estimate
-    init_from_target: bool = False  # start the drafter's layers as copies of the target's last layers
     distill_top_k: int = 0  # >0: soft labels, the target's own next-token distribution (top k)
     max_seq_len: int = 1024
     history: list = field(default_factory=list)
@@ -220,23 +219,6 @@ def soft_labels(soft, anchors: mx.array, block_size: int):
     return ids[pos], probs[pos]
 
 
-def copy_target_layers(draft: DFlashDraftModel, target: Target) -> None:
-    """Start each drafter layer as a copy of one of the target's last layers (attention projections,
-    MLP, norms) and its final norm as the target's: a pretrained prior for a data-poor run. The
-    drafter's extra q/k norms start as identity; fc and hidden_norm start fresh."""
-    layers = target.inner.layers[-len(draft.layers):]
-    for mine, theirs in zip(draft.layers, layers):
-        weights = dict(tree_flatten(theirs.parameters()))
-        if any(k.endswith(".scales") for k in weights):
-            raise ValueError("--init-from-target needs an unquantized target (its layers are quantized)")
-        own = dict(tree_flatten(mine.parameters()))
-        shared = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape}
-        if not any(k.startswith("mlp.") for k in shared) or not any(k.startswith("self_attn.") for k in shared):
-            raise ValueError("--init-from-target needs the drafter's MLP width and attention to match the target's")
-        mine.load_weights(list(shared.items()), strict=False)
-    draft.norm.load_weights(list(tree_flatten(target.inner.norm.parameters())), strict=False)
-
-
 def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, n: int) -> np.ndarray:
     """Up to n distinct anchor positions among the response tokens that have a next token."""
     first, last = max(prompt_len, 1), length - 2
@@ -298,8 +280,6 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     elif draft is None:
         mx.random.seed(cfg.seed)
         draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
-        if cfg.init_from_target:
-            copy_target_layers(draft, target)
     target = Target(target.model, draft.config.target_layer_ids)
     from .speculative import check_pair, prepare
 

@@ -14,7 +14,7 @@ from dflash_mlx.data import jsonl_prompts, prompt_source
 from dflash_mlx.models.dflash import block_mask
 from dflash_mlx.models.targets import Target
 from dflash_mlx.speculative import generate, prepare
-from dflash_mlx.train import (FeatureCache, TrainConfig, block_labels, block_logits, block_loss, copy_target_layers,
+from dflash_mlx.train import (FeatureCache, TrainConfig, block_labels, block_logits, block_loss,
                               cross_entropy, loss_weights, soft_labels, train)
 
 
@@ -112,30 +112,6 @@ def test_soft_labels_are_the_targets_distribution_at_the_position_before_each_la
     best = mx.take_along_axis(s_ids, s_probs.argmax(-1)[..., None], -1)[..., 0]
     # On greedy self-distilled data the target's most likely next token is the hard label.
     assert (best == labels).all().item()
-
-
-def test_init_from_target_starts_from_the_targets_last_layers(tiny_setup, tmp_path):
-    model, seqs = tiny_setup
-    draft = make_draft(layers=2)
-    copy_target_layers(draft, Target(model))
-    for mine, theirs in zip(draft.layers, model.model.layers[-2:]):
-        for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight",
-                     "input_layernorm.weight"):
-            np.testing.assert_array_equal(np.array(dict(mlx_flat(mine))[name]), np.array(dict(mlx_flat(theirs))[name]))
-    np.testing.assert_array_equal(np.array(draft.norm.weight), np.array(model.model.norm.weight))
-    with pytest.raises(ValueError, match="MLP width"):
-        copy_target_layers(make_draft(layers=1, intermediate_size=40), Target(model))
-    cfg = TrainConfig(block_size=4, num_layers=2, mask_token_id=95, anchors=4, steps=2, warmup=1, holdout=8,
-                      init_from_target=True, distill_top_k=4)
-    trained = train(Target(model), make_tokenizer(), seqs, tmp_path / "run", cfg)
-    assert not np.allclose(np.array(trained.layers[0].mlp.down_proj.weight),
-                           np.array(model.model.layers[-2].mlp.down_proj.weight))
-
-
-def mlx_flat(module):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(module.parameters())
 
 
 def self_distilled(model, n=40, prompt_len=8, response=48):
