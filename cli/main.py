@@ -351,8 +351,6 @@ def train_run(
     export_to: Optional[str] = typer.Option(None, "--export", help="Write the final drafter here (z-lab layout)."),
     init: Optional[str] = typer.Option(None, "--init", help="Start from this drafter's weights (a new run, "
                                                             "fresh optimizer), e.g. to continue a shipped one."),
-    distill_top_k: int = typer.Option(0, help="Train on the target's top-k next-token distribution (soft "
-                                              "labels) instead of its greedy token; 0: hard labels."),
 ):
     """Train a drafter on self-distilled data (the paper's recipe); Ctrl-C and re-run to resume."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -375,7 +373,6 @@ def train_run(
         cfg = TrainConfig(block_size=block_size, num_layers=layers, intermediate_size=intermediate_size,
                           mask_token_id=mask_token_id, steps=steps, lr=lr,
                           warmup=warmup, anchors=anchors, checkpoint_every=checkpoint_every, eval_every=eval_every,
-                          distill_top_k=distill_top_k,
                           target_layer_ids=[int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None)
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
         Path(out).expanduser().mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,6 @@ class TrainConfig:
     checkpoint_every: int = 200
     eval_every: int = 0  # 0: only at the end
     holdout: int = 16  # sequences kept out of training for the offline acceptance estimate
-    distill_top_k: int = 0  # >0: soft labels, the target's own next-token distribution (top k)
     max_seq_len: int = 1024
     history: list = field(default_factory=list)
 
@@ -137,45 +136,38 @@ def _softmax_parts(x: np.ndarray):
 
 
 @mx.custom_function
-def _cpu_cross_entropy(logits, ids, probs):
-    """Per-row cross-entropy against the distribution `probs` over token `ids` (rows of k; a hard
-    label is k = 1, prob 1) computed in NumPy (hand-written: on MLX's CPU backend `mx.exp` is
+def _cpu_cross_entropy(logits, labels):
+    """Per-row cross-entropy computed in NumPy (hand-written: on MLX's CPU backend `mx.exp` is
     scalar code, and the vocabulary-wide softmax took ~45% of a training step; NumPy's vectorised
     exp makes the loss and its gradient ~4x cheaper). Same values as nn.losses.cross_entropy."""
     x = np.array(logits, copy=False)
     _, s, m = _softmax_parts(x)
     lse = np.log(s[:, 0]) + m[:, 0]
-    p = np.array(probs)
-    return mx.array(lse - (np.take_along_axis(x, np.array(ids), axis=1) * p).sum(1))
+    return mx.array(lse - x[np.arange(len(x)), np.array(labels)])
 
 
 @_cpu_cross_entropy.vjp
 def _cpu_cross_entropy_vjp(primals, cotangent, output):
-    logits, ids, probs = primals
+    logits, labels = primals
     e, s, _ = _softmax_parts(np.array(logits, copy=False))
     d = np.array(cotangent)[:, None]
     grad = e * (d / s)
-    rows = np.arange(len(grad))[:, None]
-    np.add.at(grad, (rows, np.array(ids)), -d * np.array(probs))
-    return mx.array(grad), mx.zeros_like(ids), mx.zeros_like(probs)
+    grad[np.arange(len(grad)), np.array(labels)] -= d[:, 0]
+    return mx.array(grad), mx.zeros_like(labels)
 
 
-def cross_entropy(logits: mx.array, labels: mx.array, soft: Optional[tuple[mx.array, mx.array]] = None) -> mx.array:
-    """Unreduced cross-entropy over the last axis, in float32, against the hard `labels` or, if
-    given, the soft labels `soft` = (token ids, probabilities), each shaped labels.shape + (k,)."""
+def cross_entropy(logits: mx.array, labels: mx.array) -> mx.array:
+    """Unreduced cross-entropy over the last axis, in float32."""
     logits = logits.astype(mx.float32)
-    ids, probs = soft if soft is not None else (labels[..., None], mx.ones((*labels.shape, 1)))
     if mx.default_device() != mx.cpu:
-        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return -(mx.take_along_axis(logp, ids, axis=-1) * probs).sum(-1)
-    shape, k = labels.shape, ids.shape[-1]
-    return _cpu_cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1, k),
-                              probs.astype(mx.float32).reshape(-1, k)).reshape(shape)
+        return nn.losses.cross_entropy(logits, labels, reduction="none")
+    shape = labels.shape
+    return _cpu_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).reshape(shape)
 
 
-def block_loss(logits, labels, valid, gamma, soft=None):
+def block_loss(logits, labels, valid, gamma):
     w = loss_weights(logits.shape[1] + 1, gamma)[None] * valid
-    return (cross_entropy(logits, labels, soft) * w).sum() / w.sum()
+    return (cross_entropy(logits, labels) * w).sum() / w.sum()
 
 
 def acceptance_from_blocks(logits, labels, valid) -> tuple[float, np.ndarray]:
@@ -188,35 +180,21 @@ def acceptance_from_blocks(logits, labels, valid) -> tuple[float, np.ndarray]:
 
 
 class FeatureCache:
-    """Per sequence, the target's hidden features and (with `top_k`) its top-k next-token
-    distribution at every position; computed once and kept in RAM (float16)."""
+    """Target hidden features per sequence, computed once and kept as float16 in RAM."""
 
-    def __init__(self, target: Target, keep: bool = True, top_k: int = 0):
-        self.target, self.keep, self.top_k, self.store = target, keep, top_k, {}
+    def __init__(self, target: Target, keep: bool = True):
+        self.target, self.keep, self.store = target, keep, {}
 
-    def __call__(self, index: int, tokens: mx.array):
+    def __call__(self, index: int, tokens: mx.array) -> mx.array:
         if index in self.store:
             return self.store[index]
-        logits, features = self.target(tokens[None], None, last_logits_only=not self.top_k)
-        soft = None
-        if self.top_k:
-            logits = logits[0].astype(mx.float32)
-            ids = mx.argpartition(-logits, self.top_k - 1, axis=-1)[:, :self.top_k]
-            probs = mx.softmax(mx.take_along_axis(logits, ids, axis=-1), axis=-1)  # renormalised on the top k
-            soft = (ids.astype(mx.int32), probs.astype(mx.float16))
+        _, features = self.target(tokens[None], None, last_logits_only=True)
         features = mx.stop_gradient(features)
         if self.keep:
             features = features.astype(mx.float16)
-            mx.eval(features, soft or [])
-            self.store[index] = features, soft
-        return features, soft
-
-
-def soft_labels(soft, anchors: mx.array, block_size: int):
-    """The target's distributions for the labels of each block: position p is predicted from p - 1."""
-    ids, probs = soft
-    pos = mx.minimum(anchors[:, None] + mx.arange(block_size - 1)[None], ids.shape[0] - 1)
-    return ids[pos], probs[pos]
+            mx.eval(features)
+            self.store[index] = features
+        return features
 
 
 def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, n: int) -> np.ndarray:
@@ -245,7 +223,7 @@ def evaluate_blocks(draft, target, features_of, seqs, indices, cfg: TrainConfig,
         if len(anchors) == 0:
             continue
         a = mx.array(anchors)
-        logits = block_logits(draft, target, features_of(i, tokens)[0], tokens, a)
+        logits = block_logits(draft, target, features_of(i, tokens), tokens, a)
         labels, valid = block_labels(tokens, a, cfg.block_size)
         tau, acc = acceptance_from_blocks(logits, labels, valid)
         taus.append(tau)
@@ -292,15 +270,14 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     if start:
         opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
 
-    features_of = FeatureCache(target, top_k=cfg.distill_top_k)
+    features_of = FeatureCache(target)
     train_idx = np.arange(cfg.holdout, len(seqs))
     gamma = cfg.loss_gamma()
 
-    def loss_fn(model, features, soft, tokens, anchors):
+    def loss_fn(model, features, tokens, anchors):
         logits = block_logits(model, target, features, tokens, anchors)
         labels, valid = block_labels(tokens, anchors, cfg.block_size)
-        soft = soft_labels(soft, anchors, cfg.block_size) if soft is not None else None
-        return block_loss(logits, labels, valid, gamma, soft)
+        return block_loss(logits, labels, valid, gamma)
 
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     history = list(cfg.history)
@@ -313,8 +290,8 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         anchors = sample_anchors(rng, plen, tokens.shape[0], cfg.anchors)
         if len(anchors) == 0:
             continue
-        features, soft = features_of(i, tokens)
-        loss, grads = loss_and_grad(draft, features, soft, tokens, mx.array(anchors))
+        features = features_of(i, tokens)
+        loss, grads = loss_and_grad(draft, features, tokens, mx.array(anchors))
         grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(draft, grads)
         mx.eval(loss, draft.parameters(), opt.state)
