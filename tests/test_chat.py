@@ -9,21 +9,6 @@ from tiny import greedy_reference, make_draft
 
 from dflash_mlx import apply_chat_template, generate
 from dflash_mlx.chat import ChatSession, ContextFull
-from dflash_mlx.loading import load, smollm2_gguf
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    try:
-        smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    home = tmp_path_factory.mktemp("home")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("DFLASH_MLX_HOME", str(home))
-    model, tokenizer = load("smollm2-135m-instruct")
-    yield model, tokenizer, home
-    mp.undo()
 
 
 def smollm2_drafter(path: Path):

