@@ -42,8 +42,6 @@ def convert(
     force: bool = typer.Option(False, help="Replace OUTPUT if it exists."),
 ):
     """Convert a drafter or a target to an MLX folder, or export a drafter to z-lab's layout."""
-    from pathlib import Path
-
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from dflash_mlx.convert import DTYPES, convert_draft, convert_target, export_draft, is_drafter
@@ -215,17 +213,17 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
 
     from dflash_mlx.loading import local_copies, registry
 
-    rows = [dict(name=p.name, target=p.target, draft=p.draft, family=p.family, disk=p.disk,
-                 local=local_copies(p)) for p in registry()]
+    rows = [dict(name=p.name, target=p.target, draft=p.draft, block_size=p.block_size, family=p.family,
+                 disk=p.disk, notes=p.notes, local=local_copies(p)) for p in registry()]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     t = Table(title="target / drafter pairs (dflash-mlx chat --model NAME)")
-    for col in ("name", "target", "drafter", "family", "on this machine"):
+    for col in ("name", "target", "drafter", "family", "disk", "notes", "on this machine"):
         t.add_column(col)
     for r in rows:
         local = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in r["local"].items()) or "-"
-        t.add_row(r["name"], r["target"], r["draft"], r["family"], local)
+        t.add_row(r["name"], r["target"], r["draft"], r["family"], r["disk"], r["notes"], local)
     Console().print(t)
 
 
@@ -251,7 +249,7 @@ def bench(
     model: str = typer.Option(DEMO, "--model", "-m", help="Target: registry name, HF id, folder or .gguf."),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Drafter (default: the registry's for --model)."),
     prompts: str = typer.Option("humaneval", help="humaneval, sharegpt-heldout, a .jsonl file, or hf:org/name "
-                                                  "(e.g. hf:openai/gsm8k:test:question)."),
+                                                  "(e.g. hf:openai/gsm8k/main:test:question)."),
     limit: Optional[int] = typer.Option(20, help="Use the first N prompts (0: all)."),
     block_sizes: str = typer.Option("16", help="Comma-separated block sizes."),
     temps: str = typer.Option("0", help="Comma-separated temperatures (identity is checked at 0)."),
@@ -301,7 +299,7 @@ def train_data(
     out: str = typer.Option(..., "--out", "-o", help="Folder for the token-id shards (resumes if it has some)."),
     model: str = typer.Option(DEMO, "--model", "-m", help="The target that writes the answers."),
     source: str = typer.Option("sharegpt", help="sharegpt, python-stdlib, humaneval, a .jsonl file, "
-                                                 "or hf:org/name[:split[:field]]."),
+                                                 "or hf:org/name[/config][:split[:field]]."),
     limit: Optional[int] = typer.Option(None, help="Stop after this many sequences."),
     max_new_tokens: int = typer.Option(256, help="Longest answer."),
     max_prompt_tokens: int = typer.Option(384, help="Skip longer prompts."),

@@ -10,17 +10,21 @@ prefilling it again.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional, Union
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
 
 
 class SpeculativeCache:
-    def __init__(self, target: Target, draft: Optional[DFlashDraftModel]):
-        self.target = target
+    def __init__(self, model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]):
+        """`model`: the mlx-lm target as `load` returns it (or a Target); `draft`: its drafter, or None."""
+        from .speculative import prepare  # imported here: the cycle's module imports this one
+
+        self.target = target = prepare(model, draft)
         self.draft = draft
         self.target_cache = target.make_cache()
         self.draft_cache = draft.make_cache() if draft is not None else None
@@ -32,8 +36,7 @@ class SpeculativeCache:
     def pending(self) -> list[int]:
         return self.tokens[self.processed:]
 
-    def prefill(self, tokens: list[int], step: int = 2048,
-                progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
+    def prefill(self, tokens: list[int], step: int = 2048) -> mx.array:
         """Process pending + new tokens; return the target's logits (1, vocab) after the last one.
 
         Long prompts go through in chunks of `step`, each chunk's features going straight into the
@@ -53,8 +56,6 @@ class SpeculativeCache:
             mx.eval(logits, [c.state for c in self.target_cache],
                     [c.state for c in self.draft_cache or []])
             self.processed += chunk.shape[1]
-            if progress is not None:
-                progress(start + chunk.shape[1], len(todo))
         return logits[:, -1]
 
     def verify(self, block: mx.array):

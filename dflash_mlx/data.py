@@ -119,23 +119,34 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
     return out
 
 
+def parse_hf_spec(spec: str) -> tuple[str, Optional[str], str, Optional[str]]:
+    """'org/name[/config][:split[:field]]' -> (name, config, split, field); split defaults to 'train'."""
+    path, split, field = (spec.split(":") + [None, None])[:3]
+    parts = path.split("/")
+    if len(parts) not in (2, 3) or not all(parts) or len(spec.split(":")) > 3:
+        raise ValueError(f"hf:{spec}: expected hf:org/name[/config][:split[:field]], "
+                         f"e.g. hf:openai/gsm8k/main:test:question")
+    return "/".join(parts[:2]), parts[2] if len(parts) == 3 else None, split or "train", field or None
+
+
 def hf_prompts(spec: str) -> list[list[dict]]:
-    """Prompts from a Hugging Face dataset on a user's machine: 'org/name[:split[:field]]'
-    (default split 'train'; field: the first of prompt/question/instruction/text present)."""
+    """Prompts from a Hugging Face dataset on a user's machine: 'org/name[/config][:split[:field]]'
+    (field: the first of prompt/question/instruction/text present)."""
+    name, config, split, column = parse_hf_spec(spec)
     try:
         from datasets import load_dataset
     except ImportError:
         raise ValueError("Hugging Face datasets need the package: pip install datasets") from None
-    name, split, column = (spec.split(":") + [None, None])[:3]
-    rows = load_dataset(name, split=split or "train")
+    rows = load_dataset(name, config, split=split)
     column = column or next((c for c in ("prompt", "question", "instruction", "text") if c in rows.column_names), None)
     if column is None:
-        raise ValueError(f"{name} has no prompt/question/instruction/text column: name one as {name}:split:column")
+        raise ValueError(f"{name} has no prompt/question/instruction/text column: name one as "
+                         f"hf:{name}:{split}:<column>")
     return [[{"role": "user", "content": str(r[column])}] for r in rows if str(r[column]).strip()]
 
 
 def prompt_source(source: str) -> list[list[dict]]:
-    """'sharegpt' (train split), 'sharegpt-heldout', 'humaneval', 'python-stdlib', a .jsonl file, or 'hf:org/name[:split[:field]]'."""
+    """'sharegpt' (train split), 'sharegpt-heldout', 'humaneval', 'python-stdlib', a .jsonl file, or 'hf:org/name[/config][:split[:field]]'."""
     if source == "sharegpt":
         return sharegpt_prompts("train")
     if source == "sharegpt-heldout":

@@ -64,8 +64,7 @@ def ar_tokens_per_s(model, prompt, n=48) -> float:
     return n / (time.perf_counter() - t)
 
 
-def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt_len=128,
-            with_subprocess=True) -> dict:
+def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt_len=128) -> dict:
     from .cache import SpeculativeCache
     from .speculative import prepare, stream_generate
 
@@ -109,7 +108,7 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
     result["overhead_eager"] = result["cycle_ms_eager"] / (result["verify_ms"] + result["draft_ms_eager"]) - 1
     result["draft_traces"] = draft.traces
     result["ar_tokens_per_s"] = ar_tokens_per_s(model, prompt)
-    if with_subprocess and blas["library"]:
+    if blas["library"]:
         env = dict(os.environ, **{DISABLE_ENV: "1"})
         code = ("import json, dflash_mlx.profile as p, mlx.core as mx;"
                 f"m, _ = p.random_pair({hidden}, {layers}, {vocab});"

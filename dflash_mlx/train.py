@@ -182,18 +182,16 @@ def acceptance_from_blocks(logits, labels, valid) -> tuple[float, np.ndarray]:
 class FeatureCache:
     """Target hidden features per sequence, computed once and kept as float16 in RAM."""
 
-    def __init__(self, target: Target, keep: bool = True):
-        self.target, self.keep, self.store = target, keep, {}
+    def __init__(self, target: Target):
+        self.target, self.store = target, {}
 
     def __call__(self, index: int, tokens: mx.array) -> mx.array:
         if index in self.store:
             return self.store[index]
         _, features = self.target(tokens[None], None, last_logits_only=True)
-        features = mx.stop_gradient(features)
-        if self.keep:
-            features = features.astype(mx.float16)
-            mx.eval(features)
-            self.store[index] = features
+        features = mx.stop_gradient(features).astype(mx.float16)
+        mx.eval(features)
+        self.store[index] = features
         return features
 
 
@@ -321,14 +319,11 @@ def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: 
         (tmp / "state.json").write_text(json.dumps({"step": step, "train_config": asdict(cfg)}))
 
 
-def export(checkpoint: str | Path, dest: str | Path, card: str = "") -> Path:
-    """The trained drafter in z-lab's layout (bf16), plus an optional model card."""
+def export(checkpoint: str | Path, dest: str | Path) -> Path:
+    """The trained drafter in z-lab's layout (bf16)."""
     from .convert import export_draft
 
-    path = export_draft(str(checkpoint), dest, force=True)
-    if card:
-        (Path(dest) / "README.md").write_text(card)
-    return path
+    return export_draft(str(checkpoint), dest, force=True)
 
 
 def tau_on_prompts(target: Target, draft, tokenizer, prompts, max_tokens=128, block_size=None,

