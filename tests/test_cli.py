@@ -131,6 +131,15 @@ def test_train_eval_reports_the_acceptance_of_real_runs(pair):
     assert got["tau"] == pytest.approx(sum(lengths) / len(lengths))
 
 
+def test_profile_times_the_cycle_and_traces_the_draft_step_once():
+    r = run("profile", "--hidden", "64", "--layers", "2", "--vocab", "256", "--block-size", "4", "--cycles", "3",
+            "--json")
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    assert got["draft_traces"] == 1  # one trace for the whole run, not one per cycle
+    assert min(got["cycle_ms_compiled"], got["verify_ms"], got["draft_ms_eager"], got["ar_tokens_per_s"]) > 0
+
+
 def test_version_is_the_projects():
     from dflash_mlx.loading import tomllib  # tomli before Python 3.11
 
