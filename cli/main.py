@@ -343,6 +343,9 @@ def train_run(
     lr: float = typer.Option(6e-4, help="Peak learning rate."),
     warmup: int = typer.Option(100, help="Warm-up steps."),
     anchors: int = typer.Option(64, help="Blocks per sequence and step."),
+    vocab: str = typer.Option("full", help="The loss's softmax over the 'full' vocabulary (the paper's) or "
+                                           "only the tokens the training answers use, 'data' (~1.5x faster "
+                                           "with a large vocabulary; drafting still uses all of it)."),
     checkpoint_every: int = typer.Option(100, help="Steps between checkpoints."),
     eval_every: int = typer.Option(0, help="Steps between evaluations (0: at the end only)."),
     eval_prompts: int = typer.Option(8, help="Held-out ShareGPT prompts for the real acceptance length."),
@@ -370,7 +373,7 @@ def train_run(
         target_model, tokenizer = load(model)
         cfg = TrainConfig(block_size=block_size, num_layers=layers, intermediate_size=intermediate_size,
                           mask_token_id=mask_token_id, steps=steps, lr=lr,
-                          warmup=warmup, anchors=anchors, checkpoint_every=checkpoint_every, eval_every=eval_every,
+                          warmup=warmup, anchors=anchors, vocab=vocab, checkpoint_every=checkpoint_every, eval_every=eval_every,
                           target_layer_ids=[int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None)
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
         Path(out).expanduser().mkdir(parents=True, exist_ok=True)

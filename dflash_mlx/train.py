@@ -10,6 +10,10 @@
   (bidirectionally), never another block: exactly what it sees when drafting for real.
 * Loss: cross-entropy on block positions k = 1..B-1 weighted by exp(-(k-1)/gamma), normalised by
   the weight sum; AdamW, linear warm-up then cosine decay, gradient clipping.
+* `vocab="data"` (not the paper's; EAGLE-3 drafts over a reduced vocabulary too) takes the loss's
+  softmax over only the tokens the training answers contain instead of the whole vocabulary: every
+  label is among them, and with a 49k vocabulary of which ~15k occur, a step is ~1.5x faster. The
+  drafter still drafts over the whole vocabulary, and the held-out estimate scores it that way.
 
 Checkpoints (weights, optimizer state, step) are written atomically every `checkpoint_every` steps;
 a run restarted with the same output folder resumes from the last one. The data order and anchors of
@@ -56,6 +60,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: only at the end
     holdout: int = 16  # sequences kept out of training for the offline acceptance estimate
     max_seq_len: int = 1024
+    vocab: str = "full"  # the loss's softmax over the "full" vocabulary, or the tokens the "data" uses
     history: list = field(default_factory=list)
 
     def loss_gamma(self) -> float:
@@ -97,10 +102,11 @@ def pick_mask_token(tokenizer) -> int:
 
 
 def block_logits(draft: DFlashDraftModel, target: Target, features: mx.array, tokens: mx.array,
-                 anchors: mx.array) -> mx.array:
+                 anchors: mx.array, head: Optional[mx.array] = None) -> mx.array:
     """Drafter logits (N, B-1, vocab) for blocks anchored at `anchors` of one sequence.
 
-    The same `denoise` as inference, with one block per batch row and ctx_len = its anchor.
+    The same `denoise` as inference, with one block per batch row and ctx_len = its anchor. `head`:
+    lm_head rows of a vocabulary subset to score instead of the whole vocabulary.
     """
     B = draft.block_size
     ctx = draft.context(features.astype(draft.fc.weight.dtype))
@@ -112,8 +118,8 @@ def block_logits(draft: DFlashDraftModel, target: Target, features: mx.array, to
         values.append(mx.broadcast_to(v, (n, *v.shape[1:])))
     block = mx.concatenate([tokens[anchors][:, None], mx.full((n, B - 1), draft.mask_token_id)], axis=1)
     emb = target.embed(block).astype(draft.fc.weight.dtype)
-    h = draft.denoise(emb, keys, values, anchors)
-    return target.lm_head(h[:, 1:])
+    h = draft.denoise(emb, keys, values, anchors)[:, 1:]
+    return target.lm_head(h) if head is None else h @ head.T
 
 
 def block_labels(tokens: mx.array, anchors: mx.array, block_size: int):
@@ -271,11 +277,21 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     features_of = FeatureCache(target)
     train_idx = np.arange(cfg.holdout, len(seqs))
     gamma = cfg.loss_gamma()
+    if cfg.vocab not in ("full", "data"):
+        raise ValueError(f"vocab must be 'full' or 'data', got {cfg.vocab!r}")
+    head, to_subset = None, None
+    if cfg.vocab == "data":
+        used = np.unique(np.concatenate([np.asarray(seqs[i][0][seqs[i][1]:cfg.max_seq_len]) for i in train_idx]))
+        head = target.head_rows(mx.array(used))
+        if head is not None:  # else (a quantized head) the full vocabulary
+            lookup = np.zeros(target.vocab_size, np.int32)
+            lookup[used] = np.arange(len(used))
+            to_subset = mx.array(lookup)  # a label's index in the subset
 
     def loss_fn(model, features, tokens, anchors):
-        logits = block_logits(model, target, features, tokens, anchors)
+        logits = block_logits(model, target, features, tokens, anchors, head)
         labels, valid = block_labels(tokens, anchors, cfg.block_size)
-        return block_loss(logits, labels, valid, gamma)
+        return block_loss(logits, labels if to_subset is None else to_subset[labels], valid, gamma)
 
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     history = list(cfg.history)

@@ -86,6 +86,14 @@ class Target:
             return self.inner.embed_tokens.as_linear(h)
         return self._lm_head(h)
 
+    def head_rows(self, token_ids: mx.array) -> Optional[mx.array]:
+        """The lm_head's weight rows for `token_ids` (to score a vocabulary subset), or None when the
+        head is quantized (its rows are not plain weights)."""
+        head = self.inner.embed_tokens if self._lm_head is None else self._lm_head
+        if isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)) or getattr(head, "bias", None) is not None:
+            return None
+        return head.weight[token_ids]
+
     @property
     def shared_state(self) -> list:
         return [self.inner.embed_tokens, self._lm_head or {}]

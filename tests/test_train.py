@@ -69,6 +69,23 @@ def test_loss_weights_and_label_alignment_by_hand():
     assert abs(block_loss(logits, labels, valid, 7.0).item() - expected) < 1e-5
 
 
+def test_the_data_vocabulary_loss_is_the_full_softmax_restricted_to_those_tokens():
+    model, draft = make_target("llama"), make_draft(block_size=5)
+    target = prepare(model, draft)
+    tokens = mx.array(prompt_of(30))
+    _, features = target(tokens[None], None)
+    anchors = mx.array([3, 11, 20])
+    labels, valid = block_labels(tokens, anchors, 5)
+    used = np.unique(np.array(tokens))  # every label is in the subset, as in training
+    sub_labels = mx.array(np.searchsorted(used, np.array(labels)))
+    full = block_logits(draft, target, features, tokens, anchors)
+    subset = block_logits(draft, target, features, tokens, anchors, target.head_rows(mx.array(used)))
+    np.testing.assert_allclose(np.array(subset), np.array(full)[..., used], rtol=1e-5, atol=1e-5)
+    restricted = block_loss(subset, sub_labels, valid, 7.0).item()
+    assert restricted == pytest.approx(block_loss(full[..., mx.array(used)], sub_labels, valid, 7.0).item(), abs=1e-5)
+    assert restricted < block_loss(full, labels, valid, 7.0).item()  # fewer competitors, lower loss
+
+
 def test_fast_cpu_cross_entropy_matches_mlx_in_value_and_gradient():
     logits = 8 * mx.random.normal((3, 5, 300), key=mx.random.key(1))  # large logits: the stable path matters
     labels = mx.random.randint(0, 300, (3, 5), key=mx.random.key(2))
@@ -96,10 +113,11 @@ def real_tau(model, draft, seqs):
     return np.mean([generate(model, draft, None, s[:8], max_tokens=48).mean_acceptance for s, _ in seqs[8:16]])
 
 
-def test_a_tiny_run_lowers_the_loss_and_raises_real_acceptance(tiny_setup, tmp_path):
+@pytest.mark.parametrize("vocab", ["full", "data"])
+def test_a_tiny_run_lowers_the_loss_and_raises_real_acceptance(tiny_setup, tmp_path, vocab):
     model, seqs = tiny_setup
     cfg = TrainConfig(block_size=8, num_layers=1, mask_token_id=95, anchors=8, steps=300, lr=3e-3, warmup=20,
-                      checkpoint_every=1000, holdout=8)
+                      checkpoint_every=1000, holdout=8, vocab=vocab)
     losses = []
     untrained = make_draft(block_size=8, layers=1, layer_ids=(2,))
     before = real_tau(model, untrained, seqs)
@@ -150,6 +168,8 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
         train(Target(model), make_tokenizer(), [(s[:9], 8) for s, _ in seqs], tmp_path / "x", TrainConfig(holdout=2))
     with pytest.raises(ValueError, match="block size must be at least 2"):
         train(Target(model), make_tokenizer(), seqs, tmp_path / "y", TrainConfig(block_size=1, mask_token_id=95))
+    with pytest.raises(ValueError, match="vocab must be 'full' or 'data'"):
+        train(Target(model), make_tokenizer(), seqs, tmp_path / "v", TrainConfig(vocab="small", mask_token_id=95))
     with pytest.raises(ValueError, match="at least 1 layer"):
         train(Target(model), make_tokenizer(), seqs, tmp_path / "z", TrainConfig(num_layers=0, mask_token_id=95))
     (tmp_path / "empty.jsonl").write_text('{"text": "no usable field"}\n\n')
