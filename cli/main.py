@@ -372,8 +372,8 @@ def train_run(
             seqs += found
         target_model, tokenizer = load(model)
         cfg = TrainConfig(block_size=block_size, num_layers=layers, intermediate_size=intermediate_size,
-                          mask_token_id=mask_token_id, steps=steps, lr=lr,
-                          warmup=warmup, anchors=anchors, vocab=vocab, checkpoint_every=checkpoint_every, eval_every=eval_every,
+                          mask_token_id=mask_token_id, steps=steps, lr=lr, warmup=warmup, anchors=anchors,
+                          vocab=vocab, checkpoint_every=checkpoint_every, eval_every=eval_every,
                           target_layer_ids=[int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None)
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
         Path(out).expanduser().mkdir(parents=True, exist_ok=True)

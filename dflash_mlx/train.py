@@ -287,6 +287,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
             lookup = np.zeros(target.vocab_size, np.int32)
             lookup[used] = np.arange(len(used))
             to_subset = mx.array(lookup)  # a label's index in the subset
+            mx.eval(head, to_subset)
 
     def loss_fn(model, features, tokens, anchors):
         logits = block_logits(model, target, features, tokens, anchors, head)
