@@ -140,6 +140,23 @@ def test_profile_times_the_cycle_and_traces_the_draft_step_once():
     assert min(got["cycle_ms_compiled"], got["verify_ms"], got["draft_ms_eager"], got["ar_tokens_per_s"]) > 0
 
 
+def test_every_command_prints_its_help():
+    import typer
+
+    def walk(group, path):
+        for name, cmd in getattr(group, "commands", {}).items():
+            yield path + [name]
+            yield from walk(cmd, path + [name])
+
+    commands = list(walk(typer.main.get_command(app), []))
+    assert ["train", "data"] in commands and ["chat"] in commands
+    for path in commands:
+        r = run(*path, "--help")
+        assert r.exit_code == 0, (path, r.output[-300:])
+    # Square brackets in help text are printed, not read as rich markup.
+    assert "hf:org/name[/config][:split[:field]]" in run("train", "data", "--help").stdout
+
+
 def test_version_is_the_projects():
     from dflash_mlx.loading import tomllib  # tomli before Python 3.11
 
