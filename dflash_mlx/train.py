@@ -283,7 +283,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     if cfg.vocab == "data":
         used = np.unique(np.concatenate([np.asarray(seqs[i][0][seqs[i][1]:cfg.max_seq_len]) for i in train_idx]))
         head = target.head_rows(mx.array(used))
-        if head is not None:  # else (a quantized head) the full vocabulary
+        if head is not None:  # else (a head with a bias) the full vocabulary
             lookup = np.zeros(target.vocab_size, np.int32)
             lookup[used] = np.arange(len(used))
             to_subset = mx.array(lookup)  # a label's index in the subset

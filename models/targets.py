@@ -87,11 +87,18 @@ class Target:
         return self._lm_head(h)
 
     def head_rows(self, token_ids: mx.array) -> Optional[mx.array]:
-        """The lm_head's weight rows for `token_ids` (to score a vocabulary subset), or None when the
-        head is quantized (its rows are not plain weights)."""
+        """The lm_head's weight rows for `token_ids` (to score a vocabulary subset), dequantized if the
+        head is quantized; None for a head with a bias (the subset scores would miss it)."""
         head = self.inner.embed_tokens if self._lm_head is None else self._lm_head
-        if isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)) or getattr(head, "bias", None) is not None:
+        if getattr(head, "bias", None) is not None:
             return None
+        if isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
+            # Quantized rows are independent (scales and biases are per row and group), so selecting
+            # rows before dequantizing gives exactly the rows of the dequantized matrix.
+            extra = {"mode": head.mode} if hasattr(head, "mode") else {}
+            biases = head.biases[token_ids] if getattr(head, "biases", None) is not None else None
+            return mx.dequantize(head.weight[token_ids], head.scales[token_ids], biases,
+                                 group_size=head.group_size, bits=head.bits, **extra)
         return head.weight[token_ids]
 
     @property

@@ -69,8 +69,13 @@ def test_loss_weights_and_label_alignment_by_hand():
     assert abs(block_loss(logits, labels, valid, 7.0).item() - expected) < 1e-5
 
 
-def test_the_data_vocabulary_loss_is_the_full_softmax_restricted_to_those_tokens():
-    model, draft = make_target("llama"), make_draft(block_size=5)
+@pytest.mark.parametrize("family,quantized", [("llama", False), ("llama", True), ("qwen3", True)])
+def test_the_data_vocabulary_loss_is_the_full_softmax_restricted_to_those_tokens(family, quantized):
+    model, draft = make_target(family), make_draft(block_size=5)
+    if quantized:  # a 4-bit head, as on a Mac (llama: the tied embedding; qwen3: an lm_head)
+        nn.quantize(model, group_size=32, bits=4)
+        head = model.model.embed_tokens if family == "llama" else model.lm_head
+        assert isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear))
     target = prepare(model, draft)
     tokens = mx.array(prompt_of(30))
     _, features = target(tokens[None], None)
