@@ -236,14 +236,13 @@ def stream_generate(
                                   produced / max(elapsed, 1e-9), mx.get_peak_memory() / 1e9, finish)
 
     def finish_reason(new: list[int]) -> tuple[list[int], Optional[str]]:
-        """Cut new tokens after an EOS or at max_tokens."""
+        """Cut new tokens at max_tokens, then after an EOS (an EOS past the limit is never reached)."""
+        room = max_tokens - produced
+        new = new[:room]
         for i, t in enumerate(new):
             if t in eos:
                 return new[:i + 1], "stop"
-        room = max_tokens - produced
-        if len(new) >= room:
-            return new[:room], "length"
-        return new, None
+        return new, ("length" if len(new) == room else None)
 
     new, finish = finish_reason([first])
     cache.tokens.append(first)

@@ -59,6 +59,20 @@ def test_eos_inside_an_accepted_block_ends_there(targets):
     assert out.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("limit_offset", [-3, -1, 0])
+def test_max_tokens_wins_over_an_eos_later_in_the_same_block(targets, limit_offset):
+    # The block holding EOS is accepted whole; with max_tokens before (or at) the EOS, the answer is
+    # mlx-lm's: max_tokens tokens and "length", or the EOS and "stop" when it is the last one allowed.
+    model, prompt = targets["qwen3"], prompt_of(9, seed=5)
+    ref = greedy_reference(model, prompt, 60)
+    eos_at = next(i for i in range(5, 40) if ref[i] not in ref[:i])
+    max_tokens = eos_at + 1 + limit_offset
+    draft = OracleDraft(draft_config(block_size=16), prompt + ref, [None])
+    out = generate(model, draft, make_tokenizer(eos=ref[eos_at]), prompt, max_tokens=max_tokens)
+    assert out.tokens == ref[:max_tokens]
+    assert out.finish_reason == ("stop" if limit_offset == 0 else "length")
+
+
 def test_stop_string_ends_generation_and_is_not_shown(targets):
     model, prompt = targets["llama"], prompt_of(9)
     ref = greedy_reference(model, prompt, 30)
