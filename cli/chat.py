@@ -157,7 +157,7 @@ def command(session, console: Console, line: str) -> Optional[str]:
             console.print(f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
                           f"{(sum(taus) / len(taus)) if taus else 0:.2f}, context {session.context_tokens()}"
                           f"/{session.max_context} tokens, temperature {session.temperature}, block "
-                          f"{session.block_size or session.draft.block_size}[/dim]")
+                          f"{session.draft.block_size if session.block_size is None else session.block_size}[/dim]")
         elif name == "/save":
             if not arg:
                 raise ValueError("/save needs a file name")

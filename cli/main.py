@@ -261,18 +261,25 @@ def bench(
     from rich.markdown import Markdown
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from dflash_mlx.bench import run_bench, write
+    from dflash_mlx.bench import has_matplotlib, run_bench, write
     from dflash_mlx.data import prompt_source
     from dflash_mlx.loading import draft_for, load_pair
 
     with user_errors():
-        bs = [int(x) for x in block_sizes.split(",")]
-        ts = [float(x) for x in temps.split(",")]
+        try:
+            bs = [int(x) for x in block_sizes.split(",")]
+            ts = [float(x) for x in temps.split(",")]
+        except ValueError:
+            raise ValueError(f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
+                             f"got {block_sizes!r} and {temps!r}") from None
         if any(b < 1 for b in bs) or any(t < 0 for t in ts):
             raise ValueError("block sizes must be >= 1 and temperatures >= 0")
         ps = prompt_source(prompts)[:limit or None]
         target, drafter, tokenizer = load_pair(model, draft)
         name = draft_for(model, draft)
+        if not has_matplotlib():
+            typer.echo("note: matplotlib is not installed, so no plot.png (pip install 'dflash-mlx[bench]')",
+                       err=True)
         with Progress(TextColumn("benchmarking"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=_stderr()) as bar:
             task = bar.add_task("", total=len(ps) * (len(ts) + len(bs) * len(ts)))
@@ -424,7 +431,8 @@ def train_eval(
         ps = prompt_source(prompts)[:limit]
         r = tau_on_prompts(target, drafter, tokenizer, ps, max_tokens=max_tokens, block_size=block_size,
                            temperature=temp)
-    r.update(prompts=prompts, n_prompts=len(ps), block_size=block_size or drafter.block_size, temperature=temp)
+    r.update(prompts=prompts, n_prompts=len(ps), block_size=drafter.block_size if block_size is None else block_size,
+             temperature=temp)
     typer.echo(json.dumps(r) if as_json else
                f"tau {r['tau']:.2f} over {r['cycles']} cycles, {r['tokens']} tokens, {len(ps)} prompts "
                f"({prompts}, block {r['block_size']}, temperature {temp})")

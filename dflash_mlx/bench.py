@@ -158,8 +158,17 @@ def write(results: dict, out: Path, title: str) -> list[Path]:
         for group in (p["baseline"], p["dflash"]):
             for r in group.values():
                 r.pop("tokens", None)
-    paths = [out / "results.json", out / "summary.md", out / "plot.png"]
+    paths = [out / "results.json", out / "summary.md"]
     paths[0].write_text(json.dumps(slim, indent=1))
     paths[1].write_text(markdown(results, title))
-    plot(results, paths[2])
+    if has_matplotlib():
+        paths.append(out / "plot.png")
+        plot(results, paths[2])
     return paths
+
+
+def has_matplotlib() -> bool:
+    """The plot is optional: matplotlib comes with the `bench` extra, not the base install."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None

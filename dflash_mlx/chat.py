@@ -47,6 +47,10 @@ class ChatSession:
     def __init__(self, model, draft, tokenizer, *, system: Optional[str] = None, temperature: float = 0.0,
                  block_size: Optional[int] = None, max_tokens: int = 1024, max_context: Optional[int] = None,
                  template_kwargs: Optional[dict] = None):
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block size must be >= 1, got {block_size}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.target = prepare(model, draft)
         self.draft, self.tokenizer = draft, tokenizer
         self.system, self.temperature, self.block_size, self.max_tokens = system, temperature, block_size, max_tokens

@@ -182,7 +182,8 @@ def stream_generate(
     params = SamplingParams(temperature, top_p, top_k, min_p)
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    block_size = block_size or (draft.block_size if draft is not None else 1)
+    if block_size is None:
+        block_size = draft.block_size if draft is not None else 1
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     drafting = draft is not None and block_size > 1  # else plain decoding (the drafter's cache still follows)

@@ -64,6 +64,24 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     assert r.exit_code == 1 and "no model folder" in r.stderr
     r = run("bench", "-m", root / "target", "-d", root / "draft", "--block-sizes", "0")
     assert r.exit_code == 1 and "block sizes must be >= 1" in r.stderr
+    r = run("bench", "-m", root / "target", "-d", root / "draft", "--block-sizes", "4,x")
+    assert r.exit_code == 1 and "comma-separated numbers" in r.stderr
+    r = run("generate", "-m", root / "target", "-d", root / "draft", "-p", "w5", "--block-size", "0")
+    assert r.exit_code == 1 and "block_size must be >= 1, got 0" in r.stderr
+    r = run("chat", "-m", root / "target", "-d", root / "draft", "--block-size", "0")
+    assert r.exit_code == 1 and "block size must be >= 1, got 0" in r.stderr
+
+
+def test_bench_without_matplotlib_still_writes_its_results(pair, tmp_path, monkeypatch):
+    import dflash_mlx.bench
+
+    root, _ = pair
+    monkeypatch.setattr(dflash_mlx.bench, "has_matplotlib", lambda: False)
+    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
+            "--limit", "1", "--max-tokens", "8", "-o", tmp_path / "b")
+    assert r.exit_code == 0, r.output
+    assert "no plot.png (pip install 'dflash-mlx[bench]')" in r.stderr
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["results.json", "summary.md"]
 
 
 def png_size(path):
