@@ -175,12 +175,13 @@ def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:
     return seqs
 
 
-def _write_shard(folder: Path, index: int, seqs: list[tuple[list[int], int]], first_prompt: int) -> None:
+def _write_shard(folder: Path, index: int, seqs: list[tuple[list[int], int]], first_prompt: int,
+                 next_prompt: int) -> None:
     tokens = np.concatenate([np.asarray(s, dtype=np.uint32) for s, _ in seqs])
     offsets = np.cumsum([0] + [len(s) for s, _ in seqs])
     tmp = folder / f".shard-{index:05d}.tmp.npz"
     np.savez_compressed(tmp, tokens=tokens, offsets=offsets, prompt_lens=np.array([p for _, p in seqs]),
-             first_prompt=np.array(first_prompt))
+                        first_prompt=np.array(first_prompt), next_prompt=np.array(next_prompt))
     os.replace(tmp, folder / f"shard-{index:05d}.npz")
 
 
@@ -201,12 +202,16 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
     folder.mkdir(parents=True, exist_ok=True)
     shards = sorted(folder.glob("shard-*.npz"))
     done = sum(len(np.load(s)["prompt_lens"]) for s in shards)
-    consumed = int(np.load(shards[-1])["first_prompt"]) + shard_size if shards else 0
+    consumed = 0
+    if shards:  # resume after the last prompt the last shard consumed (whatever --shard-size was then)
+        last = np.load(shards[-1])
+        # Shards written before next_prompt was recorded: assume the same shard size as now.
+        consumed = int(last["next_prompt"]) if "next_prompt" in last else int(last["first_prompt"]) + shard_size
     prompts = list(prompts)
     eos = tokenizer.eos_token_id
     index = len(shards)
     while consumed < len(prompts) and (limit is None or done < limit):
-        chunk = prompts[consumed:consumed + shard_size]
+        chunk = prompts[consumed:consumed + (shard_size if limit is None else min(shard_size, limit - done))]
         encoded = [apply_chat_template(tokenizer, m) for m in chunk]
         keep = [e for e in encoded if len(e) <= max_prompt_tokens]
         seqs = []
@@ -218,7 +223,7 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
             if progress is not None:
                 progress(done + len(seqs), limit or len(prompts))
         if seqs:
-            _write_shard(folder, index, seqs, consumed)
+            _write_shard(folder, index, seqs, consumed, consumed + len(chunk))
             index += 1
         done += len(seqs)
         consumed += len(chunk)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from tiny import _COMMON, greedy_reference, make_draft, make_target, make_tokenizer, prompt_of
 
-from dflash_mlx.data import jsonl_prompts, parse_hf_spec, prompt_source
+from dflash_mlx.chat import apply_chat_template
+from dflash_mlx.data import generate_data, jsonl_prompts, load_shards, parse_hf_spec, prompt_source
 from dflash_mlx.models.dflash import block_mask
 from dflash_mlx.models.targets import Target
 from dflash_mlx.speculative import generate, prepare
@@ -207,3 +208,16 @@ def test_hugging_face_dataset_specs_name_config_split_and_field():
     for bad in ("gsm8k", "a/b/c/d:test", "org/name:test:q:extra", "org//x"):
         with pytest.raises(ValueError, match=r"expected hf:org/name\[/config\]\[:split\[:field\]\]"):
             prompt_source("hf:" + bad)
+
+
+def test_data_generation_stops_at_the_limit_and_resumes_without_repeats(tmp_path):
+    model, tok = make_target("llama"), make_tokenizer(eos=95)
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 17)]
+    kw = dict(max_new_tokens=4, batch_size=4)
+    assert generate_data(model, tok, prompts, tmp_path, shard_size=8, limit=3, **kw) == 3
+    assert len(load_shards(tmp_path)) == 3  # not the whole first shard of 8
+    # Resumed with another shard size: continues at prompt 3, no prompt twice, none skipped.
+    assert generate_data(model, tok, prompts, tmp_path, shard_size=2, limit=7, **kw) == 7
+    seqs = load_shards(tmp_path)
+    assert [s[:p] for s, p in seqs] == [apply_chat_template(tok, m) for m in prompts[:7]]
+    assert all(len(s) > p for s, p in seqs)  # each has its answer
