@@ -65,10 +65,16 @@ def convert(
                 out = convert_target(source, output, dtype, quantize, q_bits, q_group_size, force, step)
                 kind = "target from GGUF"
             else:
-                from dflash_mlx.loading import resolve
+                from dflash_mlx.loading import MODELS_DIR, find_pair, resolve, resolve_draft, resolve_target
 
                 step("fetching")
-                folder = resolve(source)
+                pair = find_pair(source)
+                if pair is not None:  # a registry name (or its target's id): the target, as for --model
+                    folder = resolve_target(source)
+                elif (MODELS_DIR / source).is_dir() and "/" not in source:  # a drafter shipped in models/
+                    folder = resolve_draft(source)
+                else:
+                    folder = resolve(source)
                 if is_drafter(folder):
                     step("converting drafter")
                     out = convert_draft(str(folder), output, dtype or "bfloat16", quantize, q_bits, q_group_size, force)

@@ -39,3 +39,18 @@ def test_shipped_drafter_beats_chance_on_humaneval(pair):
     for messages in humaneval_prompts()[:3]:
         acc += generate(model, draft, tokenizer, apply_chat_template(tokenizer, messages), max_tokens=96).acceptance_lengths
     assert sum(acc) / len(acc) > TAU_FLOOR
+
+
+def test_convert_takes_registry_names(pair, tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli.main import app
+
+    _, draft, _ = pair
+    r = CliRunner().invoke(app, ["convert", "smollm2-135m-instruct-dflash", str(tmp_path / "d"), "--dtype", "float32"])
+    assert r.exit_code == 0 and "wrote drafter" in r.stdout, r.output
+    copy = load_draft(str(tmp_path / "d"))
+    assert copy.fc.weight.dtype == mx.float32 and mx.array_equal(copy.fc.weight, draft.fc.weight.astype(mx.float32))
+    r = CliRunner().invoke(app, ["convert", "smollm2-135m-instruct", str(tmp_path / "t")])
+    assert r.exit_code == 0 and "wrote target" in r.stdout, r.output
+    assert (tmp_path / "t" / "config.json").exists()
