@@ -226,7 +226,8 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
         return
     t = Table(title="target / drafter pairs (dflash-mlx chat --model NAME)")
     for col in ("name", "target", "drafter", "family", "disk", "notes", "on this machine"):
-        t.add_column(col)
+        # Names and ids must stay whole to be copied: the name never wraps, ids fold rather than get cut.
+        t.add_column(col, no_wrap=col == "name", overflow="fold" if col in ("target", "drafter") else "ellipsis")
     for r in rows:
         local = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in r["local"].items()) or "-"
         t.add_row(r["name"], r["target"], r["draft"], r["family"], r["disk"], r["notes"], local)
@@ -421,7 +422,7 @@ def train_eval(
     draft: str = typer.Option(..., "--draft", "-d", help="The drafter to measure."),
     model: str = typer.Option(DEMO, "--model", "-m", help="Its target."),
     prompts: str = typer.Option("sharegpt-heldout", help="sharegpt-heldout, humaneval, a .jsonl file or hf:..."),
-    limit: Optional[int] = typer.Option(None, help="Use the first N prompts."),
+    limit: Optional[int] = typer.Option(None, help="Use the first N prompts (default or 0: all)."),
     block_size: Optional[int] = typer.Option(None, help="Block size (default: the drafter's)."),
     temp: float = typer.Option(0.0, "--temp", help="Temperature (rejection sampling above 0)."),
     max_tokens: int = typer.Option(256, help="Tokens per answer."),
@@ -434,7 +435,7 @@ def train_eval(
 
     with user_errors():
         target, drafter, tokenizer = load_pair(model, draft)
-        ps = prompt_source(prompts)[:limit]
+        ps = prompt_source(prompts)[:limit or None]
         r = tau_on_prompts(target, drafter, tokenizer, ps, max_tokens=max_tokens, block_size=block_size,
                            temperature=temp)
     r.update(prompts=prompts, n_prompts=len(ps), block_size=drafter.block_size if block_size is None else block_size,

