@@ -65,16 +65,12 @@ def convert(
                 out = convert_target(source, output, dtype, quantize, q_bits, q_group_size, force, step)
                 kind = "target from GGUF"
             else:
-                from dflash_mlx.loading import MODELS_DIR, find_pair, resolve, resolve_draft, resolve_target
+                from dflash_mlx.loading import find_pair, resolve_draft, resolve_target
 
                 step("fetching")
-                pair = find_pair(source)
-                if pair is not None:  # a registry name (or its target's id): the target, as for --model
-                    folder = resolve_target(source)
-                elif (MODELS_DIR / source).is_dir() and "/" not in source:  # a drafter shipped in models/
-                    folder = resolve_draft(source)
-                else:
-                    folder = resolve(source)
+                # A registry name converts its target (as --model reads it); anything else resolves as -d
+                # does: a drafter shipped in models/, a folder or a Hugging Face id.
+                folder = resolve_target(source) if find_pair(source) else resolve_draft(source)
                 if is_drafter(folder):
                     step("converting drafter")
                     out = convert_draft(str(folder), output, dtype or "bfloat16", quantize, q_bits, q_group_size, force)

