@@ -330,7 +330,7 @@ def train_data(
                       console=_stderr()) as bar:
             task = bar.add_task("", total=total)
             n = generate_data(target, tokenizer, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                              shard_size=shard_size, max_prompt_tokens=max_prompt_tokens, limit=limit,
+                              shard_size=shard_size, max_prompt_tokens=max_prompt_tokens, limit=limit, source=source,
                               progress=lambda done, _: bar.update(task, completed=done))
     typer.echo(f"{n} sequences in {out}")
 

@@ -181,23 +181,26 @@ def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:
 
 
 def _write_shard(folder: Path, index: int, seqs: list[tuple[list[int], int]], first_prompt: int,
-                 next_prompt: int) -> None:
+                 next_prompt: int, source: str) -> None:
     tokens = np.concatenate([np.asarray(s, dtype=np.uint32) for s, _ in seqs])
     offsets = np.cumsum([0] + [len(s) for s, _ in seqs])
     tmp = folder / f".shard-{index:05d}.tmp.npz"
     np.savez_compressed(tmp, tokens=tokens, offsets=offsets, prompt_lens=np.array([p for _, p in seqs]),
-                        first_prompt=np.array(first_prompt), next_prompt=np.array(next_prompt))
+                        first_prompt=np.array(first_prompt), next_prompt=np.array(next_prompt),
+                        source=np.array(source))
     os.replace(tmp, folder / f"shard-{index:05d}.npz")
 
 
 def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str | Path, *,
                   max_new_tokens: int = 256, batch_size: int = 32, shard_size: int = 256,
-                  max_prompt_tokens: int = 512, limit: Optional[int] = None,
+                  max_prompt_tokens: int = 512, limit: Optional[int] = None, source: str = "",
                   progress: Optional[Callable[[int, int], None]] = None) -> int:
     """Generate greedy target responses for prompts into token-id shards; resumes where it stopped.
 
     Returns the number of sequences in the folder. Prompts whose templated length exceeds
     `max_prompt_tokens` are skipped (they are counted as consumed, so resuming stays aligned).
+    `source` names the prompt list; resuming a folder made from another source is an error, since
+    the resume point counts prompts of the first one.
     """
     from mlx_lm.generate import batch_generate
 
@@ -210,6 +213,10 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
     consumed = 0
     if shards:  # resume after the last prompt the last shard consumed (whatever --shard-size was then)
         last = np.load(shards[-1])
+        before = str(last["source"]) if "source" in last else ""
+        if before and source and before != source:
+            raise ValueError(f"{folder} holds answers to prompts from {before!r}, not {source!r}: write them to a "
+                             "new --out folder and give `train run` both folders (--data twice)")
         # Shards written before next_prompt was recorded: assume the same shard size as now.
         consumed = int(last["next_prompt"]) if "next_prompt" in last else int(last["first_prompt"]) + shard_size
     prompts = list(prompts)
@@ -228,7 +235,7 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
             if progress is not None:
                 progress(done + len(seqs), limit or len(prompts))
         if seqs:
-            _write_shard(folder, index, seqs, consumed, consumed + len(chunk))
+            _write_shard(folder, index, seqs, consumed, consumed + len(chunk), source)
             index += 1
         done += len(seqs)
         consumed += len(chunk)

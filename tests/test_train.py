@@ -224,3 +224,14 @@ def test_data_generation_stops_at_the_limit_and_resumes_without_repeats(tmp_path
     seqs = load_shards(tmp_path)
     assert [s[:p] for s, p in seqs] == [apply_chat_template(tok, m) for m in prompts[:7]]
     assert all(len(s) > p for s, p in seqs)  # each has its answer
+
+
+def test_data_generation_will_not_resume_a_folder_from_another_source(tmp_path):
+    model, tok = make_target("llama"), make_tokenizer(eos=95)
+    prompts = [[{"role": "user", "content": f"w{i}"}] for i in range(5, 9)]
+    kw = dict(max_new_tokens=2, batch_size=4, shard_size=2)
+    assert generate_data(model, tok, prompts, tmp_path, limit=2, source="a.jsonl", **kw) == 2
+    # The resume point counts a.jsonl's prompts: b.jsonl would silently skip its first ones.
+    with pytest.raises(ValueError, match=r"from 'a.jsonl', not 'b.jsonl': write them to a new --out folder"):
+        generate_data(model, tok, prompts, tmp_path, source="b.jsonl", **kw)
+    assert generate_data(model, tok, prompts, tmp_path, source="a.jsonl", **kw) == 4
