@@ -308,7 +308,7 @@ app.add_typer(train_app, name="train")
 def train_data(
     out: str = typer.Option(..., "--out", "-o", help="Folder for the token-id shards (resumes if it has some)."),
     model: str = typer.Option(DEMO, "--model", "-m", help="The target that writes the answers."),
-    source: str = typer.Option("sharegpt", help="sharegpt, python-stdlib, humaneval, a .jsonl file, "
+    source: str = typer.Option("sharegpt", help="sharegpt, sharegpt-followup, python-stdlib, humaneval, a .jsonl file, "
                                                  "or hf:org/name\\[/config]\\[:split\\[:field]]."),  # \\[ : literal [ in rich help
     limit: Optional[int] = typer.Option(None, help="Stop after this many sequences."),
     max_new_tokens: int = typer.Option(256, help="Longest answer."),

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-SHAREGPT_HELDOUT = 100  # the last 100 usable ShareGPT first turns are kept for evaluation
+SHAREGPT_HELDOUT = 100  # the last 100 usable ShareGPT conversations are kept for evaluation
 
 
 def _sharegpt_records() -> Iterator[dict]:
@@ -41,17 +41,30 @@ def _sharegpt_records() -> Iterator[dict]:
 
 
 def sharegpt_prompts(split: str = "train") -> list[list[dict]]:
-    """First user turns of ShareGPT conversations as chat messages. split: 'train' or 'heldout'."""
-    firsts = []
-    for r in _sharegpt_records():
-        conv = r.get("conversations") or []
-        if conv and conv[0].get("from") == "human" and conv[0].get("value", "").strip():
-            firsts.append([{"role": "user", "content": conv[0]["value"].strip()}])
+    """ShareGPT conversations as chat messages. split: 'train' (first user turns of all but the last
+    100 conversations), 'heldout' (first user turns of the last 100 whose text occurs nowhere before:
+    ShareGPT repeats some, such as "hi"; 84 prompts), or 'followup' (the second user turn after the
+    first and ShareGPT's own answer to it, from the training conversations only)."""
+    if split not in ("train", "heldout", "followup"):
+        raise ValueError(f"split must be 'train', 'heldout' or 'followup', got {split!r}")
+    convs = [c for c in (r.get("conversations") or [] for r in _sharegpt_records())
+             if c and c[0].get("from") == "human" and c[0].get("value", "").strip()]
     if split == "heldout":
-        return firsts[-SHAREGPT_HELDOUT:]
-    if split == "train":
-        return firsts[:-SHAREGPT_HELDOUT]
-    raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+        seen, unique = {c[0]["value"].strip() for c in convs[:-SHAREGPT_HELDOUT]}, []
+        for c in convs[-SHAREGPT_HELDOUT:]:
+            if c[0]["value"].strip() not in seen:
+                seen.add(c[0]["value"].strip())
+                unique.append(c)
+        convs = unique
+    else:
+        convs = convs[:-SHAREGPT_HELDOUT]
+    if split != "followup":
+        return [[{"role": "user", "content": c[0]["value"].strip()}] for c in convs]
+    return [[{"role": "user", "content": c[0]["value"].strip()},
+             {"role": "assistant", "content": c[1]["value"].strip()},
+             {"role": "user", "content": c[2]["value"].strip()}]
+            for c in convs if len(c) >= 3 and [t.get("from") for t in c[1:3]] == ["gpt", "human"]
+            and c[1].get("value", "").strip() and c[2].get("value", "").strip()]
 
 
 def humaneval_prompts() -> list[list[dict]]:
@@ -151,11 +164,12 @@ def hf_prompts(spec: str) -> list[list[dict]]:
 
 
 def prompt_source(source: str) -> list[list[dict]]:
-    """'sharegpt' (train split), 'sharegpt-heldout', 'humaneval', 'python-stdlib', a .jsonl file, or 'hf:org/name[/config][:split[:field]]'."""
+    """'sharegpt' (train split), 'sharegpt-followup', 'sharegpt-heldout', 'humaneval', 'python-stdlib', a .jsonl
+    file, or 'hf:org/name[/config][:split[:field]]'."""
     if source == "sharegpt":
         return sharegpt_prompts("train")
-    if source == "sharegpt-heldout":
-        return sharegpt_prompts("heldout")
+    if source in ("sharegpt-heldout", "sharegpt-followup"):
+        return sharegpt_prompts(source.split("-")[1])
     if source == "humaneval":
         return humaneval_prompts()
     if source == "python-stdlib":
@@ -166,8 +180,8 @@ def prompt_source(source: str) -> list[list[dict]]:
         if not Path(source).exists():
             raise FileNotFoundError(f"no prompt file at {source}")
         return jsonl_prompts(source)
-    raise ValueError(f"unknown prompt source {source!r}: use sharegpt, sharegpt-heldout, humaneval, python-stdlib, "
-                     "a .jsonl file or hf:org/name")
+    raise ValueError(f"unknown prompt source {source!r}: use sharegpt, sharegpt-followup, sharegpt-heldout, humaneval, "
+                     "python-stdlib, a .jsonl file or hf:org/name")
 
 
 def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:

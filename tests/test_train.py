@@ -192,6 +192,18 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
         Target(unsupported)
 
 
+def test_sharegpt_splits_keep_the_held_out_conversations_out_of_training():
+    train, heldout, followup = (prompt_source(s) for s in ("sharegpt", "sharegpt-heldout", "sharegpt-followup"))
+    assert len(train) > 10000 and len(followup) > 5000
+    firsts = {m[0]["content"] for m in train}
+    # ShareGPT repeats some first turns ("hi"): held out means no copy of the text is in training.
+    assert len({m[0]["content"] for m in heldout}) == len(heldout) == 84
+    assert not firsts & {m[0]["content"] for m in heldout}
+    # A follow-up is a second user turn after a training conversation's first turn and its answer.
+    assert all([t["role"] for t in m] == ["user", "assistant", "user"] for m in followup)
+    assert all(m[0]["content"] in firsts and m[1]["content"] and m[2]["content"] for m in followup)
+
+
 def test_python_stdlib_prompts_are_humaneval_style_code_questions():
     prompts = prompt_source("python-stdlib")
     assert len(prompts) > 1000  # every public documented function of the standard library
