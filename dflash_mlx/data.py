@@ -49,18 +49,21 @@ def sharegpt_prompts(split: str = "train") -> list[list[dict]]:
         raise ValueError(f"split must be 'train', 'heldout' or 'followup', got {split!r}")
     convs = [c for c in (r.get("conversations") or [] for r in _sharegpt_records())
              if c and c[0].get("from") == "human" and c[0].get("value", "").strip()]
+    def first(c):
+        return c[0]["value"].strip()
+
     if split == "heldout":
-        seen, unique = {c[0]["value"].strip() for c in convs[:-SHAREGPT_HELDOUT]}, []
+        seen, unique = {first(c) for c in convs[:-SHAREGPT_HELDOUT]}, []
         for c in convs[-SHAREGPT_HELDOUT:]:
-            if c[0]["value"].strip() not in seen:
-                seen.add(c[0]["value"].strip())
+            if first(c) not in seen:
+                seen.add(first(c))
                 unique.append(c)
         convs = unique
     else:
         convs = convs[:-SHAREGPT_HELDOUT]
     if split != "followup":
-        return [[{"role": "user", "content": c[0]["value"].strip()}] for c in convs]
-    return [[{"role": "user", "content": c[0]["value"].strip()},
+        return [[{"role": "user", "content": first(c)}] for c in convs]
+    return [[{"role": "user", "content": first(c)},
              {"role": "assistant", "content": c[1]["value"].strip()},
              {"role": "user", "content": c[2]["value"].strip()}]
             for c in convs if len(c) >= 3 and [t.get("from") for t in c[1:3]] == ["gpt", "human"]
