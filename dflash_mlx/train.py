@@ -3,8 +3,9 @@
 * The target is frozen. Its hidden states at `target_layer_ids` are computed in the training pass
   (kept in RAM as float16 after the first time a sequence is seen, so later epochs skip the target).
 * The drafter shares the target's embedding and lm_head, frozen; only the drafter's own weights train.
-* Each step takes one sequence (prompt + the target's own response, from `dflash-mlx train data`)
-  and `anchors` random positions in its response. Each anchor starts a block [token, MASK x B-1]
+* Each step takes one sequence (prompt + the target's own response, from `dflash-mlx train data`;
+  in epochs: each sequence once, in random order, before any repeats) and `anchors` random
+  positions in its response. Each anchor starts a block [token, MASK x B-1]
   whose labels are the next B-1 tokens. All blocks go through the drafter in one pass, each as its
   own batch row, seeing the context features strictly before its anchor and its own block
   (bidirectionally), never another block: exactly what it sees when drafting for real.
@@ -210,6 +211,13 @@ def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, n: in
     return np.sort(rng.choice(choices, size=min(n, len(choices)), replace=False)).astype(np.int32)
 
 
+def sequence_for_step(seed: int, step: int, train_idx: np.ndarray) -> int:
+    """The sequence a step trains on: epochs in a fresh random order each, so every training sequence
+    is used once before any is used twice (and a resumed run draws the same ones)."""
+    epoch, k = divmod(step, len(train_idx))
+    return int(np.random.default_rng([seed, 1, epoch]).permutation(train_idx)[k])
+
+
 def schedule(cfg: TrainConfig):
     warm = optim.linear_schedule(cfg.lr * 0.01, cfg.lr, max(cfg.warmup, 1))
     decay = optim.cosine_decay(cfg.lr, max(cfg.steps - cfg.warmup, 1), cfg.lr * 0.05)
@@ -299,7 +307,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     for step in range(start, cfg.steps):
         tic = time.perf_counter()
         rng = np.random.default_rng([cfg.seed, step])
-        i = int(rng.choice(train_idx))
+        i = sequence_for_step(cfg.seed, step, train_idx)
         ids, plen = seqs[i]
         tokens = mx.array(ids[:cfg.max_seq_len])
         anchors = sample_anchors(rng, plen, tokens.shape[0], cfg.anchors)
@@ -310,7 +318,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(draft, grads)
         mx.eval(loss, draft.parameters(), opt.state)
-        record = {"step": step + 1, "loss": loss.item(), "grad_norm": norm.item(),
+        record = {"step": step + 1, "sequence": i, "loss": loss.item(), "grad_norm": norm.item(),
                   "lr": float(opt.learning_rate), "block_tokens": len(anchors) * cfg.block_size,
                   "seconds": time.perf_counter() - tic}
         history.append({k: record[k] for k in ("step", "loss")})

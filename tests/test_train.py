@@ -157,6 +157,17 @@ def test_resume_continues_the_same_run(tiny_setup, tmp_path):
     np.testing.assert_allclose(first[:40] + second, straight, rtol=2e-3, atol=2e-3)
 
 
+def test_each_epoch_trains_on_every_sequence_once(tiny_setup, tmp_path):
+    model, seqs = tiny_setup
+    cfg = TrainConfig(steps=64, block_size=8, num_layers=1, mask_token_id=95, anchors=2, holdout=8,
+                      checkpoint_every=1000)
+    drawn = []
+    train(Target(model), make_tokenizer(), seqs, tmp_path / "run", cfg, on_step=lambda r: drawn.append(r["sequence"]))
+    train_idx = list(range(8, len(seqs)))  # the first `holdout` sequences are never trained on
+    assert sorted(drawn[:32]) == train_idx and sorted(drawn[32:]) == train_idx
+    assert drawn[:32] != drawn[32:]  # each epoch in its own order
+
+
 def test_drafter_depth_and_mlp_width_are_the_runs_choice(tiny_setup, tmp_path):
     model, seqs = tiny_setup
     cfg = TrainConfig(block_size=4, num_layers=3, intermediate_size=40, mask_token_id=95, anchors=4, steps=2,
