@@ -153,9 +153,10 @@ def command(session, console: Console, line: str) -> Optional[str]:
         elif name == "/stats":
             turns = session.turns
             toks = sum(t["tokens"] for t in turns)
-            taus = [t["mean_acceptance"] for t in turns if t["mean_acceptance"] is not None]
+            cycles = sum(t["cycles"] for t in turns)  # tau over every verify pass, not a mean of answers
+            tau = sum(t["mean_acceptance"] * t["cycles"] for t in turns if t["cycles"]) / cycles if cycles else 0
             console.print(f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
-                          f"{(sum(taus) / len(taus)) if taus else 0:.2f}, context {session.context_tokens()}"
+                          f"{tau:.2f}, context {session.context_tokens()}"
                           f"/{session.max_context} tokens, temperature {session.temperature}, block "
                           f"{session.draft.block_size if session.block_size is None else session.block_size}[/dim]")
         elif name == "/save":

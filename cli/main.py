@@ -342,10 +342,10 @@ def train_run(
                                                      "are held out)."),
     out: str = typer.Option(..., "--out", "-o", help="Run folder: checkpoints, log; resumes if it has one."),
     model: str = typer.Option(DEMO, "--model", "-m", help="The target (frozen)."),
-    layers: int = typer.Option(2, help="Drafter layers (1-5 is typical)."),
+    layers: Optional[int] = typer.Option(None, help="Drafter layers (1-5 is typical; default 2)."),
     intermediate_size: Optional[int] = typer.Option(None, help="Drafter MLP width (default: the target's; "
                                                                "the hidden width is always the target's)."),
-    block_size: int = typer.Option(16, help="Block size B."),
+    block_size: Optional[int] = typer.Option(None, help="Block size B (default 16, or the --init drafter's)."),
     target_layer_ids: Optional[str] = typer.Option(None, help="Comma-separated target layers to tap "
                                                               "(default: the paper's spread)."),
     mask_token_id: Optional[int] = typer.Option(None, help="Token id used as MASK (default: a spare special token)."),
@@ -380,8 +380,16 @@ def train_run(
             if not found:
                 raise ValueError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")
             seqs += found
+        given = {"--layers": layers, "--intermediate-size": intermediate_size,
+                 "--target-layer-ids": target_layer_ids, "--mask-token-id": mask_token_id}
+        if init and any(v is not None for v in given.values()):
+            raise ValueError(f"{', '.join(k for k, v in given.items() if v is not None)}: the drafter's "
+                             f"architecture comes from --init; drop the option or start a new drafter")
+        start = load_draft(init, dtype=mx.float32) if init else None
         target_model, tokenizer = load(model)
-        cfg = TrainConfig(block_size=block_size, num_layers=layers, intermediate_size=intermediate_size,
+        cfg = TrainConfig(block_size=block_size if block_size is not None else (start.block_size if start else 16),
+                          num_layers=layers if layers is not None else 2,
+                          intermediate_size=intermediate_size,
                           mask_token_id=mask_token_id, steps=steps, lr=lr, warmup=warmup, anchors=anchors,
                           vocab=vocab, checkpoint_every=checkpoint_every, eval_every=eval_every,
                           target_layer_ids=[int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None)
@@ -406,7 +414,6 @@ def train_run(
                     bar.console.print(f"step {r['step']}: {desc}")
                 bar.update(task, completed=r["step"], description=desc)
 
-            start = load_draft(init, dtype=mx.float32) if init else None
             train(Target(target_model), tokenizer, seqs, out, cfg, draft=start, on_step=on_step, evaluate=evaluate)
         if export_to:
             export(Path(out) / "checkpoint", export_to)

@@ -100,7 +100,7 @@ class ChatSession:
             self.turns.append({
                 "prefill_tokens": self.cache.last_prefill, "tokens": tokens,
                 "tokens_per_s": last.generation_tps if last else 0.0,
-                "mean_acceptance": sum(accepted) / len(accepted) if accepted else None,
+                "mean_acceptance": sum(accepted) / len(accepted) if accepted else None, "cycles": len(accepted),
                 "drafted_share": sum(a - 1 for a in accepted) / tokens if tokens else 0.0,
                 "interrupted": stopped, "context_tokens": self.context_tokens()})
 

@@ -4,7 +4,8 @@
     cycle     draft : drafter([last, MASK * (B-1)] | context)   -> B-1 proposals (+ their q)
               verify: target([last, proposals])                  -> B logits + hidden states
               accept: greedy match, or rejection sampling        -> n proposals + 1 target token
-              commit: roll both caches back to the n+1 kept positions, add their features
+              commit: roll the target's cache back to the n+1 kept positions; the drafter's cache
+                      takes in their features (it never holds the block itself)
               yield the n+1 tokens (cut at EOS, a stop string or max_tokens)
 
 Every cycle yields at least one token, and every yielded token is one the target itself would have
@@ -34,7 +35,8 @@ class GenerationResponse:
 
     text: str  # new text since the previous response
     tokens: list[int]  # new tokens since the previous response
-    accepted: Optional[int]  # this cycle's acceptance length (proposals kept + 1); None for the first token
+    accepted: Optional[int]  # this cycle's acceptance length (proposals kept + 1, counted before a cut at
+    #                          EOS or max_tokens); None for the first token
     prompt_tokens: int
     prompt_tps: float
     generation_tokens: int  # generated so far
@@ -61,7 +63,8 @@ class GenerationResult:
 
     @property
     def mean_acceptance(self) -> float:
-        """tau: tokens committed per target verify pass (the paper's acceptance length)."""
+        """tau: tokens the target accepts per verify pass (the paper's acceptance length; a last
+        cycle cut at EOS or max_tokens still counts what it accepted, so tau measures the drafter)."""
         a = self.acceptance_lengths
         return sum(a) / len(a) if a else 0.0
 
@@ -177,7 +180,8 @@ def stream_generate(
     the prompt holds only the new tokens. `sampler`, if given, is an mlx-lm style sampler
     (log-probabilities -> token) that replaces temperature/top-p/top-k/min-p; proposals are then
     accepted where they equal its draws. `block_size=1` or `draft=None` is plain decoding.
-    `tokenizer=None` works on token ids alone: no text, no EOS.
+    `tokenizer=None` works on token ids alone: no text, no EOS. A stop string ends the text where it
+    starts; the tokens of the cycle that hit it stay in `tokens` and in `prompt_cache`.
     """
     params = SamplingParams(temperature, top_p, top_k, min_p)
     if max_tokens < 0:
@@ -194,12 +198,14 @@ def stream_generate(
     prompt_ids = _encode(tokenizer, prompt)
     if not prompt_ids and (prompt_cache is None or not prompt_cache.pending):
         raise ValueError("the prompt is empty: give at least one token")
-    if max_tokens == 0:
-        return
     target = prepare(model, draft)
     if prompt_cache is not None and (prompt_cache.target.model is not target.model
                                      or prompt_cache.draft is not draft):
         raise ValueError("prompt_cache was made for another model pair")
+    if max_tokens == 0:
+        if prompt_cache is not None:  # nothing to generate, but the conversation keeps the prompt
+            prompt_cache.tokens.extend(prompt_ids)
+        return
     if seed is not None:
         mx.random.seed(seed)
     propose, accept = acceptance(params, sampler)
@@ -214,7 +220,7 @@ def stream_generate(
     tic = time.perf_counter()
     logits = cache.prefill(prompt_ids, prefill_step_size)
     first = int(pick(logits).item())
-    prompt_tps = len(prompt_ids) / (time.perf_counter() - tic)
+    prompt_tps = cache.last_prefill / (time.perf_counter() - tic)  # with a kept cache's pending tokens
     tic = time.perf_counter()
     produced = 0
 
@@ -254,10 +260,12 @@ def stream_generate(
         if drafting:
             x, q = propose(draft.propose_logits(last, cache.draft_cache, block_size, compile)[0])
             block = mx.concatenate([mx.array([last]), x.astype(mx.int32)])[None]
-        else:
-            x, q, block = mx.array([], dtype=mx.int32), None, mx.array([[last]])
-        logits, features = cache.verify(block)
-        n, nxt = accept(x, q, logits[0])
+            logits, features = cache.verify(block)
+            n, nxt = accept(x, q, logits[0])
+        else:  # plain decoding: one target token per pass
+            x = mx.array([], dtype=mx.int32)
+            logits, features = cache.verify(mx.array([[last]]))
+            n, nxt = mx.array(0), pick(logits[0])[0]
         mx.eval(n, nxt, x)
         n, tokens = n.item(), x.tolist()
         new, finish = finish_reason(tokens[:n] + [nxt.item()])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -57,7 +57,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: Optional[float] = None
     seed: int = 0
-    checkpoint_every: int = 200
+    checkpoint_every: int = 100
     eval_every: int = 0  # 0: only at the end
     holdout: int = 16  # sequences kept out of training for the offline acceptance estimate
     max_seq_len: int = 1024
@@ -270,11 +270,17 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     elif draft is None:
         mx.random.seed(cfg.seed)
         draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
+    else:  # a starting drafter (e.g. a shipped one) brings its own architecture
+        c = draft.config
+        if cfg.block_size != c.block_size:
+            raise ValueError(f"block size {cfg.block_size} does not match the starting drafter's {c.block_size}: "
+                             f"train it at its own block size")
+        cfg = replace(cfg, num_layers=c.num_hidden_layers, intermediate_size=c.intermediate_size,
+                      target_layer_ids=list(c.target_layer_ids), mask_token_id=c.mask_token_id)
     target = Target(target.model, draft.config.target_layer_ids)
-    from .speculative import check_pair, prepare
+    from .speculative import prepare
 
-    check_pair(target, draft)
-    prepare(target, draft)
+    prepare(target, draft)  # checks the pair, binds the shared embedding and lm_head
     mx.eval(draft.parameters())
 
     opt = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)

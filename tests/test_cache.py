@@ -73,3 +73,15 @@ def test_block_size_one_keeps_a_drafter_cache_in_step():
     assert cache.draft_cache[0].offset == cache.processed
     out += sum((p.tokens for p in stream_generate(target, draft, tok, [], max_tokens=20, prompt_cache=cache)), [])
     assert out == ref
+
+
+def test_max_tokens_zero_keeps_the_prompt_in_a_kept_cache():
+    """A call that generates nothing still adds its prompt to the conversation."""
+    model, prompt = make_target("llama"), prompt_of(8, seed=6)
+    more = prompt_of(4, seed=10)
+    draft = OracleDraft(draft_config(block_size=4), [], [None])
+    tok = make_tokenizer(eos=95)
+    cache = SpeculativeCache(model, draft)
+    assert list(stream_generate(model, draft, tok, prompt, max_tokens=0, prompt_cache=cache)) == []
+    out = sum((p.tokens for p in stream_generate(model, draft, tok, more, max_tokens=10, prompt_cache=cache)), [])
+    assert out == greedy_reference(model, prompt + more, 10)

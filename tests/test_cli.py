@@ -214,3 +214,11 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout)
     assert got["block_size"] == 4 and got["n_prompts"] == 4 and got["tau"] >= 1
+    # Continuing it: the block size comes from --init; an architecture option is refused, not ignored.
+    r = run("train", "run", *data, "-o", tmp_path / "more", "-m", root / "target", "--init", tmp_path / "exported",
+            "--steps", "2", "--eval-prompts", "0")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "more" / "checkpoint" / "state.json").read_text())["train_config"]["block_size"] == 4
+    r = run("train", "run", *data, "-o", tmp_path / "more2", "-m", root / "target", "--init", tmp_path / "exported",
+            "--layers", "3", "--eval-prompts", "0")
+    assert r.exit_code == 1 and "--layers: the drafter's architecture comes from --init" in r.stderr

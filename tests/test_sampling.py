@@ -88,10 +88,12 @@ def model():
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-@pytest.mark.parametrize("drafter", ["bad", "good"])
+@pytest.mark.parametrize("drafter", ["bad", "good", "none"])
 def test_output_follows_the_target_distribution(model, temperature, top_p, drafter):
     holder = [None]
-    if drafter == "bad":
+    if drafter == "none":  # plain decoding (what block size 1 and a missing drafter both run)
+        draft = None
+    elif drafter == "bad":
         draft = make_draft(seed=11, vocab=V)
     else:
         draft = TargetPathDraft(draft_config(vocab=V), model, holder)

@@ -179,6 +179,19 @@ def test_drafter_depth_and_mlp_width_are_the_runs_choice(tiny_setup, tmp_path):
     assert saved["hidden_size"] == model.args.hidden_size  # the width that meets the shared embedding
 
 
+def test_a_starting_drafter_keeps_its_architecture(tiny_setup, tmp_path):
+    model, seqs = tiny_setup
+    start = make_draft(block_size=8, layers=3, layer_ids=(0, 2))
+    cfg = TrainConfig(block_size=8, anchors=4, steps=2, warmup=1, holdout=8)  # says 2 layers, the default
+    train(Target(model), make_tokenizer(), seqs, tmp_path / "run", cfg, draft=start)
+    saved = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["train_config"]
+    c = start.config
+    assert (saved["num_layers"], saved["target_layer_ids"], saved["mask_token_id"]) == \
+        (3, [0, 2], c.mask_token_id)
+    with pytest.raises(ValueError, match="block size 16 does not match the starting drafter's 8"):
+        train(Target(model), make_tokenizer(), seqs, tmp_path / "b16", TrainConfig(holdout=8), draft=start)
+
+
 def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     model, seqs = tiny_setup
     with pytest.raises(ValueError, match="usable sequences"):
