@@ -96,8 +96,6 @@ def run(session, console: Console, banner: str, hide_thinking: bool = False) -> 
 
 
 def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
-    from dflash_mlx.chat import ContextFull
-
     stop = False
 
     def on_sigint(*_):
@@ -113,7 +111,7 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
                 if is_thinking and hide_thinking:
                     continue
                 console.print(escape(part), end="", style="dim" if is_thinking else None, soft_wrap=True)
-    except ContextFull as e:
+    except ValueError as e:  # a full context (ContextFull) or settings the model refuses: the chat goes on
         console.print(f"\n[yellow]{e}[/yellow]")
         return
     finally:
