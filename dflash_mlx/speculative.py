@@ -260,12 +260,10 @@ def stream_generate(
         if drafting:
             x, q = propose(draft.propose_logits(last, cache.draft_cache, block_size, compile)[0])
             block = mx.concatenate([mx.array([last]), x.astype(mx.int32)])[None]
-            logits, features = cache.verify(block)
-            n, nxt = accept(x, q, logits[0])
         else:  # plain decoding: one target token per pass
-            x = mx.array([], dtype=mx.int32)
-            logits, features = cache.verify(mx.array([[last]]))
-            n, nxt = mx.array(0), pick(logits[0])[0]
+            x, block = mx.array([], dtype=mx.int32), mx.array([[last]])
+        logits, features = cache.verify(block)
+        n, nxt = accept(x, q, logits[0]) if drafting else (mx.array(0), pick(logits[0])[0])
         mx.eval(n, nxt, x)
         n, tokens = n.item(), x.tolist()
         new, finish = finish_reason(tokens[:n] + [nxt.item()])
