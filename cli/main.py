@@ -70,7 +70,8 @@ def convert(
                 step("fetching")
                 # A registry name converts its target (as --model reads it); anything else resolves as -d
                 # does: a drafter shipped in models/, a folder or a Hugging Face id.
-                folder = resolve_target(source) if find_pair(source) else resolve_draft(source)
+                folder = (resolve_target(source, DTYPES[dtype] if dtype else None)  # a GGUF one at --dtype
+                          if find_pair(source) else resolve_draft(source))
                 if is_drafter(folder):
                     step("converting drafter")
                     out = convert_draft(str(folder), output, dtype or "bfloat16", quantize, q_bits, q_group_size, force)
@@ -110,6 +111,7 @@ def generate_cmd(
 
     import dflash_mlx
     from dflash_mlx.loading import load, load_pair
+    from dflash_mlx.sampling import SamplingParams
 
     if prompt is None:
         if sys.stdin.isatty():
@@ -117,6 +119,9 @@ def generate_cmd(
             raise typer.Exit(2)
         prompt = sys.stdin.read()
     with user_errors():
+        SamplingParams(temp, top_p, top_k, min_p)  # checked before loading, for both paths
+        if max_tokens < 0:
+            raise ValueError(f"--max-tokens must be >= 0, got {max_tokens}")
         if no_draft:
             (target, tokenizer), drafter = load(model), None
         else:
@@ -162,6 +167,9 @@ def _plain(model, tokenizer, ids, quiet, max_tokens, temperature, top_p, top_k, 
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
+    from dflash_mlx.speculative import context_room, prepare
+
+    max_tokens = min(max_tokens, context_room(prepare(model, None), len(ids)))  # as stream_generate does
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(temperature, top_p=top_p if top_p < 1 else 0.0, min_p=min_p, top_k=top_k)
@@ -277,6 +285,8 @@ def bench(
                              f"got {block_sizes!r} and {temps!r}") from None
         if any(b < 1 for b in bs) or any(t < 0 for t in ts):
             raise ValueError("block sizes must be >= 1 and temperatures >= 0")
+        if limit is not None and limit < 0:
+            raise ValueError(f"--limit must be >= 0 (0: all prompts), got {limit}")
         ps = prompt_source(prompts)[:limit or None]
         target, drafter, tokenizer = load_pair(model, draft)
         name = draft_for(model, draft)
@@ -371,9 +381,13 @@ def train_run(
     from dflash_mlx.data import load_shards, sharegpt_prompts
     from dflash_mlx.loading import load, load_draft
     from dflash_mlx.models.targets import Target
-    from dflash_mlx.train import TrainConfig, export, tau_on_prompts, train
+    from dflash_mlx.train import TrainConfig, check_export_folder, export, tau_on_prompts, train
 
     with user_errors():
+        if export_to:
+            check_export_folder(export_to)  # before hours of training, not after
+        if eval_prompts < 0:
+            raise ValueError(f"--eval-prompts must be >= 0, got {eval_prompts}")
         seqs = []
         for folder in data:
             found = load_shards(folder)
@@ -437,6 +451,8 @@ def train_eval(
     from dflash_mlx.train import tau_on_prompts
 
     with user_errors():
+        if limit is not None and limit < 0:
+            raise ValueError(f"--limit must be >= 0 (0: all prompts), got {limit}")
         target, drafter, tokenizer = load_pair(model, draft)
         ps = prompt_source(prompts)[:limit or None]
         r = tau_on_prompts(target, drafter, tokenizer, ps, max_tokens=max_tokens, block_size=block_size,
@@ -477,7 +493,7 @@ def profile(
 
     from dflash_mlx.profile import profile as run
 
-    with Console(stderr=True).status("timing cycles, verify and draft passes ..."):
+    with user_errors(), Console(stderr=True).status("timing cycles, verify and draft passes ..."):
         r = run(hidden, layers, vocab, block_size, cycles)
     if as_json:
         typer.echo(json.dumps(r, indent=2))

@@ -57,10 +57,18 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
     """-> results: per prompt and configuration, a summary per configuration, and the machine."""
     from .chat import apply_chat_template
     from .platform import report
-    from .speculative import prepare
+    from .speculative import context_room, prepare
 
     target = prepare(model, draft)
     encoded = [apply_chat_template(tokenizer, p) for p in prompts]
+    if not encoded:
+        raise ValueError("no prompts to benchmark")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    for k, ids in enumerate(encoded):
+        if context_room(target, len(ids)) < max_tokens:
+            raise ValueError(f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
+                             f"model's context: lower --max-tokens")
     configs = [(b, t) for t in temperatures for b in block_sizes]
     per_prompt = []
     total = len(encoded) * (len(temperatures) + len(configs))

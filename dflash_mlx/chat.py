@@ -55,13 +55,16 @@ class ChatSession:
         self.draft, self.tokenizer = draft, tokenizer
         self.system, self.temperature, self.block_size, self.max_tokens = system, temperature, block_size, max_tokens
         self.max_context = max_context or getattr(self.target.args, "max_position_embeddings", None) or 4096
+        if not 1 <= max_tokens < self.max_context:
+            raise ValueError(f"max tokens must be between 1 and {self.max_context - 1} (the model's context holds "
+                             f"{self.max_context}), got {max_tokens}")
         self.template_kwargs = template_kwargs or {}
         self.messages: list[dict] = []
         self.cache = SpeculativeCache(self.target, draft)
         self.turns: list[dict] = []  # per-turn statistics
 
     def reset(self) -> None:
-        self.messages = []
+        self.messages, self.turns = [], []
         self.cache = SpeculativeCache(self.target, self.draft)
 
     def conversation(self) -> list[dict]:
@@ -77,11 +80,11 @@ class ChatSession:
         ids = apply_chat_template(self.tokenizer, self.conversation(), **self.template_kwargs)
         if len(ids) + self.max_tokens > self.max_context:
             self.messages.pop()
-            raise ContextFull(len(ids), self.max_context)
+            raise ContextFull(len(ids), self.max_context, self.max_tokens, fresh=not self.messages)
         keep = common_prefix(self.cache.tokens, ids)
         if not self.cache.truncate(keep):
             self.cache, keep = SpeculativeCache(self.target, self.draft), 0
-        answer, accepted, tokens, last = [], [], 0, None
+        answer, accepted, tokens, drafted, last = [], [], 0, 0, None
         stopped = False
         try:
             for last in stream_generate(self.target, self.draft, self.tokenizer, ids[keep:], prompt_cache=self.cache,
@@ -91,6 +94,7 @@ class ChatSession:
                 tokens += len(last.tokens)
                 if last.accepted is not None:
                     accepted.append(last.accepted)
+                    drafted += min(last.accepted - 1, len(last.tokens))  # a cut at EOS/max drops drafted ones
                 yield last
                 if should_stop():
                     stopped = True
@@ -101,7 +105,7 @@ class ChatSession:
                 "prefill_tokens": self.cache.last_prefill, "tokens": tokens,
                 "tokens_per_s": last.generation_tps if last else 0.0,
                 "mean_acceptance": sum(accepted) / len(accepted) if accepted else None, "cycles": len(accepted),
-                "drafted_share": sum(a - 1 for a in accepted) / tokens if tokens else 0.0,
+                "drafted_share": drafted / tokens if tokens else 0.0,
                 "interrupted": stopped, "context_tokens": self.context_tokens()})
 
     def save(self, path: str | Path) -> None:
@@ -109,6 +113,8 @@ class ChatSession:
 
 
 class ContextFull(ValueError):
-    def __init__(self, used: int, limit: int):
-        super().__init__(f"the conversation needs {used} tokens plus room for the answer, and the model's "
-                         f"context holds {limit}: /reset to start a new conversation")
+    def __init__(self, used: int, limit: int, room: int, fresh: bool = False):
+        what = "this message" if fresh else "the conversation"
+        fix = "a shorter message or a lower --max-tokens" if fresh else "/reset to start a new conversation"
+        super().__init__(f"{what} needs {used} tokens plus {room} for the answer, and the model's context holds "
+                         f"{limit}: {fix}")

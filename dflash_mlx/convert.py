@@ -37,7 +37,11 @@ def atomic_folder(dest: str | Path, force: bool = False):
             old = dest.with_name(f".{dest.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             dest.rename(old)
-            tmp.rename(dest)
+            try:
+                tmp.rename(dest)
+            except BaseException:
+                old.rename(dest)  # put the good folder back
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(dest)

@@ -223,6 +223,12 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
 
     from .chat import apply_chat_template
 
+    for name, value in (("batch size", batch_size), ("shard size", shard_size), ("max new tokens", max_new_tokens),
+                        ("max prompt tokens", max_prompt_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit cannot be negative, got {limit}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     shards = sorted(folder.glob("shard-*.npz"))

@@ -8,6 +8,7 @@ GGUF tokenizer with the `tokenizers` library.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from pathlib import Path
@@ -130,13 +131,42 @@ def gguf_config(meta: dict, tensors: dict) -> dict:
     }
     if arch == "qwen2":
         config["attention_bias"] = True
-    if _scalar(meta, f"{arch}.rope.scaling.type") == "linear":
+    scaling = _scalar(meta, f"{arch}.rope.scaling.type")
+    if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(g("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF RoPE scaling '{scaling}' is not supported: convert the model's Hugging Face "
+                         f"checkpoint instead (dflash-mlx convert <repo id> <folder>)")
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+: llama.cpp stores the scaled RoPE as per-pair divisors
+        config["rope_scaling"] = _llama3_scaling(tensors["rope_freqs.weight"], config["head_dim"], config["rope_theta"])
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
         value = _scalar(meta, f"tokenizer.ggml.{name}_token_id")
         if value is not None:
             config[key] = int(value)
     return config
+
+
+def llama3_rope_divisors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                         high_freq_factor: float, original_max_position_embeddings: int, **_) -> mx.array:
+    """Llama 3's RoPE scaling as one divisor per frequency: 1 for short wavelengths, `factor` for
+    long ones, a smooth blend between (what llama.cpp writes as `rope_freqs`)."""
+    wavelen = 2 * math.pi * theta ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = mx.clip(smooth, 0.0, 1.0)
+    return 1 / ((1 - smooth) / factor + smooth)
+
+
+def _llama3_scaling(divisors: mx.array, head_dim: int, theta: float) -> dict:
+    """mlx-lm's llama3 rope_scaling for a GGUF's `rope_freqs`. The GGUF keeps only the divisors, so
+    this takes the parameters every Llama 3.1-3.3 release uses and checks they give exactly those."""
+    divisors = divisors.astype(mx.float32)
+    scaling = {"rope_type": "llama3", "factor": divisors.max().item(), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if divisors.shape != (head_dim // 2,) or not mx.allclose(
+            divisors, llama3_rope_divisors(head_dim, theta, **scaling), rtol=1e-4).item():
+        raise ValueError("this GGUF's RoPE frequency divisors (rope_freqs) are not Llama 3's usual ones: convert "
+                         "the model's Hugging Face checkpoint instead (dflash-mlx convert <repo id> <folder>)")
+    return scaling
 
 
 def _unpermute(w: mx.array, n_heads: int) -> mx.array:
@@ -161,7 +191,7 @@ def _mlx_name(name: str) -> str:
 
 def gguf_weights(tensors: dict, config: dict, dtype: Optional[mx.Dtype]):
     """-> (MLX weights, quantization config or None)."""
-    weights = {_mlx_name(k): v for k, v in tensors.items()}
+    weights = {_mlx_name(k): v for k, v in tensors.items() if k != "rope_freqs.weight"}  # now in config
     if config["model_type"] == "llama":  # llama.cpp permutes Q/K rows for this architecture only
         for k in list(weights):
             for proj, heads in (("q_proj", config["num_attention_heads"]), ("k_proj", config["num_key_value_heads"])):

@@ -174,7 +174,10 @@ def load(name: str, dtype="auto"):
     path = resolve_target(name, dtype)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json: not a model folder")
-    model, tokenizer = mlx_lm_load(str(path))
+    try:
+        model, tokenizer = mlx_lm_load(str(path))
+    except RuntimeError as e:  # mlx's terse "[load_safetensors] ..." for a truncated or corrupt file
+        raise ValueError(f"cannot load the target at {path}: {str(e).strip()} (truncated or corrupt weights?)") from None
     if dtype is not None:
         model.set_dtype(dtype)
     return model, tokenizer

@@ -37,7 +37,7 @@ def random_pair(hidden=1024, layers=8, vocab=32000, draft_layers=1, block_size=1
     draft = DFlashDraftModel(DFlashConfig(
         hidden_size=hidden, num_hidden_layers=draft_layers, num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 4), intermediate_size=hidden * 3, vocab_size=vocab,
-        target_layer_ids=[1, layers // 2, layers - 2][:max(1, min(3, layers))], mask_token_id=vocab - 1,
+        target_layer_ids=sorted({min(1, layers - 1), layers // 2, max(layers - 2, 0)}), mask_token_id=vocab - 1,
         block_size=block_size, num_target_layers=layers))
     mx.eval(model.parameters(), draft.parameters())
     return model, draft
@@ -68,6 +68,12 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
     from .cache import SpeculativeCache
     from .speculative import prepare, stream_generate
 
+    if hidden < 64 or hidden % 64:
+        raise ValueError(f"hidden must be a multiple of 64 (the head size), got {hidden}")
+    for name, value, least in (("layers", layers, 1), ("vocab", vocab, 2), ("block size", block_size, 2),
+                               ("cycles", cycles, 1)):
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
     model, draft = random_pair(hidden, layers, vocab, block_size=block_size)
     target = prepare(model, draft)
     prompt = mx.random.randint(0, vocab - 1, (prompt_len,)).tolist()

@@ -102,8 +102,18 @@ def prepare(model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]) 
         check_pair(model, draft)
         if getattr(draft, "_bound_to", None) is not model.model:
             draft.bind(model.embed, model.lm_head, model.shared_state)
-            draft._bound_to = model.model
+            # Kept outside the module's own tree (an nn.Module stores modules as its items), so the
+            # target's weights are neither part of the drafter's state nor inputs of its compiled step.
+            object.__setattr__(draft, "_bound_to", model.model)
     return model
+
+
+def context_room(target: Target, used: int) -> int:
+    """How many tokens fit after `used` ones in the target's context; a clear error if none do."""
+    context = getattr(target.args, "max_position_embeddings", None) or 1 << 62
+    if used >= context:
+        raise ValueError(f"the prompt is {used} tokens and the model's context holds {context}: shorten the prompt")
+    return context - used
 
 
 def _encode(tokenizer: TokenizerWrapper, prompt) -> list[int]:
@@ -181,7 +191,8 @@ def stream_generate(
     (log-probabilities -> token) that replaces temperature/top-p/top-k/min-p; proposals are then
     accepted where they equal its draws. `block_size=1` or `draft=None` is plain decoding.
     `tokenizer=None` works on token ids alone: no text, no EOS. A stop string ends the text where it
-    starts; the tokens of the cycle that hit it stay in `tokens` and in `prompt_cache`.
+    starts; the tokens of the cycle that hit it stay in `tokens` and in `prompt_cache`. A prompt that
+    fills the target's context is an error; the answer stops ("length") where the context ends.
     """
     params = SamplingParams(temperature, top_p, top_k, min_p)
     if max_tokens < 0:
@@ -202,6 +213,8 @@ def stream_generate(
     if prompt_cache is not None and (prompt_cache.target.model is not target.model
                                      or prompt_cache.draft is not draft):
         raise ValueError("prompt_cache was made for another model pair")
+    max_tokens = min(max_tokens, context_room(target, (len(prompt_cache.tokens) if prompt_cache else 0)
+                                              + len(prompt_ids)))
     if max_tokens == 0:
         if prompt_cache is not None:  # nothing to generate, but the conversation keeps the prompt
             prompt_cache.tokens.extend(prompt_ids)

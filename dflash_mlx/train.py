@@ -64,6 +64,16 @@ class TrainConfig:
     vocab: str = "full"  # the loss's softmax over the "full" vocabulary, or the tokens the "data" uses
     history: list = field(default_factory=list)
 
+    def __post_init__(self):
+        for name in ("steps", "anchors", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name.replace('_', '-')} cannot be negative, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"the learning rate must be positive, got {self.lr}")
+
     def loss_gamma(self) -> float:
         return self.gamma or GAMMA.get(self.block_size, 0.44 * self.block_size)
 
@@ -350,11 +360,21 @@ def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: 
         (tmp / "state.json").write_text(json.dumps({"step": step, "train_config": asdict(cfg)}))
 
 
+def check_export_folder(dest: str | Path) -> None:
+    """An export may replace an older drafter, never a folder holding anything else."""
+    from .convert import is_drafter
+
+    dest = Path(dest).expanduser()
+    if dest.exists() and not (dest.is_dir() and (is_drafter(dest) or not any(dest.iterdir()))):
+        raise FileExistsError(f"{dest} exists and is not a drafter folder: give --export a new folder name")
+
+
 def export(checkpoint: str | Path, dest: str | Path) -> Path:
-    """The trained drafter in z-lab's layout (bf16)."""
+    """The trained drafter in z-lab's layout (bf16), replacing an older drafter at `dest`."""
     from .convert import export_draft
 
-    return export_draft(str(checkpoint), dest, force=True)
+    check_export_folder(dest)
+    return export_draft(str(checkpoint), Path(dest).expanduser(), force=True)
 
 
 def tau_on_prompts(target: Target, draft, tokenizer, prompts, max_tokens=128, block_size=None,

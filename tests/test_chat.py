@@ -40,10 +40,19 @@ def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(smollm2, t
 def test_a_full_context_is_refused_politely(smollm2):
     model, tokenizer, _ = smollm2
     draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
-    session = ChatSession(model, draft, tokenizer, max_tokens=64, max_context=80)
-    with pytest.raises(ContextFull, match="/reset"):
+    session = ChatSession(model, draft, tokenizer, max_tokens=24, max_context=80)
+    with pytest.raises(ContextFull, match="lower --max-tokens"):  # a first message: /reset would not help
         list(session.reply("word " * 60))
     assert session.messages == []  # the refused message is not kept
+    list(session.reply("hi"))
+    kept = list(session.messages)
+    with pytest.raises(ContextFull, match="/reset"):
+        list(session.reply("word " * 20))
+    assert session.messages == kept
+    session.reset()
+    assert session.messages == session.turns == []  # /stats starts again with the conversation
+    with pytest.raises(ValueError, match="max tokens must be between 1 and 79"):
+        ChatSession(model, draft, tokenizer, max_tokens=80, max_context=80)  # no room left for any message
 
 
 PROMPT = r"you>\S* "  # rich may close its colour code before the space

@@ -70,6 +70,45 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     assert r.exit_code == 1 and "block_size must be >= 1, got 0" in r.stderr
     r = run("chat", "-m", root / "target", "-d", root / "draft", "--block-size", "0")
     assert r.exit_code == 1 and "block size must be >= 1, got 0" in r.stderr
+    # The plain baseline checks its settings as the drafted path does (mlx-lm would not).
+    gen = ["generate", "-m", root / "target", "--no-draft", "-p", "w5", "--no-chat-template"]
+    r = run(*gen, "--temp", "-1")
+    assert r.exit_code == 1 and "temperature must be >= 0" in r.stderr
+    r = run(*gen, "--top-p", "2")
+    assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.stderr
+    r = run(*gen, "--max-tokens", "-1")  # mlx-lm reads -1 as "no limit"
+    assert r.exit_code == 1 and "--max-tokens must be >= 0" in r.stderr
+    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl", "--limit", "-1")
+    assert r.exit_code == 1 and "--limit must be >= 0" in r.stderr
+    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
+            "--max-tokens", "0")
+    assert r.exit_code == 1 and "max_tokens must be at least 1" in r.stderr
+    for args in (["--hidden", "32"], ["--cycles", "0"], ["--block-size", "1"]):
+        r = run("profile", *args)
+        assert r.exit_code == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.output, (args, r.output)
+
+
+def test_a_prompt_that_fills_the_context_is_refused_and_answers_stop_at_its_end(pair):
+    root, model = pair  # the tiny target's context holds 4096 tokens
+    for path in (["-d", root / "draft"], ["--no-draft"]):
+        r = run("generate", "-m", root / "target", *path, "-p", "w5 " * 4096, "--no-chat-template")
+        assert r.exit_code == 1 and "the prompt is 4096 tokens and the model's context holds 4096" in r.stderr
+        r = run("generate", "-m", root / "target", *path, "-p", "w5 w6 " * 2045, "--no-chat-template", "--json",
+                "--max-tokens", "50")
+        assert r.exit_code == 0, r.output
+        got = json.loads(r.stdout)
+        assert got["prompt_tokens"] == 4090 and got["generation_tokens"] == 6, (path, got)
+
+
+def test_a_truncated_target_is_one_line(pair, tmp_path):
+    import shutil
+
+    root, _ = pair
+    shutil.copytree(root / "target", tmp_path / "target")
+    weights = next((tmp_path / "target").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    r = run("generate", "-m", tmp_path / "target", "-d", root / "draft", "-p", "w5")
+    assert r.exit_code == 1 and "truncated or corrupt weights" in r.stderr and "Traceback" not in r.output
 
 
 def test_bench_without_matplotlib_still_writes_its_results(pair, tmp_path, monkeypatch):
@@ -209,6 +248,22 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
             "--export", tmp_path / "exported")
     assert r.exit_code == 0, r.output
     assert (tmp_path / "exported" / "model.safetensors").exists()
+    # --export replaces an older drafter, but never a folder holding anything else (checked before training).
+    again = ["train", "run", *data, "-o", tmp_path / "ok", "-m", root / "target", "--layers", "1", "--block-size", "4",
+             "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0"]
+    r = run(*again, "--export", tmp_path / "exported")  # the finished run again: exported over the last export
+    assert r.exit_code == 0 and "drafter written to" in r.stdout, r.output
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    r = run(*again, "--export", tmp_path / "notes")
+    assert r.exit_code == 1 and "is not a drafter folder" in r.stderr
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+    r = run("train", "run", *data, "-o", tmp_path / "zero", "-m", root / "target", "--checkpoint-every", "0",
+            "--eval-prompts", "0")
+    assert r.exit_code == 1 and "checkpoint-every must be at least 1, got 0" in r.stderr
+    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "d0",
+            "--shard-size", "0")
+    assert r.exit_code == 1 and "shard size must be at least 1" in r.stderr  # it used to loop for ever
     r = run("train", "eval", "-d", tmp_path / "exported", "-m", root / "target", "--prompts",
             root / "prompts.jsonl", "--max-tokens", "8", "--json")
     assert r.exit_code == 0, r.output

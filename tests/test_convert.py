@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import generate, load_draft
 from dflash_mlx.cli.main import app
+from dflash_mlx.gguf import llama3_rope_divisors
 from dflash_mlx.speculative import prepare
 
 runner = CliRunner()
@@ -87,10 +88,10 @@ def byte_level_vocab():
     return tokens, ["Ġ t", "Ġt h"]
 
 
-def write_gguf(path, family):
+def write_gguf(path, family, **overrides):
     """A tiny model of `family` saved as llama.cpp would: GGUF names, Q/K rows permuted for llama."""
     tokens, merges = byte_level_vocab()
-    model = make_target(family, vocab_size=len(tokens), num_attention_heads=4, num_key_value_heads=2)
+    model = make_target(family, vocab_size=len(tokens), num_attention_heads=4, num_key_value_heads=2, **overrides)
     cfg = model.args
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -108,6 +109,8 @@ def write_gguf(path, family):
         else:
             tensors[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[k]] = v
+    if cfg.rope_scaling:  # Llama 3.1+: llama.cpp writes one RoPE divisor per frequency pair
+        tensors["rope_freqs.weight"] = llama3_rope_divisors(16, cfg.rope_theta, **cfg.rope_scaling)
     u32 = lambda x: mx.array(x, dtype=mx.uint32)  # noqa: E731
     meta = {
         "general.architecture": family,
@@ -143,6 +146,28 @@ def test_gguf_target_converts_to_the_same_model(tmp_path, family):
     assert tokenizer.eos_token == "<|end|>" and tokenizer.encode("<|end|>", add_special_tokens=False) == [258]
 
 
+def test_llama3_rope_scaling_survives_the_gguf(tmp_path):
+    """Llama 3.1-3.3 GGUFs carry their scaled RoPE as a `rope_freqs` tensor; mlx-lm needs it as config."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    model = write_gguf(tmp_path / "l3.gguf", "llama", rope_scaling=scaling)
+    r = cli("convert", tmp_path / "l3.gguf", tmp_path / "mlx")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "mlx" / "config.json").read_text())["rope_scaling"] == scaling
+    converted, _ = mlx_lm_load(str(tmp_path / "mlx"))
+    # Far enough along that the scaled low frequencies matter (wavelengths of 2,000-20,000 positions).
+    ids = mx.array([[(7 * i) % 250 for i in range(3000)]])
+    want = model(ids)[0, -8:]
+    np.testing.assert_allclose(np.array(converted(ids)[0, -8:]), np.array(want), rtol=1e-4, atol=1e-4)
+    unscaled = make_target("llama", vocab_size=259, num_attention_heads=4, num_key_value_heads=2)
+    unscaled.load_weights(list(flat_params(model).items()))
+    assert not np.allclose(np.array(unscaled(ids)[0, -8:]), np.array(want), atol=1e-2)  # the scaling shows here
+    # Divisors from other parameters cannot be told apart from the file alone: refused, not guessed.
+    write_gguf(tmp_path / "odd.gguf", "llama", rope_scaling=dict(scaling, original_max_position_embeddings=4096))
+    r = cli("convert", tmp_path / "odd.gguf", tmp_path / "odd")
+    assert r.exit_code == 1 and "not Llama 3's usual ones" in r.output and not (tmp_path / "odd").exists()
+
+
 def test_unsupported_gguf_type_is_refused_and_leaves_nothing(tmp_path):
     gguf = pytest.importorskip("gguf")
     writer = gguf.GGUFWriter(str(tmp_path / "q5.gguf"), "llama")
@@ -173,3 +198,26 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     assert r.exit_code == 1 and "already exists" in r.output
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder
+
+
+def test_a_failed_replace_keeps_the_old_folder(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from dflash_mlx.convert import atomic_folder
+
+    dest = tmp_path / "model"
+    dest.mkdir()
+    (dest / "weights").write_text("good")
+    real = Path.rename
+
+    def rename(self, target):
+        if self.name.startswith(".model.partial-"):  # moving the new folder into place fails
+            raise OSError("disk trouble")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OSError, match="disk trouble"):
+        with atomic_folder(dest, force=True) as tmp:
+            (tmp / "weights").write_text("new")
+    assert (dest / "weights").read_text() == "good"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary or .old folder left

@@ -3,6 +3,7 @@
 import json
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 import pytest
 from tiny import FAMILIES, VOCAB, flat_params, greedy_reference, make_draft, make_target, no_eos_tokenizer, prompt_of
@@ -135,3 +136,5 @@ def test_compiled_step_equals_eager_and_is_not_retraced_per_cycle(family):
     # 40 cycles took the context from 30 to ~130 positions inside one 256-row cache buffer:
     # one trace for that buffer size at most, never one per cycle.
     assert draft.traces - traces <= 1
+    # The compiled step's inputs are the drafter's own arrays: binding added none of the target's.
+    assert {k for k, _ in tree_flatten(draft.state)} == {k for k, _ in tree_flatten(draft.parameters())}

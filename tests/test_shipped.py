@@ -1,10 +1,13 @@
 """The drafter this project ships for SmolLM2-135M-Instruct: lossless, and better than chance."""
 
+import json
+
 import pytest
 from mlx_lm.generate import generate_step
 import mlx.core as mx
 
 from dflash_mlx import apply_chat_template, generate, load_draft
+from dflash_mlx.chat import ChatSession
 from dflash_mlx.data import humaneval_prompts
 
 # A random drafter of the same shape scores tau 1.00 on HumanEval prompts (measured: 485 cycles, all
@@ -53,4 +56,23 @@ def test_convert_takes_registry_names(pair, tmp_path):
     assert copy.fc.weight.dtype == mx.float32 and mx.array_equal(copy.fc.weight, draft.fc.weight.astype(mx.float32))
     r = CliRunner().invoke(app, ["convert", "smollm2-135m-instruct", str(tmp_path / "t")])
     assert r.exit_code == 0 and "wrote target" in r.stdout, r.output
-    assert (tmp_path / "t" / "config.json").exists()
+    assert "quantization" in json.loads((tmp_path / "t" / "config.json").read_text())  # the GGUF's own 4 bits
+    r = CliRunner().invoke(app, ["convert", "smollm2-135m-instruct", str(tmp_path / "t32"), "--dtype", "float32"])
+    assert r.exit_code == 0 and "wrote target" in r.stdout, r.output
+    assert "quantization" not in json.loads((tmp_path / "t32" / "config.json").read_text())
+    weights = mx.load(str(next((tmp_path / "t32").glob("*.safetensors"))))
+    assert {v.dtype for v in weights.values()} == {mx.float32}
+
+
+def test_chat_counts_only_drafted_tokens_it_shows(pair):
+    """An answer cut at --max-tokens inside a cycle drops drafted tokens: the share never passes 100%."""
+    model, draft, tokenizer = pair
+    cut = False
+    for n in range(2, 9):
+        session = ChatSession(model, draft, tokenizer, max_tokens=n)
+        responses = list(session.reply("Write a Python function that checks whether a number is prime."))
+        turn = session.turns[-1]
+        assert turn["tokens"] == n
+        assert turn["drafted_share"] <= (n - 1) / n  # the first token is always the target's own
+        cut |= any(r.accepted is not None and r.accepted - 1 > len(r.tokens) for r in responses)
+    assert cut  # the case that counted too much happened

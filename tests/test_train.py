@@ -202,6 +202,11 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
         train(Target(model), make_tokenizer(), seqs, tmp_path / "v", TrainConfig(vocab="small", mask_token_id=95))
     with pytest.raises(ValueError, match="at least 1 layer"):
         train(Target(model), make_tokenizer(), seqs, tmp_path / "z", TrainConfig(num_layers=0, mask_token_id=95))
+    for bad, message in (({"steps": 0}, "steps must be at least 1"), ({"checkpoint_every": 0}, "checkpoint-every"),
+                         ({"anchors": -1}, "anchors must be at least 1"), ({"lr": 0.0}, "learning rate must be"),
+                         ({"warmup": -5}, "warmup cannot be negative")):
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**bad)
     (tmp_path / "empty.jsonl").write_text('{"text": "no usable field"}\n\n')
     with pytest.raises(ValueError, match="no usable rows"):
         jsonl_prompts(tmp_path / "empty.jsonl")
