@@ -167,9 +167,9 @@ def _plain(model, tokenizer, ids, quiet, max_tokens, temperature, top_p, top_k, 
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from dflash_mlx.speculative import context_room, prepare
+    from dflash_mlx.speculative import context_room
 
-    max_tokens = min(max_tokens, context_room(prepare(model, None), len(ids)))  # as stream_generate does
+    max_tokens = min(max_tokens, context_room(model, len(ids)))  # as stream_generate does
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(temperature, top_p=top_p if top_p < 1 else 0.0, min_p=min_p, top_k=top_k)
@@ -385,7 +385,7 @@ def train_run(
 
     with user_errors():
         if export_to:
-            check_export_folder(export_to)  # before hours of training, not after
+            check_export_folder(export_to, out)  # before hours of training, not after
         if eval_prompts < 0:
             raise ValueError(f"--eval-prompts must be >= 0, got {eval_prompts}")
         seqs = []

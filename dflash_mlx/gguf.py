@@ -146,7 +146,7 @@ def gguf_config(meta: dict, tensors: dict) -> dict:
     return config
 
 
-def llama3_rope_divisors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+def _llama3_rope_divisors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
                          high_freq_factor: float, original_max_position_embeddings: int, **_) -> mx.array:
     """Llama 3's RoPE scaling as one divisor per frequency: 1 for short wavelengths, `factor` for
     long ones, a smooth blend between (what llama.cpp writes as `rope_freqs`)."""
@@ -163,7 +163,7 @@ def _llama3_scaling(divisors: mx.array, head_dim: int, theta: float) -> dict:
     scaling = {"rope_type": "llama3", "factor": divisors.max().item(), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if divisors.shape != (head_dim // 2,) or not mx.allclose(
-            divisors, llama3_rope_divisors(head_dim, theta, **scaling), rtol=1e-4).item():
+            divisors, _llama3_rope_divisors(head_dim, theta, **scaling), rtol=1e-4).item():
         raise ValueError("this GGUF's RoPE frequency divisors (rope_freqs) are not Llama 3's usual ones: convert "
                          "the model's Hugging Face checkpoint instead (dflash-mlx convert <repo id> <folder>)")
     return scaling

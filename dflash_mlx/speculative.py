@@ -108,11 +108,15 @@ def prepare(model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]) 
     return model
 
 
-def context_room(target: Target, used: int) -> int:
-    """How many tokens fit after `used` ones in the target's context; a clear error if none do."""
-    context = getattr(target.args, "max_position_embeddings", None) or 1 << 62
+def context_room(model: Union[nn.Module, Target], used: int, kept: int = 0) -> int:
+    """How many tokens fit in the context of `model` (any mlx-lm model, or a Target) after a prompt
+    of `used` tokens, `kept` of them from an earlier call; a clear error if none do."""
+    args = model.args if isinstance(model, Target) else getattr(model, "language_model", model).args
+    context = getattr(args, "max_position_embeddings", None) or 1 << 62
     if used >= context:
-        raise ValueError(f"the prompt is {used} tokens and the model's context holds {context}: shorten the prompt")
+        raise ValueError(f"the conversation (this prompt and {kept} kept tokens) is {used} tokens and fills the "
+                         f"model's context of {context}: start a new cache" if kept else
+                         f"the prompt is {used} tokens and the model's context holds {context}: shorten the prompt")
     return context - used
 
 
@@ -213,8 +217,8 @@ def stream_generate(
     if prompt_cache is not None and (prompt_cache.target.model is not target.model
                                      or prompt_cache.draft is not draft):
         raise ValueError("prompt_cache was made for another model pair")
-    max_tokens = min(max_tokens, context_room(target, (len(prompt_cache.tokens) if prompt_cache else 0)
-                                              + len(prompt_ids)))
+    kept = len(prompt_cache.tokens) if prompt_cache is not None else 0
+    max_tokens = min(max_tokens, context_room(target, kept + len(prompt_ids), kept))
     if max_tokens == 0:
         if prompt_cache is not None:  # nothing to generate, but the conversation keeps the prompt
             prompt_cache.tokens.extend(prompt_ids)

@@ -360,20 +360,30 @@ def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: 
         (tmp / "state.json").write_text(json.dumps({"step": step, "train_config": asdict(cfg)}))
 
 
-def check_export_folder(dest: str | Path) -> None:
-    """An export may replace an older drafter, never a folder holding anything else."""
+def check_export_folder(dest: str | Path, run: Optional[str | Path] = None) -> None:
+    """An export may replace an older exported drafter (config.json and weights only), never a folder
+    holding anything else, nor the run folder it comes from."""
     from .convert import is_drafter
 
-    dest = Path(dest).expanduser()
-    if dest.exists() and not (dest.is_dir() and (is_drafter(dest) or not any(dest.iterdir()))):
-        raise FileExistsError(f"{dest} exists and is not a drafter folder: give --export a new folder name")
+    dest = Path(dest).expanduser().resolve()
+    if run is not None:
+        run = Path(run).expanduser().resolve()
+        if dest == run or run in dest.parents or dest in run.parents:
+            raise ValueError(f"--export {dest} would overwrite the run folder {run}: export to a folder outside it")
+    if not dest.exists():
+        return
+    names = [p.name for p in dest.iterdir()] if dest.is_dir() else None
+    only_a_drafter = names is not None and all(n == "config.json" or (n.startswith("model") and n.endswith(
+        ".safetensors")) for n in names) and (not names or is_drafter(dest))
+    if not only_a_drafter:
+        raise FileExistsError(f"{dest} exists and holds more than an exported drafter: give --export a new folder")
 
 
 def export(checkpoint: str | Path, dest: str | Path) -> Path:
     """The trained drafter in z-lab's layout (bf16), replacing an older drafter at `dest`."""
     from .convert import export_draft
 
-    check_export_folder(dest)
+    check_export_folder(dest, checkpoint)
     return export_draft(str(checkpoint), Path(dest).expanduser(), force=True)
 
 

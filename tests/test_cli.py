@@ -100,6 +100,21 @@ def test_a_prompt_that_fills_the_context_is_refused_and_answers_stop_at_its_end(
         assert got["prompt_tokens"] == 4090 and got["generation_tokens"] == 6, (path, got)
 
 
+def test_the_plain_baseline_runs_any_mlx_lm_model():
+    """--no-draft is mlx-lm's own decoding, so it runs a family dflash-mlx cannot draft for (qwen2)."""
+    from mlx_lm.models import qwen2
+
+    from dflash_mlx.cli.main import _plain
+
+    args = {k: v for k, v in CONFIGS["llama"].items() if k not in ("model_type", "head_dim")}
+    model = qwen2.Model(qwen2.ModelArgs(**dict(args, model_type="qwen2")))
+    _, tokens, last, _ = _plain(model, make_tokenizer(eos=95), [5, 6], True, max_tokens=6, temperature=0.0,
+                                top_p=1.0, top_k=0, min_p=0.0, seed=None)
+    assert tokens == greedy_reference(model, [5, 6], 6, eos={95})
+    with pytest.raises(ValueError, match="family 'qwen2' is not supported by dflash-mlx"):
+        speculative.prepare(model, make_draft())  # while drafting needs a supported family
+
+
 def test_a_truncated_target_is_one_line(pair, tmp_path):
     import shutil
 
@@ -256,8 +271,14 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
     r = run(*again, "--export", tmp_path / "notes")
-    assert r.exit_code == 1 and "is not a drafter folder" in r.stderr
+    assert r.exit_code == 1 and "holds more than an exported drafter" in r.stderr
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+    (tmp_path / "exported" / "README.md").write_text("my model card")  # a drafter with more beside it
+    r = run(*again, "--export", tmp_path / "exported")
+    assert r.exit_code == 1 and "holds more than an exported drafter" in r.stderr
+    assert (tmp_path / "exported" / "README.md").exists()
+    r = run(*again, "--export", tmp_path / "ok" / "final")
+    assert r.exit_code == 1 and "would overwrite the run folder" in r.stderr
     r = run("train", "run", *data, "-o", tmp_path / "zero", "-m", root / "target", "--checkpoint-every", "0",
             "--eval-prompts", "0")
     assert r.exit_code == 1 and "checkpoint-every must be at least 1, got 0" in r.stderr

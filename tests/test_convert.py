@@ -1,6 +1,7 @@
 """`dflash-mlx convert` and the loaders: drafters both ways, GGUF targets, and bad input."""
 
 import json
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -12,7 +13,6 @@ from typer.testing import CliRunner
 
 from dflash_mlx import generate, load_draft
 from dflash_mlx.cli.main import app
-from dflash_mlx.gguf import llama3_rope_divisors
 from dflash_mlx.speculative import prepare
 
 runner = CliRunner()
@@ -88,6 +88,23 @@ def byte_level_vocab():
     return tokens, ["Ġ t", "Ġt h"]
 
 
+def llama3_divisors_by_hand(head_dim, theta, factor, low_freq_factor, high_freq_factor,
+                            original_max_position_embeddings, **_):
+    """Llama 3's RoPE scaling, pair by pair, as the published recipe states it (kept apart from the
+    converter's vectorised version on purpose)."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        if wavelength < original_max_position_embeddings / high_freq_factor:
+            out.append(1.0)  # high frequencies are kept
+        elif wavelength > original_max_position_embeddings / low_freq_factor:
+            out.append(factor)  # low frequencies are slowed down by the whole factor
+        else:
+            t = (original_max_position_embeddings / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - t) / factor + t))
+    return out
+
+
 def write_gguf(path, family, **overrides):
     """A tiny model of `family` saved as llama.cpp would: GGUF names, Q/K rows permuted for llama."""
     tokens, merges = byte_level_vocab()
@@ -110,7 +127,7 @@ def write_gguf(path, family, **overrides):
             tensors[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[k]] = v
     if cfg.rope_scaling:  # Llama 3.1+: llama.cpp writes one RoPE divisor per frequency pair
-        tensors["rope_freqs.weight"] = llama3_rope_divisors(16, cfg.rope_theta, **cfg.rope_scaling)
+        tensors["rope_freqs.weight"] = mx.array(llama3_divisors_by_hand(16, cfg.rope_theta, **cfg.rope_scaling))
     u32 = lambda x: mx.array(x, dtype=mx.uint32)  # noqa: E731
     meta = {
         "general.architecture": family,

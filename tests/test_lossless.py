@@ -38,6 +38,21 @@ def test_every_acceptance_length_stays_lossless(targets, family, block_size):
     assert set(out.acceptance_lengths) == set(range(1, block_size + 1))
 
 
+def test_the_answer_stops_where_the_context_ends():
+    from dflash_mlx.cache import SpeculativeCache
+
+    model = make_target("llama", max_position_embeddings=64)
+    prompt = prompt_of(40)
+    ref = greedy_reference(model, prompt, 24)
+    cache = SpeculativeCache(model, make_draft())
+    out = generate(model, cache.draft, no_eos_tokenizer(ref), prompt, max_tokens=100, prompt_cache=cache)
+    assert out.tokens == ref and out.finish_reason == "length"  # 40 + 24 = the 64 the context holds
+    with pytest.raises(ValueError, match="is 64 tokens and fills the model's context of 64: start a new cache"):
+        generate(model, cache.draft, None, [], max_tokens=5, prompt_cache=cache)
+    with pytest.raises(ValueError, match="the prompt is 64 tokens and the model's context holds 64"):
+        generate(model, make_draft(), None, prompt_of(64), max_tokens=5)
+
+
 def test_max_tokens_cuts_inside_a_block(targets):
     model, prompt = targets["llama"], prompt_of(9)
     ref = greedy_reference(model, prompt, 40)
