@@ -152,9 +152,9 @@ def command(session, console: Console, line: str) -> Optional[str]:
             turns = session.turns
             toks = sum(t["tokens"] for t in turns)
             cycles = sum(t["cycles"] for t in turns)  # tau over every verify pass, not a mean of answers
-            tau = sum(t["mean_acceptance"] * t["cycles"] for t in turns if t["cycles"]) / cycles if cycles else 0
+            tau = sum(t["mean_acceptance"] * t["cycles"] for t in turns if t["cycles"]) / cycles if cycles else None
             console.print(f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
-                          f"{tau:.2f}, context {session.context_tokens()}"
+                          f"{'-' if tau is None else f'{tau:.2f}'}, context {session.context_tokens()}"
                           f"/{session.max_context} tokens, temperature {session.temperature}, block "
                           f"{session.draft.block_size if session.block_size is None else session.block_size}[/dim]")
         elif name == "/save":

@@ -85,6 +85,11 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
         child.expect(r"prefill (\d+)")
         assert int(child.match.group(1)) < 40  # the earlier conversation was not prefilled again
         child.expect(PROMPT)
+        child.sendline("/reset")
+        child.expect(PROMPT)
+        child.sendline("/stats")
+        child.expect(r"0 answers, 0 tokens, mean tau -, context 0/")  # a new conversation, new totals
+        child.expect(PROMPT)
         child.sendline("/exit")
         child.expect(pexpect.EOF)
     finally:
