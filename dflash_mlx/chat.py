@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
 
 from .cache import SpeculativeCache
-from .speculative import GenerationResponse, prepare, stream_generate
+from .speculative import GenerationResponse, context_length, prepare, stream_generate
 
 
 def apply_chat_template(tokenizer, messages: Union[str, list[dict]], *, system: Optional[str] = None,
@@ -54,7 +54,7 @@ class ChatSession:
         self.target = prepare(model, draft)
         self.draft, self.tokenizer = draft, tokenizer
         self.system, self.temperature, self.block_size, self.max_tokens = system, temperature, block_size, max_tokens
-        self.max_context = max_context or getattr(self.target.args, "max_position_embeddings", None) or 4096
+        self.max_context = max_context or context_length(self.target) or 4096
         if not 1 <= max_tokens < self.max_context:
             raise ValueError(f"max tokens must be between 1 and {self.max_context - 1} (the model's context holds "
                              f"{self.max_context}), got {max_tokens}")

@@ -108,11 +108,16 @@ def prepare(model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]) 
     return model
 
 
-def context_room(model: Union[nn.Module, Target], used: int, kept: int = 0) -> int:
-    """How many tokens fit in the context of `model` (any mlx-lm model, or a Target) after a prompt
-    of `used` tokens, `kept` of them from an earlier call; a clear error if none do."""
+def context_length(model: Union[nn.Module, Target]) -> Optional[int]:
+    """The context the model was trained for (any mlx-lm model, or a Target), if its config says."""
     args = model.args if isinstance(model, Target) else getattr(model, "language_model", model).args
-    context = getattr(args, "max_position_embeddings", None) or 1 << 62
+    return getattr(args, "max_position_embeddings", None)
+
+
+def context_room(model: Union[nn.Module, Target], used: int, kept: int = 0) -> int:
+    """How many tokens fit in the context of `model` after a prompt of `used` tokens, `kept` of them
+    from an earlier call; a clear error if none do."""
+    context = context_length(model) or 1 << 62
     if used >= context:
         raise ValueError(f"the conversation (this prompt and {kept} kept tokens) is {used} tokens and fills the "
                          f"model's context of {context}: start a new cache" if kept else
