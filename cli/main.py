@@ -273,7 +273,6 @@ def bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from dflash_mlx.bench import has_matplotlib, run_bench, write
-    from dflash_mlx.data import prompt_source
     from dflash_mlx.loading import draft_for, load_pair
 
     with user_errors():
@@ -285,9 +284,7 @@ def bench(
                              f"got {block_sizes!r} and {temps!r}") from None
         if any(b < 1 for b in bs) or any(t < 0 for t in ts):
             raise ValueError("block sizes must be >= 1 and temperatures >= 0")
-        if limit is not None and limit < 0:
-            raise ValueError(f"--limit must be >= 0 (0: all prompts), got {limit}")
-        ps = prompt_source(prompts)[:limit or None]
+        ps = _first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
         name = draft_for(model, draft)
         if not has_matplotlib():
@@ -446,15 +443,12 @@ def train_eval(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Mean acceptance length tau of a drafter on a prompt set, from real stream_generate runs."""
-    from dflash_mlx.data import prompt_source
     from dflash_mlx.loading import load_pair
     from dflash_mlx.train import tau_on_prompts
 
     with user_errors():
-        if limit is not None and limit < 0:
-            raise ValueError(f"--limit must be >= 0 (0: all prompts), got {limit}")
+        ps = _first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
-        ps = prompt_source(prompts)[:limit or None]
         r = tau_on_prompts(target, drafter, tokenizer, ps, max_tokens=max_tokens, block_size=block_size,
                            temperature=temp)
     r.update(prompts=prompts, n_prompts=len(ps), block_size=drafter.block_size if block_size is None else block_size,
@@ -462,6 +456,15 @@ def train_eval(
     typer.echo(json.dumps(r) if as_json else
                f"tau {r['tau']:.2f} over {r['cycles']} cycles, {r['tokens']} tokens, {len(ps)} prompts "
                f"({prompts}, block {r['block_size']}, temperature {temp})")
+
+
+def _first_prompts(source: str, limit: Optional[int]) -> list:
+    """The first `limit` prompts of a prompt set (None or 0: all of them), for bench and train eval."""
+    from dflash_mlx.data import prompt_source
+
+    if limit is not None and limit < 0:
+        raise ValueError(f"--limit must be >= 0 (0: all prompts), got {limit}")
+    return prompt_source(source)[:limit or None]
 
 
 def _stderr():
