@@ -29,6 +29,11 @@ CONFIGS = {
                     linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                     linear_value_head_dim=16, linear_conv_kernel_dim=4,
                     rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "qwen3_5_moe": dict(_COMMON, model_type="qwen3_5_moe", tie_word_embeddings=False, full_attention_interval=2,
+                        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     "gpt_oss": dict(_COMMON, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
 }
