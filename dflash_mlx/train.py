@@ -120,7 +120,7 @@ def block_logits(draft: DFlashDraftModel, target: Target, features: mx.array, to
     lm_head rows of a vocabulary subset to score instead of the whole vocabulary.
     """
     B = draft.block_size
-    ctx = draft.context(features.astype(draft.fc.weight.dtype))
+    ctx = draft.context(features.astype(draft.dtype))
     n = anchors.shape[0]
     keys, values = [], []
     for layer in draft.layers:
@@ -128,7 +128,7 @@ def block_logits(draft: DFlashDraftModel, target: Target, features: mx.array, to
         keys.append(mx.broadcast_to(k, (n, *k.shape[1:])))
         values.append(mx.broadcast_to(v, (n, *v.shape[1:])))
     block = mx.concatenate([tokens[anchors][:, None], mx.full((n, B - 1), draft.mask_token_id)], axis=1)
-    emb = target.embed(block).astype(draft.fc.weight.dtype)
+    emb = target.embed(block).astype(draft.dtype)
     h = draft.denoise(emb, keys, values, anchors)[:, 1:]
     return target.lm_head(h) if head is None else h @ head.T
 

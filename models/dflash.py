@@ -205,6 +205,11 @@ class DFlashDraftModel(nn.Module):
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
 
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The dtype the drafter computes in: its norms' (a quantized layer's weight is packed uint32)."""
+        return self.norm.weight.dtype
+
     def make_cache(self) -> list[KVCache]:
         """One KV cache per layer, holding the keys/values of committed context only."""
         return [KVCache() for _ in self.layers]
@@ -215,7 +220,7 @@ class DFlashDraftModel(nn.Module):
 
     def absorb(self, features: mx.array, cache: list[KVCache]) -> None:
         """Append committed positions' target features to the drafter's cache as keys/values."""
-        ctx = self.context(features.astype(self.fc.weight.dtype))
+        ctx = self.context(features.astype(self.dtype))
         offset = cache[0].offset
         for layer, c in zip(self.layers, cache):
             c.update_and_fetch(*layer.self_attn.keys_values(ctx, offset))
@@ -242,7 +247,7 @@ class DFlashDraftModel(nn.Module):
         """
 
         def step(block_tokens, ctx_keys, ctx_values, ctx_len):
-            h = self.denoise(embed(block_tokens).astype(self.fc.weight.dtype), ctx_keys, ctx_values, ctx_len)
+            h = self.denoise(embed(block_tokens).astype(self.dtype), ctx_keys, ctx_values, ctx_len)
             return lm_head(h[:, 1:])
 
         def traced_step(*args):

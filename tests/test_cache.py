@@ -5,7 +5,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache
 from tiny import FAMILIES, OracleDraft, draft_config, greedy_reference, make_target, make_tokenizer, no_eos_tokenizer, prompt_of
 
-from dflash_mlx import SpeculativeCache, stream_generate
+from dflash_mlx import SpeculativeCache, generate, stream_generate
 from dflash_mlx.speculative import prepare
 
 
@@ -15,6 +15,14 @@ def arrays_of(cache_entry):
         return [np.array(a) for a in cache_entry.cache]
     k, v = cache_entry.keys[..., :cache_entry.offset, :], cache_entry.values[..., :cache_entry.offset, :]
     return [np.array(k), np.array(v)]
+
+
+def assert_same_caches(got: SpeculativeCache, want: SpeculativeCache):
+    for a_layer, b_layer in zip(got.target_cache + got.draft_cache, want.target_cache + want.draft_cache):
+        if not isinstance(a_layer, ArraysCache):
+            assert a_layer.offset == b_layer.offset
+        for a, b in zip(arrays_of(a_layer), arrays_of(b_layer)):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -32,32 +40,61 @@ def test_caches_equal_a_fresh_prefill_after_every_cycle(family):
         assert len(cache.pending) == 1
         fresh = SpeculativeCache(target, draft)
         fresh.prefill(committed)
-        for got, want in zip(cache.target_cache, fresh.target_cache):
-            if not isinstance(got, ArraysCache):
-                assert got.offset == len(committed)
-            for a, b in zip(arrays_of(got), arrays_of(want)):
-                np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
-        for got, want in zip(cache.draft_cache, fresh.draft_cache):
-            assert got.offset == len(committed)
-            for a, b in zip(arrays_of(got), arrays_of(want)):
-                np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
+        assert cache.draft_cache[0].offset == len(committed)
+        assert_same_caches(cache, fresh)
         cycles += 1
     assert cycles > 10
 
 
 def test_a_kept_cache_continues_a_conversation_without_prefilling_it_again():
-    model, prompt = make_target("qwen3_5"), prompt_of(10, seed=2)
-    draft = OracleDraft(draft_config(block_size=4), [], [None])  # oracle with no reference: wrong guesses
-    tok = make_tokenizer(eos=95)
+    model, prompt, follow_up = make_target("qwen3_5"), prompt_of(10, seed=2), prompt_of(5, seed=9)
+    first_ref = greedy_reference(model, prompt, 12)
+    second_ref = greedy_reference(model, prompt + first_ref + follow_up, 12)
+    # An oracle for the whole conversation, so blocks are accepted in both calls.
+    draft = OracleDraft(draft_config(block_size=4), prompt + first_ref + follow_up + second_ref, [None, 1])
+    tok = no_eos_tokenizer(first_ref + second_ref)
     cache = SpeculativeCache(model, draft)  # as the README shows it: the mlx-lm model itself
-    first = sum((p.tokens for p in stream_generate(model, draft, tok, prompt, max_tokens=12, prompt_cache=cache)), [])
-    follow_up = prompt_of(5, seed=9)
+    first = generate(model, draft, tok, prompt, max_tokens=12, prompt_cache=cache)
     before = cache.processed
-    second = sum((p.tokens for p in stream_generate(model, draft, tok, follow_up, max_tokens=12,
-                                                     prompt_cache=cache)), [])
+    second = generate(model, draft, tok, follow_up, max_tokens=12, prompt_cache=cache)
     # The second call prefilled only the pending token and the new prompt.
-    assert cache.processed - before == 1 + len(follow_up) + len(second) - 1
-    assert second == greedy_reference(model, prompt + first + follow_up, 12)
+    assert cache.processed - before == 1 + len(follow_up) + len(second.tokens) - 1
+    assert (first.tokens, second.tokens) == (first_ref, second_ref)
+    assert max(first.acceptance_lengths) > 1 and max(second.acceptance_lengths) > 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_prompt_prefilled_in_chunks_builds_the_same_caches(family):
+    model, prompt = make_target(family), prompt_of(40, seed=11)
+    ref = greedy_reference(model, prompt, 20)
+    draft = OracleDraft(draft_config(block_size=5), prompt + ref, [None, 2])
+    target = prepare(model, draft)
+    whole, chunked = SpeculativeCache(target, draft), SpeculativeCache(target, draft)
+    np.testing.assert_allclose(np.array(chunked.prefill(prompt, step=7)), np.array(whole.prefill(prompt)),
+                               rtol=2e-4, atol=2e-4)
+    assert chunked.processed == chunked.draft_cache[0].offset == len(prompt)
+    assert_same_caches(chunked, whole)
+    out = generate(target, draft, no_eos_tokenizer(ref), prompt, max_tokens=20, prefill_step_size=7)
+    assert out.tokens == ref
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_5"])
+def test_truncate_takes_a_conversation_back(family):
+    """What chat does before each turn: drop tokens past a point, then go on from there."""
+    model, prompt, more = make_target(family), prompt_of(9, seed=3), prompt_of(4, seed=12)
+    ref = greedy_reference(model, prompt, 12)
+    draft = OracleDraft(draft_config(block_size=4), prompt + ref, [None, 1])
+    cache = SpeculativeCache(model, draft)
+    first = generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=12, prompt_cache=cache).tokens
+    keep = len(prompt) + 3
+    if family == "qwen3_5":  # recurrent state cannot be trimmed: refused, nothing changed
+        tokens, processed = list(cache.tokens), cache.processed
+        assert cache.truncate(keep) is False and (cache.tokens, cache.processed) == (tokens, processed)
+        return
+    assert cache.truncate(keep) and cache.tokens == prompt + first[:3]
+    want = greedy_reference(model, prompt + first[:3] + more, 10)
+    second = generate(model, draft, no_eos_tokenizer(want), more, max_tokens=10, prompt_cache=cache).tokens
+    assert second == want
 
 
 def test_block_size_one_keeps_a_drafter_cache_in_step():

@@ -3,7 +3,7 @@
 import json
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 import numpy as np
 import pytest
 from tiny import FAMILIES, VOCAB, flat_params, greedy_reference, make_draft, make_target, no_eos_tokenizer, prompt_of
@@ -138,3 +138,13 @@ def test_compiled_step_equals_eager_and_is_not_retraced_per_cycle(family):
     assert draft.traces - traces <= 1
     # The compiled step's inputs are the drafter's own arrays: binding added none of the target's.
     assert {k for k, _ in tree_flatten(draft.state)} == {k for k, _ in tree_flatten(draft.parameters())}
+    # New weights (a training step, or loading a checkpoint) reach the compiled step without a rebind:
+    # first the drafter's own, then the target's shared embedding / lm_head.
+    before = np.array(draft.propose_logits(5, cache.draft_cache, 4, compiled=True))
+    for module in (draft, model):
+        module.update(tree_map(lambda p: p * 1.5 if p.dtype == mx.float32 else p, module.parameters()))
+        a = np.array(draft.propose_logits(5, cache.draft_cache, 4, compiled=True))
+        b = np.array(draft.propose_logits(5, cache.draft_cache, 4, compiled=False))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        assert np.abs(a - before).max() > 1e-2
+        before = a

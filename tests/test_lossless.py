@@ -99,12 +99,28 @@ def test_stop_string_ends_generation_and_is_not_shown(targets):
     assert out.text == full[:full.index(stop)]
 
 
+def test_stop_strings_across_tokens_are_held_back_then_flushed(targets):
+    model, prompt = targets["llama"], prompt_of(9)
+    ref = greedy_reference(model, prompt, 30)
+    tok = no_eos_tokenizer(ref)
+    oracle = lambda: OracleDraft(draft_config(block_size=6), prompt + ref, [None, 2])  # noqa: E731
+    full = generate(model, oracle(), tok, prompt, max_tokens=30).text
+    stop = " ".join(full.split()[6:8])  # the text of two tokens
+    pieces = list(stream_generate(model, oracle(), tok, prompt, max_tokens=30, stop=[stop]))
+    shown = [p.text for p in pieces]
+    assert pieces[-1].finish_reason == "stop" and "".join(shown) == full[:full.index(stop)]
+    # A stop string that never occurs: everything held back is shown at the end.
+    out = generate(model, oracle(), tok, prompt, max_tokens=30, stop=[" w999"])
+    assert out.text == full and out.finish_reason == "length"
+
+
 def test_array_prompt_and_a_custom_greedy_sampler(targets):
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
     model, prompt = targets["qwen3_moe"], prompt_of(6, seed=8)
     ref = greedy_reference(model, prompt, 20)
-    out = generate(model, make_draft(), no_eos_tokenizer(ref), mx.array(prompt), max_tokens=20,
+    draft = OracleDraft(draft_config(block_size=5), prompt + ref, [None, 0, 2])
+    out = generate(model, draft, no_eos_tokenizer(ref), mx.array(prompt), max_tokens=20,
                    block_size=5, sampler=make_sampler(0.0))
-    assert out.tokens == ref
+    assert out.tokens == ref and max(out.acceptance_lengths) > 1

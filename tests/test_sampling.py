@@ -16,27 +16,31 @@ V, T, B, RUNS = 8, 4, 3, 1500
 PROMPT = [1, 5, 3, 6]
 
 
-def nucleus_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """Plain sampling's distribution, written independently: top-p on the untempered
-    probabilities (keep a token while the mass of strictly more probable tokens is < top_p),
-    then temperature over the kept tokens."""
+def nucleus_probs(logits: np.ndarray, temperature: float, top_p: float, top_k: int = 0,
+                  min_p: float = 0.0) -> np.ndarray:
+    """Plain sampling's distribution, written independently: on the untempered probabilities,
+    top-p keeps a token while the mass of strictly more probable tokens is < top_p, top-k keeps the
+    k most probable, min-p keeps tokens with p >= min_p * max p (each keeps a most-probable prefix,
+    so their order does not matter); then temperature over the kept tokens."""
     p = np.exp(logits - logits.max())
     p /= p.sum()
     more_probable = np.array([p[p > x].sum() for x in p])
-    keep = more_probable < top_p
+    keep = (more_probable < top_p) & (p >= min_p * p.max())
+    if top_k:
+        keep &= np.array([(p > x).sum() < top_k for x in p])
     z = np.where(keep, logits / temperature, -np.inf)
     q = np.exp(z - z.max())
     return q / q.sum()
 
 
-def exact_joint(model, temperature, top_p) -> dict:
+def exact_joint(model, temperature, top_p, **filters) -> dict:
     """P(first T tokens) for every sequence of T tokens, from the target's logits."""
     probs = {(): 1.0}
     for _ in range(T):
         seqs = list(probs)
         logits = np.array(model(mx.array([PROMPT + list(s) for s in seqs]))[:, -1].astype(mx.float32))
         probs = {s + (t,): probs[s] * pt for s, row in zip(seqs, logits)
-                 for t, pt in enumerate(nucleus_probs(row.astype(np.float64), temperature, top_p))}
+                 for t, pt in enumerate(nucleus_probs(row.astype(np.float64), temperature, top_p, **filters))}
     return probs
 
 
@@ -58,7 +62,7 @@ class TargetPathDraft(DFlashDraftModel):
         return mx.stack(rows)[None]
 
 
-def sample_counts(model, draft, holder, temperature, top_p, sampler=None) -> dict:
+def sample_counts(model, draft, holder, temperature, top_p, sampler=None, **filters) -> dict:
     tok = make_tokenizer(vocab=V, eos=V + 5)  # no EOS inside the vocabulary
     target = speculative.prepare(model, draft)
     counts = {}
@@ -66,7 +70,7 @@ def sample_counts(model, draft, holder, temperature, top_p, sampler=None) -> dic
         holder[0] = SpeculativeCache(target, draft)
         out = sum((r.tokens for r in stream_generate(
             target, draft, tok, PROMPT, max_tokens=T, block_size=B, temperature=temperature,
-            top_p=top_p, seed=seed, sampler=sampler, prompt_cache=holder[0])), [])
+            top_p=top_p, seed=seed, sampler=sampler, prompt_cache=holder[0], **filters)), [])
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     return counts
 
@@ -102,6 +106,14 @@ def test_output_follows_the_target_distribution(model, temperature, top_p, draft
     assert p > 1e-3, f"chi-square p-value {p:.2e}: output does not follow the target's distribution"
 
 
+def test_top_k_and_min_p_are_applied_exactly(model):
+    """The two filters the tests above leave at their defaults: with a (random) drafter, the output
+    is the target's distribution after top-k and min-p."""
+    holder, filters = [None], dict(top_k=3, min_p=0.05)
+    counts = sample_counts(model, make_draft(seed=11, vocab=V), holder, 0.8, 1.0, **filters)
+    assert chi_square_p(counts, exact_joint(model, 0.8, 1.0, **filters)) > 1e-3
+
+
 def test_a_custom_sampler_keeps_its_own_distribution(model):
     from mlx_lm.sample_utils import make_sampler
 
@@ -131,13 +143,21 @@ def test_the_check_catches_a_lossy_rule(model, monkeypatch):
 
 def test_probabilities_match_the_independent_reference():
     logits = mx.random.normal((5, 50), key=mx.random.key(0)) * 3
-    for temperature, top_p in [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5)]:
-        ours = np.array(SamplingParams(temperature, top_p).probs(logits))
-        ref = np.stack([nucleus_probs(np.array(r, dtype=np.float64), temperature, top_p) for r in logits])
+    for temperature, top_p, top_k, min_p in [(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.3, 0.5, 0, 0.0),
+                                             (0.8, 1.0, 3, 0.0), (1.0, 1.0, 0, 0.05), (0.9, 0.95, 7, 0.02)]:
+        ours = np.array(SamplingParams(temperature, top_p, top_k, min_p).probs(logits))
+        ref = np.stack([nucleus_probs(np.array(r, dtype=np.float64), temperature, top_p, top_k, min_p)
+                        for r in logits])
         np.testing.assert_allclose(ours, ref, atol=1e-5)
+        if top_k or min_p:  # the filter really removed tokens in every row
+            assert ((ref > 0).sum(axis=1) < 50).all()
 
 
 def test_bad_sampling_settings_are_refused():
-    for kwargs in [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2)]:
-        with pytest.raises(ValueError):
+    for kwargs, message in [(dict(temperature=-1), "temperature must be >= 0, got -1"),
+                            (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
+                            (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+                            (dict(top_k=-2), "top_k must be >= 0, got -2"),
+                            (dict(min_p=2), r"min_p must be in \[0, 1\], got 2")]:
+        with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from tiny import _COMMON, greedy_reference, make_draft, make_target, make_tokenizer, prompt_of
+from tiny import _COMMON, flat_params, greedy_reference, make_draft, make_target, make_tokenizer, prompt_of
 
 from dflash_mlx.chat import apply_chat_template
 from dflash_mlx.data import generate_data, jsonl_prompts, load_shards, parse_hf_spec, prompt_source
@@ -182,8 +182,12 @@ def test_drafter_depth_and_mlp_width_are_the_runs_choice(tiny_setup, tmp_path):
 def test_a_starting_drafter_keeps_its_architecture(tiny_setup, tmp_path):
     model, seqs = tiny_setup
     start = make_draft(block_size=8, layers=3, layer_ids=(0, 2))
+    weights = {k: np.array(v) for k, v in flat_params(start).items()}
     cfg = TrainConfig(block_size=8, anchors=4, steps=2, warmup=1, holdout=8)  # says 2 layers, the default
-    train(Target(model), make_tokenizer(), seqs, tmp_path / "run", cfg, draft=start)
+    trained = flat_params(train(Target(model), make_tokenizer(), seqs, tmp_path / "run", cfg, draft=start))
+    # ... and its weights: two AdamW steps at lr 6e-4 move no weight by more than ~2 * lr.
+    assert trained.keys() == weights.keys()
+    assert max(np.abs(np.array(trained[k]) - w).max() for k, w in weights.items()) < 3e-3
     saved = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["train_config"]
     c = start.config
     assert (saved["num_layers"], saved["target_layer_ids"], saved["mask_token_id"]) == \
