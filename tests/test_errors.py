@@ -24,6 +24,21 @@ def test_a_drafter_made_for_another_target_is_refused(model, kwargs, message):
         generate(model, make_draft(**kwargs), make_tokenizer(), [5, 6], max_tokens=4)
 
 
+def test_a_mask_token_outside_the_vocabulary_is_refused(model):
+    with pytest.raises(ValueError, match=r"drafter mask_token_id 200 is outside the target vocabulary \(size 96\)"):
+        generate(model, make_draft(mask_token_id=200), make_tokenizer(), [5, 6], max_tokens=4)
+
+
+def test_a_string_prompt_without_a_tokenizer_and_a_cache_of_another_pair_are_refused(model):
+    from dflash_mlx import SpeculativeCache
+
+    with pytest.raises(ValueError, match="a string prompt needs a tokenizer"):
+        generate(model, make_draft(), None, "w5 w6", max_tokens=4)
+    other = SpeculativeCache(model, make_draft())
+    with pytest.raises(ValueError, match="prompt_cache was made for another model pair"):
+        generate(model, make_draft(), None, [5, 6], max_tokens=4, prompt_cache=other)
+
+
 def test_empty_prompt_is_refused(model):
     for prompt in ("", [], ):
         with pytest.raises(ValueError, match="prompt is empty"):

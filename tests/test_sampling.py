@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 from tiny import draft_config, make_draft, make_target, make_tokenizer
 
 import dflash_mlx.speculative as speculative
-from dflash_mlx import SpeculativeCache, stream_generate
+from dflash_mlx import SpeculativeCache, generate, stream_generate
 from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.sampling import SamplingParams
 
@@ -112,6 +112,14 @@ def test_top_k_and_min_p_are_applied_exactly(model):
     holder, filters = [None], dict(top_k=3, min_p=0.05)
     counts = sample_counts(model, make_draft(seed=11, vocab=V), holder, 0.8, 1.0, **filters)
     assert chi_square_p(counts, exact_joint(model, 0.8, 1.0, **filters)) > 1e-3
+
+
+def test_a_seed_makes_a_sampled_answer_repeatable(model):
+    tok = make_tokenizer(vocab=V, eos=V + 5)
+    answer = lambda seed: generate(model, make_draft(seed=11, vocab=V), tok, PROMPT, max_tokens=12,  # noqa: E731
+                                   temperature=1.0, seed=seed).tokens
+    first = answer(3)
+    assert answer(3) == first and any(answer(s) != first for s in range(4, 9))
 
 
 def test_a_custom_sampler_keeps_its_own_distribution(model):

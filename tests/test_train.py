@@ -15,19 +15,25 @@ from dflash_mlx.data import generate_data, jsonl_prompts, load_shards, parse_hf_
 from dflash_mlx.models.dflash import block_mask
 from dflash_mlx.models.targets import Target
 from dflash_mlx.speculative import generate, prepare
-from dflash_mlx.train import TrainConfig, block_labels, block_logits, block_loss, cross_entropy, loss_weights, train
+from dflash_mlx.train import (TrainConfig, acceptance_from_blocks, block_labels, block_logits, block_loss, cross_entropy,
+                              loss_weights, pick_mask_token, train)
 
 
-def test_block_mask_allows_exactly_the_rule():
+@pytest.mark.parametrize("window", [None, 3])
+def test_block_mask_allows_exactly_the_rule(window):
     T, B, anchors = 7, 3, [1, 3, 6]
-    mask = np.array(block_mask(mx.array(anchors), T, B, None))
-    assert mask.shape == (3, 1, 1, T + B)
+    mask = np.array(block_mask(mx.array(anchors), T, B, window))
+    assert mask.shape == (3, 1, B if window else 1, T + B)
     for i, a in enumerate(anchors):
         for q in range(B):
             for k in range(T + B):
                 context_before_anchor = k < T and k < a
                 own_block = k >= T  # the block's own keys: every position, both directions
-                assert mask[i, 0, 0, k] == (context_before_anchor or own_block), (i, q, k)
+                allowed = context_before_anchor or own_block
+                if window:  # a sliding-window layer: nothing `window` or more positions behind the query
+                    key_position = k if k < T else a + (k - T)
+                    allowed = allowed and (a + q) - key_position < window
+                assert mask[i, 0, q if window else 0, k] == allowed, (i, q, k)
 
 
 def test_blocks_never_see_each_other():
@@ -133,6 +139,62 @@ def test_a_tiny_run_lowers_the_loss_and_raises_real_acceptance(tiny_setup, tmp_p
     after = real_tau(model, draft, seqs)
     assert after > before + 0.7, (before, after)
     assert (tmp_path / "run" / "checkpoint" / "model.safetensors").exists()
+    # The offline estimate (what training logs) is the greedy acceptance inference really gets at
+    # those anchors, on self-distilled sequences: here, with a drafter that accepts blocks.
+    target = prepare(model, draft)
+    tokens = mx.array(seqs[9][0])
+    anchors = mx.array([8, 15, 23, 31, 40])
+    _, features = target(tokens[None], None)
+    tau, _ = acceptance_from_blocks(block_logits(draft, target, features, tokens, anchors),
+                                    *block_labels(tokens, anchors, 8))
+    real = []
+    for a in anchors.tolist():
+        cache = draft.make_cache()
+        draft.absorb(features[:, :a], cache)
+        proposals = np.array(draft.propose_logits(int(tokens[a].item()), cache, 8)[0].argmax(-1))
+        real.append(1 + np.cumprod(proposals == np.array(tokens[a + 1:a + 8])).sum())
+    assert tau == pytest.approx(np.mean(real)) and tau > 2
+
+
+def test_offline_acceptance_by_hand():
+    logits = mx.zeros((2, 3, 4))
+    logits[0, :, 1] = 1  # proposes 1, 1, 1
+    logits[1, :, 2] = 1  # proposes 2, 2, 2
+    labels = mx.array([[1, 1, 3], [0, 2, 2]])
+    valid = mx.array([[True, True, True], [True, True, False]])
+    tau, accuracy = acceptance_from_blocks(logits, labels, valid)
+    assert tau == 1 + (2 + 0) / 2  # leading correct proposals: 2, then 0
+    np.testing.assert_allclose(accuracy, [0.5, 1.0, 0.0])  # per position, over valid labels only
+
+
+def test_the_data_vocabulary_option_is_used(tiny_setup, tmp_path):
+    """One identical step each on answers that use 6 of the 96 tokens: the loss over only those is
+    lower (fewer competitors)."""
+    model, _ = tiny_setup
+    seqs = [(prompt_of(8, seed=s) + [3 + (s * k) % 6 for k in range(40)], 8) for s in range(16)]
+    first = {}
+    for vocab in ("full", "data"):
+        cfg = TrainConfig(block_size=8, num_layers=1, mask_token_id=95, anchors=8, steps=1, warmup=1, holdout=8,
+                          vocab=vocab)
+        train(Target(model), make_tokenizer(), seqs, tmp_path / vocab, cfg,
+              on_step=lambda r: first.setdefault(vocab, r["loss"]))
+    assert first["data"] < first["full"] - 1
+
+
+def test_the_mask_token_is_a_spare_special_token():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(10)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")),
+                                  unk_token="w0", bos_token="w1", eos_token="w2")
+    with pytest.raises(ValueError, match="no spare special token to use as the mask: pass --mask-token-id"):
+        pick_mask_token(tok)
+    tok.add_special_tokens({"additional_special_tokens": ["<a>", "<b>"], "pad_token": "<pad>"})
+    ids = tok.convert_tokens_to_ids(["<a>", "<b>", "<pad>"])
+    assert pick_mask_token(tok) == max(ids[:2])  # the last spare one, never BOS/EOS/PAD/UNK
+    tok.add_special_tokens({"mask_token": "<mask>"})
+    assert pick_mask_token(tok) == tok.mask_token_id
 
 
 def test_resume_continues_the_same_run(tiny_setup, tmp_path):

@@ -54,10 +54,10 @@ def make_target(family: str = "llama", seed: int = 0, **overrides):
 
 
 def draft_config(target_layers: int = 4, layer_ids=(1, 2), block_size: int = 16, vocab: int = VOCAB,
-                 hidden: int = HIDDEN, layers: int = 2, **overrides) -> DFlashConfig:
+                 hidden: int = HIDDEN, layers: int = 2, mask_token_id=None, **overrides) -> DFlashConfig:
     return DFlashConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=vocab,
-                        target_layer_ids=list(layer_ids), mask_token_id=vocab - 1, block_size=block_size,
+                        target_layer_ids=list(layer_ids), mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id, block_size=block_size,
                         num_target_layers=target_layers, rms_norm_eps=1e-5, rope_theta=10000.0,
                         max_position_embeddings=4096, **overrides)
 
