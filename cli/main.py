@@ -369,6 +369,8 @@ def train_run(
     export_to: Optional[str] = typer.Option(None, "--export", help="Write the final drafter here (z-lab layout)."),
     init: Optional[str] = typer.Option(None, "--init", help="Start from this drafter's weights (a new run, "
                                                             "fresh optimizer), e.g. to continue a shipped one."),
+    feature_cache_gb: float = typer.Option(4.0, help="RAM for keeping the target's features between epochs "
+                                                     "(past it they are recomputed; 0: never kept)."),
 ):
     """Train a drafter on self-distilled data (the paper's recipe); Ctrl-C and re-run to resume."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -385,6 +387,8 @@ def train_run(
             check_export_folder(export_to, out)  # before hours of training, not after
         if eval_prompts < 0:
             raise ValueError(f"--eval-prompts must be >= 0, got {eval_prompts}")
+        if not feature_cache_gb >= 0:
+            raise ValueError(f"--feature-cache-gb must be >= 0, got {feature_cache_gb}")
         seqs = []
         for folder in data:
             found = load_shards(folder)
@@ -425,7 +429,8 @@ def train_run(
                     bar.console.print(f"step {r['step']}: {desc}")
                 bar.update(task, completed=r["step"], description=desc)
 
-            train(Target(target_model), tokenizer, seqs, out, cfg, draft=start, on_step=on_step, evaluate=evaluate)
+            train(Target(target_model), tokenizer, seqs, out, cfg, draft=start, on_step=on_step, evaluate=evaluate,
+                  feature_cache_gb=feature_cache_gb)
         if export_to:
             export(Path(out) / "checkpoint", export_to)
             typer.echo(f"drafter written to {export_to}")

@@ -1,7 +1,8 @@
 """`dflash-mlx train`: train a DFlash drafter for an mlx-lm target (the paper's recipe, section 4).
 
 * The target is frozen. Its hidden states at `target_layer_ids` are computed in the training pass
-  (kept in RAM as float16 after the first time a sequence is seen, so later epochs skip the target).
+  (kept in RAM as float16 after the first time a sequence is seen, up to `feature_cache_gb`, so later
+  epochs skip the target for those sequences).
 * The drafter shares the target's embedding and lm_head, frozen; only the drafter's own weights train.
 * Each step takes one sequence (prompt + the target's own response, from `dflash-mlx train data`;
   in epochs: each sequence once, in random order, before any repeats) and `anchors` random
@@ -197,10 +198,12 @@ def acceptance_from_blocks(logits, labels, valid) -> tuple[float, np.ndarray]:
 
 
 class FeatureCache:
-    """Target hidden features per sequence, computed once and kept as float16 in RAM."""
+    """Target hidden features per sequence, computed once and kept as float16 in RAM while they fit in
+    `max_bytes` (a whole data set's can outgrow RAM: ~3.5 KB a token for SmolLM2's 3 taps); past
+    that, a sequence's features are recomputed each time it comes round."""
 
-    def __init__(self, target: Target):
-        self.target, self.store = target, {}
+    def __init__(self, target: Target, max_bytes: float = float("inf")):
+        self.target, self.max_bytes, self.store, self.nbytes = target, max_bytes, {}, 0
 
     def __call__(self, index: int, tokens: mx.array) -> mx.array:
         if index in self.store:
@@ -208,7 +211,9 @@ class FeatureCache:
         _, features = self.target(tokens[None], None, last_logits_only=True)
         features = mx.stop_gradient(features).astype(mx.float16)
         mx.eval(features)
-        self.store[index] = features
+        if self.nbytes + features.nbytes <= self.max_bytes:
+            self.store[index] = features
+            self.nbytes += features.nbytes
         return features
 
 
@@ -256,11 +261,13 @@ def evaluate_blocks(draft, target, features_of, seqs, indices, cfg: TrainConfig,
 def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str | Path, cfg: TrainConfig,
           draft: Optional[DFlashDraftModel] = None,
           on_step: Optional[Callable[[dict], None]] = None,
-          evaluate: Optional[Callable[[DFlashDraftModel], dict]] = None) -> DFlashDraftModel:
+          evaluate: Optional[Callable[[DFlashDraftModel], dict]] = None,
+          feature_cache_gb: float = 4.0) -> DFlashDraftModel:
     """Train (or resume training) a drafter into `out`; returns the trained drafter.
 
     `on_step(record)` sees every step's loss/lr/tokens-per-second; `evaluate(draft)` (e.g. a real
     stream_generate tau on held-out prompts) runs every `eval_every` steps and at the end.
+    `feature_cache_gb` caps the RAM kept for target features between epochs (it never changes the result).
     """
     out = Path(out)
     seqs = [s for s in seqs if len(s[0]) - s[1] >= 2]
@@ -298,7 +305,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     if start:
         opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
 
-    features_of = FeatureCache(target)
+    features_of = FeatureCache(target, feature_cache_gb * 2**30)
     train_idx = np.arange(cfg.holdout, len(seqs))
     gamma = cfg.loss_gamma()
     if cfg.vocab not in ("full", "data"):

@@ -282,6 +282,9 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     r = run("train", "run", *data, "-o", tmp_path / "zero", "-m", root / "target", "--checkpoint-every", "0",
             "--eval-prompts", "0")
     assert r.exit_code == 1 and "checkpoint-every must be at least 1, got 0" in r.stderr
+    r = run("train", "run", *data, "-o", tmp_path / "zero", "-m", root / "target", "--feature-cache-gb", "-1",
+            "--eval-prompts", "0")
+    assert r.exit_code == 1 and "--feature-cache-gb must be >= 0, got -1.0" in r.stderr
     r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "d0",
             "--shard-size", "0")
     assert r.exit_code == 1 and "shard size must be at least 1" in r.stderr  # it used to loop for ever

@@ -15,8 +15,8 @@ from dflash_mlx.data import generate_data, jsonl_prompts, load_shards, parse_hf_
 from dflash_mlx.models.dflash import block_mask
 from dflash_mlx.models.targets import Target
 from dflash_mlx.speculative import generate, prepare
-from dflash_mlx.train import (TrainConfig, acceptance_from_blocks, block_labels, block_logits, block_loss, cross_entropy,
-                              loss_weights, pick_mask_token, train)
+from dflash_mlx.train import (FeatureCache, TrainConfig, acceptance_from_blocks, block_labels, block_logits, block_loss,
+                              cross_entropy, loss_weights, pick_mask_token, train)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -228,6 +228,26 @@ def test_each_epoch_trains_on_every_sequence_once(tiny_setup, tmp_path):
     train_idx = list(range(8, len(seqs)))  # the first `holdout` sequences are never trained on
     assert sorted(drawn[:32]) == train_idx and sorted(drawn[32:]) == train_idx
     assert drawn[:32] != drawn[32:]  # each epoch in its own order
+
+
+def test_target_features_are_kept_only_up_to_the_budget_and_never_change_training(tiny_setup, tmp_path):
+    model, seqs = tiny_setup
+    target = Target(model, [1, 2])
+    tokens = [mx.array(s) for s, _ in seqs[:4]]
+    sizes = [FeatureCache(target)(i, t).nbytes for i, t in enumerate(tokens)]
+    cache = FeatureCache(target, max_bytes=sizes[0] + sizes[1] + sizes[2] // 2)
+    first = [cache(i, t) for i, t in enumerate(tokens)]
+    assert sorted(cache.store) == [0, 1] and cache.nbytes == sizes[0] + sizes[1]
+    for i, t in enumerate(tokens):  # kept or recomputed, a sequence's features are the same
+        assert mx.array_equal(cache(i, t), first[i])
+    # 40 steps over 32 training sequences: the second epoch reuses kept features, or recomputes them.
+    cfg = TrainConfig(steps=40, block_size=8, num_layers=1, mask_token_id=95, anchors=4, lr=3e-3, warmup=5,
+                      checkpoint_every=1000, holdout=8)
+    kept, recomputed = [], []
+    train(Target(model), make_tokenizer(), seqs, tmp_path / "a", cfg, on_step=lambda r: kept.append(r["loss"]))
+    train(Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg, on_step=lambda r: recomputed.append(r["loss"]),
+          feature_cache_gb=0)
+    np.testing.assert_allclose(recomputed, kept, rtol=1e-5, atol=1e-6)
 
 
 def test_drafter_depth_and_mlp_width_are_the_runs_choice(tiny_setup, tmp_path):
