@@ -380,7 +380,7 @@ def train_run(
     from dflash_mlx.data import load_shards, sharegpt_prompts
     from dflash_mlx.loading import load, load_draft
     from dflash_mlx.models.targets import Target
-    from dflash_mlx.train import TrainConfig, check_export_folder, export, tau_on_prompts, train
+    from dflash_mlx.train import TrainConfig, check_export_folder, export, resume_notes, tau_on_prompts, train
 
     with user_errors():
         if export_to:
@@ -400,7 +400,16 @@ def train_run(
         if init and any(v is not None for v in given.values()):
             raise ValueError(f"{', '.join(k for k, v in given.items() if v is not None)}: the drafter's "
                              f"architecture comes from --init; drop the option or start a new drafter")
-        start = load_draft(init, dtype=mx.float32) if init else None
+        notes = resume_notes(out, {"lr": lr, "warmup": warmup, "anchors": anchors, "vocab": vocab,
+                                   "num_layers": layers, "intermediate_size": intermediate_size,
+                                   "block_size": block_size, "mask_token_id": mask_token_id,
+                                   "target_layer_ids": [int(x) for x in target_layer_ids.split(",")]
+                                   if target_layer_ids else None})
+        if notes and init:
+            notes.append("--init is not used: the run goes on from its own checkpoint")
+        for note in notes:
+            _stderr().print(note, markup=False, highlight=False)
+        start = load_draft(init, dtype=mx.float32) if init and not notes else None
         target_model, tokenizer = load(model)
         cfg = TrainConfig(block_size=block_size if block_size is not None else (start.block_size if start else 16),
                           num_layers=layers if layers is not None else 2,

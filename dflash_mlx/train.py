@@ -258,6 +258,26 @@ def evaluate_blocks(draft, target, features_of, seqs, indices, cfg: TrainConfig,
     return float(np.mean(taus)), np.mean(accs, axis=0)
 
 
+RUN_CONTROL = ("steps", "checkpoint_every", "eval_every")  # all a resumed run takes from the new command
+
+
+def resume_notes(out: str | Path, given: dict) -> list[str]:
+    """For a run folder with a checkpoint: where it resumes, and each setting in `given` (TrainConfig
+    names; None: not given) that the run's own overrides: a resumed run keeps its recipe so that its
+    curve continues, and a changed option is reported rather than silently dropped."""
+    state_file = Path(out).expanduser() / "checkpoint" / "state.json"
+    if not state_file.exists():
+        return []
+    state = json.loads(state_file.read_text())
+    notes = [f"resuming {out} at step {state['step']}"]
+    for key, mine in given.items():
+        theirs = state["train_config"].get(key)
+        if key not in RUN_CONTROL and mine is not None and mine != theirs:
+            notes.append(f"{key.replace('_', '-')} stays the run's {theirs}, not {mine} "
+                         f"(to change it, export the run and start a new one with --init)")
+    return notes
+
+
 def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str | Path, cfg: TrainConfig,
           draft: Optional[DFlashDraftModel] = None,
           on_step: Optional[Callable[[dict], None]] = None,
@@ -280,7 +300,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     ckpt = out / "checkpoint"
     if (ckpt / "state.json").exists():
         state = json.loads((ckpt / "state.json").read_text())
-        cfg = TrainConfig(**{**asdict(cfg), **state["train_config"], "steps": cfg.steps})
+        cfg = TrainConfig(**{**asdict(cfg), **state["train_config"], **{k: getattr(cfg, k) for k in RUN_CONTROL}})
         draft = DFlashDraftModel(DFlashConfig.from_dict(json.loads((ckpt / "config.json").read_text())))
         draft.load_weights(str(ckpt / "model.safetensors"))
         start = state["step"]

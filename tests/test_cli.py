@@ -279,6 +279,15 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert (tmp_path / "exported" / "README.md").exists()
     r = run(*again, "--export", tmp_path / "ok" / "final")
     assert r.exit_code == 1 and "would overwrite the run folder" in r.stderr
+    # Resuming keeps the run's recipe and says so for a changed option; --steps and --eval-every are the new ones.
+    r = run("train", "run", *data, "-o", tmp_path / "ok", "-m", root / "target", "--steps", "5", "--lr", "0.01",
+            "--eval-every", "1", "--eval-prompts", "0", "--init", tmp_path / "exported")
+    assert r.exit_code == 0, r.output
+    assert f"resuming {tmp_path / 'ok'} at step 3" in r.stderr and "lr stays the run's 0.0006, not 0.01" in r.stderr
+    assert "--init is not used" in r.stderr and "block-size" not in r.stderr  # options not given are not reported
+    log = [json.loads(line) for line in (tmp_path / "ok" / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log[-2:]] == [4, 5] and all("offline_tau" in x for x in log[-2:])
+    assert all(x["lr"] <= 6e-4 for x in log)
     r = run("train", "run", *data, "-o", tmp_path / "zero", "-m", root / "target", "--checkpoint-every", "0",
             "--eval-prompts", "0")
     assert r.exit_code == 1 and "checkpoint-every must be at least 1, got 0" in r.stderr
