@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from tiny import _COMMON, flat_params, greedy_reference, make_draft, make_target, make_tokenizer, prompt_of
+from tiny import _COMMON, FAMILIES, flat_params, greedy_reference, make_draft, make_target, make_tokenizer, prompt_of
 
 from dflash_mlx.chat import apply_chat_template
 from dflash_mlx.data import generate_data, jsonl_prompts, load_shards, parse_hf_spec, prompt_source
@@ -154,6 +154,25 @@ def test_a_tiny_run_lowers_the_loss_and_raises_real_acceptance(tiny_setup, tmp_p
         proposals = np.array(draft.propose_logits(int(tokens[a].item()), cache, 8)[0].argmax(-1))
         real.append(1 + np.cumprod(proposals == np.array(tokens[a + 1:a + 8])).sum())
     assert tau == pytest.approx(np.mean(real)) and tau > 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_supported_family_trains_on_the_features_drafting_gets(family, tmp_path):
+    model = make_target(family)
+    # Training takes the target's features from one uncached pass; drafting gets them from a cached
+    # prefill and then a few positions at a time (sliding windows, recurrent state): they must agree.
+    target = Target(model, [1, 2])
+    tokens = mx.array(prompt_of(40))
+    _, whole = target(tokens[None], None)
+    cache = target.make_cache()
+    parts = [target(tokens[None, a:b], cache)[1] for a, b in ((0, 17), (17, 20), (20, 33), (33, 40))]
+    np.testing.assert_allclose(np.array(mx.concatenate(parts, axis=1)), np.array(whole), rtol=1e-4, atol=1e-4)
+    seqs = [(p + greedy_reference(model, p, 32), 8) for p in (prompt_of(8, seed=s) for s in range(12))]
+    cfg = TrainConfig(block_size=8, num_layers=1, mask_token_id=95, anchors=8, steps=60, lr=3e-3, warmup=10,
+                      checkpoint_every=1000, holdout=4)
+    losses = []
+    train(Target(model), make_tokenizer(), seqs, tmp_path, cfg, on_step=lambda r: losses.append(r["loss"]))
+    assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:10])
 
 
 def test_offline_acceptance_by_hand():
