@@ -356,15 +356,17 @@ def train_run(
     target_layer_ids: Optional[str] = typer.Option(None, help="Comma-separated target layers to tap "
                                                               "(default: the paper's spread)."),
     mask_token_id: Optional[int] = typer.Option(None, help="Token id used as MASK (default: a spare special token)."),
-    steps: int = typer.Option(2000, help="Training steps (one sequence each)."),
-    lr: float = typer.Option(6e-4, help="Peak learning rate."),
-    warmup: int = typer.Option(100, help="Warm-up steps."),
-    anchors: int = typer.Option(64, help="Blocks per sequence and step."),
-    vocab: str = typer.Option("full", help="The loss's softmax over the 'full' vocabulary (the paper's) or "
-                                           "only the tokens the training answers use, 'data' (~1.5x faster "
-                                           "with a large vocabulary; drafting still uses all of it)."),
-    checkpoint_every: int = typer.Option(100, help="Steps between checkpoints."),
-    eval_every: int = typer.Option(0, help="Steps between evaluations (0: at the end only)."),
+    steps: Optional[int] = typer.Option(None, help="Training steps, one sequence each (default 2000; resuming: "
+                                                   "the run's, and a larger one stretches its schedule)."),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate (default 6e-4)."),
+    warmup: Optional[int] = typer.Option(None, help="Warm-up steps (default 100)."),
+    anchors: Optional[int] = typer.Option(None, help="Blocks per sequence and step (default 64)."),
+    vocab: Optional[str] = typer.Option(None, help="The loss's softmax over the 'full' vocabulary (the paper's, "
+                                                   "default) or only the tokens the training answers use, 'data' "
+                                                   "(~1.5x faster with a large vocabulary; drafting still uses "
+                                                   "all of it)."),
+    checkpoint_every: Optional[int] = typer.Option(None, help="Steps between checkpoints (default 100)."),
+    eval_every: Optional[int] = typer.Option(None, help="Steps between evaluations (default 0: at the end only)."),
     eval_prompts: int = typer.Option(8, help="Held-out ShareGPT prompts for the real acceptance length."),
     export_to: Optional[str] = typer.Option(None, "--export", help="Write the final drafter here (z-lab layout)."),
     init: Optional[str] = typer.Option(None, "--init", help="Start from this drafter's weights (a new run, "
@@ -372,7 +374,10 @@ def train_run(
     feature_cache_gb: float = typer.Option(4.0, help="RAM for keeping the target's features between epochs "
                                                      "(past it they are recomputed; 0: never kept)."),
 ):
-    """Train a drafter on self-distilled data (the paper's recipe); Ctrl-C and re-run to resume."""
+    """Train a drafter on self-distilled data (the paper's recipe); Ctrl-C and re-run to resume.
+
+    A resumed run keeps its recipe and architecture; --steps, --eval-every and --checkpoint-every may change.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     import mlx.core as mx
@@ -380,7 +385,8 @@ def train_run(
     from dflash_mlx.data import load_shards, sharegpt_prompts
     from dflash_mlx.loading import load, load_draft
     from dflash_mlx.models.targets import Target
-    from dflash_mlx.train import TrainConfig, check_export_folder, export, resume_notes, tau_on_prompts, train
+    from dflash_mlx.train import (TrainConfig, check_export_folder, export, resume_notes, saved_run,
+                                  tau_on_prompts, train)
 
     with user_errors():
         if export_to:
@@ -395,31 +401,37 @@ def train_run(
             if not found:
                 raise ValueError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")
             seqs += found
-        given = {"--layers": layers, "--intermediate-size": intermediate_size,
-                 "--target-layer-ids": target_layer_ids, "--mask-token-id": mask_token_id}
-        if init and any(v is not None for v in given.values()):
-            raise ValueError(f"{', '.join(k for k, v in given.items() if v is not None)}: the drafter's "
-                             f"architecture comes from --init; drop the option or start a new drafter")
-        notes = resume_notes(out, {"lr": lr, "warmup": warmup, "anchors": anchors, "vocab": vocab,
-                                   "num_layers": layers, "intermediate_size": intermediate_size,
-                                   "block_size": block_size, "mask_token_id": mask_token_id,
-                                   "target_layer_ids": [int(x) for x in target_layer_ids.split(",")]
-                                   if target_layer_ids else None})
-        if notes and init:
-            notes.append("--init is not used: the run goes on from its own checkpoint")
-        for note in notes:
-            _stderr().print(note, markup=False, highlight=False)
-        start = load_draft(init, dtype=mx.float32) if init and not notes else None
+        out = Path(out).expanduser()
+        run = saved_run(out)
+        given = {"lr": lr, "warmup": warmup, "anchors": anchors, "vocab": vocab, "num_layers": layers,
+                 "intermediate_size": intermediate_size, "block_size": block_size, "mask_token_id": mask_token_id,
+                 "target_layer_ids": [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None}
+        control = {"steps": steps, "checkpoint_every": checkpoint_every, "eval_every": eval_every}
+        start = None
+        if run is not None:  # resume: the run's recipe, the new command's control options where given
+            control = {k: v if v is not None else run["train_config"].get(k, getattr(TrainConfig, k))
+                       for k, v in control.items()}
+            notes = [f"resuming {out} at step {run['step']} of {control['steps']}"] + resume_notes(run, given)
+            if init:
+                notes.append("--init is not used: the run goes on from its own checkpoint")
+            if run["step"] >= control["steps"]:
+                notes.append("nothing to train: give a larger --steps to go on")
+            for note in notes:
+                typer.echo(note, err=True)
+        else:
+            arch = {"--layers": layers, "--intermediate-size": intermediate_size,
+                    "--target-layer-ids": target_layer_ids, "--mask-token-id": mask_token_id}
+            if init and any(v is not None for v in arch.values()):
+                raise ValueError(f"{', '.join(k for k, v in arch.items() if v is not None)}: the drafter's "
+                                 f"architecture comes from --init; drop the option or start a new drafter")
+            start = load_draft(init, dtype=mx.float32) if init else None
+            if start is not None and block_size is None:
+                given["block_size"] = start.block_size
         target_model, tokenizer = load(model)
-        cfg = TrainConfig(block_size=block_size if block_size is not None else (start.block_size if start else 16),
-                          num_layers=layers if layers is not None else 2,
-                          intermediate_size=intermediate_size,
-                          mask_token_id=mask_token_id, steps=steps, lr=lr, warmup=warmup, anchors=anchors,
-                          vocab=vocab, checkpoint_every=checkpoint_every, eval_every=eval_every,
-                          target_layer_ids=[int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None)
+        cfg = TrainConfig(**{k: v for k, v in {**given, **control}.items() if v is not None})
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
-        Path(out).expanduser().mkdir(parents=True, exist_ok=True)
-        log = open(Path(out).expanduser() / "log.jsonl", "a")
+        out.mkdir(parents=True, exist_ok=True)
+        log = open(out / "log.jsonl", "a")
 
         def evaluate(draft):
             return {"tau": tau_on_prompts(Target(target_model, draft.config.target_layer_ids), draft, tokenizer,
@@ -427,7 +439,7 @@ def train_run(
 
         with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                       TimeRemainingColumn(), console=_stderr()) as bar:
-            task = bar.add_task("", total=steps)
+            task = bar.add_task("", total=cfg.steps)
 
             def on_step(r):
                 log.write(json.dumps(r) + "\n")
@@ -441,7 +453,7 @@ def train_run(
             train(Target(target_model), tokenizer, seqs, out, cfg, draft=start, on_step=on_step, evaluate=evaluate,
                   feature_cache_gb=feature_cache_gb)
         if export_to:
-            export(Path(out) / "checkpoint", export_to)
+            export(out / "checkpoint", export_to)
             typer.echo(f"drafter written to {export_to}")
 
 

@@ -259,22 +259,32 @@ def evaluate_blocks(draft, target, features_of, seqs, indices, cfg: TrainConfig,
 
 
 RUN_CONTROL = ("steps", "checkpoint_every", "eval_every")  # all a resumed run takes from the new command
+ARCHITECTURE = {"block_size": "block_size", "num_layers": "num_hidden_layers", "intermediate_size": "intermediate_size",
+                "target_layer_ids": "target_layer_ids", "mask_token_id": "mask_token_id"}  # -> the drafter's config
 
 
-def resume_notes(out: str | Path, given: dict) -> list[str]:
-    """For a run folder with a checkpoint: where it resumes, and each setting in `given` (TrainConfig
-    names; None: not given) that the run's own overrides: a resumed run keeps its recipe so that its
-    curve continues, and a changed option is reported rather than silently dropped."""
-    state_file = Path(out).expanduser() / "checkpoint" / "state.json"
-    if not state_file.exists():
-        return []
-    state = json.loads(state_file.read_text())
-    notes = [f"resuming {out} at step {state['step']}"]
+def saved_run(out: str | Path) -> Optional[dict]:
+    """A run folder's last checkpoint: its step, train_config and the drafter's config; None if it has none."""
+    ckpt = Path(out).expanduser() / "checkpoint"
+    if not (ckpt / "state.json").exists():
+        return None
+    config = DFlashConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
+    return {**json.loads((ckpt / "state.json").read_text()), "config": config}
+
+
+def resume_notes(run: dict, given: dict) -> list[str]:
+    """A resumed run keeps its recipe and architecture, so that its curve continues: one note for each
+    option given on the new command (TrainConfig names; None: not given) that differs from the run's."""
+    notes = []
     for key, mine in given.items():
-        theirs = state["train_config"].get(key)
-        if key not in RUN_CONTROL and mine is not None and mine != theirs:
-            notes.append(f"{key.replace('_', '-')} stays the run's {theirs}, not {mine} "
-                         f"(to change it, export the run and start a new one with --init)")
+        if mine is None or key in RUN_CONTROL:
+            continue
+        theirs = getattr(run["config"], ARCHITECTURE[key]) if key in ARCHITECTURE else run["train_config"].get(key)
+        if mine != theirs:
+            flag = "--layers" if key == "num_layers" else "--" + key.replace("_", "-")
+            why = ("a run's architecture is fixed" if key in ARCHITECTURE else
+                   "to change it, export the run and start a new one from it with --init")
+            notes.append(f"{flag} {mine} is not used: the run keeps its {theirs} ({why})")
     return notes
 
 
@@ -289,7 +299,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     stream_generate tau on held-out prompts) runs every `eval_every` steps and at the end.
     `feature_cache_gb` caps the RAM kept for target features between epochs (it never changes the result).
     """
-    out = Path(out)
+    out = Path(out).expanduser()
     seqs = [s for s in seqs if len(s[0]) - s[1] >= 2]
     if len(seqs) <= cfg.holdout:
         raise ValueError(f"the dataset has {len(seqs)} usable sequences (a response of 2+ tokens); "
@@ -298,20 +308,20 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         raise ValueError(f"block size must be at least 2 to train a drafter, got {cfg.block_size}")
     start = 0
     ckpt = out / "checkpoint"
-    if (ckpt / "state.json").exists():
-        state = json.loads((ckpt / "state.json").read_text())
-        cfg = TrainConfig(**{**asdict(cfg), **state["train_config"], **{k: getattr(cfg, k) for k in RUN_CONTROL}})
-        draft = DFlashDraftModel(DFlashConfig.from_dict(json.loads((ckpt / "config.json").read_text())))
+    run = saved_run(out)
+    if run is not None:
+        cfg = TrainConfig(**{**asdict(cfg), **run["train_config"], **{k: getattr(cfg, k) for k in RUN_CONTROL}})
+        draft = DFlashDraftModel(run["config"])
         draft.load_weights(str(ckpt / "model.safetensors"))
-        start = state["step"]
-    elif draft is None:
-        mx.random.seed(cfg.seed)
-        draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
-    else:  # a starting drafter (e.g. a shipped one) brings its own architecture
-        c = draft.config
-        if cfg.block_size != c.block_size:
-            raise ValueError(f"block size {cfg.block_size} does not match the starting drafter's {c.block_size}: "
-                             f"train it at its own block size")
+        start = run["step"]
+    else:
+        if draft is None:
+            mx.random.seed(cfg.seed)
+            draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
+        elif cfg.block_size != draft.config.block_size:  # a starting drafter brings its own architecture
+            raise ValueError(f"block size {cfg.block_size} does not match the starting drafter's "
+                             f"{draft.config.block_size}: train it at its own block size")
+        c = draft.config  # the run records the architecture it got, defaults resolved
         cfg = replace(cfg, num_layers=c.num_hidden_layers, intermediate_size=c.intermediate_size,
                       target_layer_ids=list(c.target_layer_ids), mask_token_id=c.mask_token_id)
     target = Target(target.model, draft.config.target_layer_ids)

@@ -5,6 +5,7 @@ import struct
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.utils import save_config, save_model
 from test_drafter import write_zlab_checkpoint
@@ -279,15 +280,27 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert (tmp_path / "exported" / "README.md").exists()
     r = run(*again, "--export", tmp_path / "ok" / "final")
     assert r.exit_code == 1 and "would overwrite the run folder" in r.stderr
-    # Resuming keeps the run's recipe and says so for a changed option; --steps and --eval-every are the new ones.
-    r = run("train", "run", *data, "-o", tmp_path / "ok", "-m", root / "target", "--steps", "5", "--lr", "0.01",
-            "--eval-every", "1", "--eval-prompts", "0", "--init", tmp_path / "exported")
+    # Resuming keeps the run's recipe and says which given option it overrides; options not given are
+    # the run's own (its --lr and --steps too), and --steps / --eval-every on the new command apply.
+    first = ["train", "run", *data, "-o", tmp_path / "resumed", "-m", root / "target", "--eval-prompts", "0"]
+    r = run(*first, "--layers", "1", "--block-size", "4", "--mask-token-id", "94", "--lr", "1e-3", "--warmup", "2",
+            "--steps", "3")
     assert r.exit_code == 0, r.output
-    assert f"resuming {tmp_path / 'ok'} at step 3" in r.stderr and "lr stays the run's 0.0006, not 0.01" in r.stderr
-    assert "--init is not used" in r.stderr and "block-size" not in r.stderr  # options not given are not reported
-    log = [json.loads(line) for line in (tmp_path / "ok" / "log.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in log[-2:]] == [4, 5] and all("offline_tau" in x for x in log[-2:])
-    assert all(x["lr"] <= 6e-4 for x in log)
+    r = run(*first, "--steps", "5", "--eval-every", "1", "--lr", "0.01", "--layers", "2", "--init", tmp_path / "exported")
+    assert r.exit_code == 0, r.output
+    assert f"resuming {tmp_path / 'resumed'} at step 3 of 5" in r.stderr
+    assert "--lr 0.01 is not used: the run keeps its 0.001" in r.stderr
+    assert "--layers 2 is not used: the run keeps its 1 (a run's architecture is fixed)" in r.stderr
+    assert "--init is not used" in r.stderr and "--warmup" not in r.stderr and "--block-size" not in r.stderr
+    log = [json.loads(line) for line in (tmp_path / "resumed" / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [1, 2, 3, 4, 5] and all("offline_tau" in x for x in log[3:])
+    from dflash_mlx.train import TrainConfig, schedule
+
+    lr = schedule(TrainConfig(lr=1e-3, warmup=2, steps=5))  # the run's schedule, stretched to the new --steps
+    np.testing.assert_allclose([x["lr"] for x in log[3:]], [lr(3).item(), lr(4).item()], rtol=1e-5)
+    r = run(*first)  # nothing given: the run's own settings, and it is done
+    assert r.exit_code == 0, r.output
+    assert "at step 5 of 5" in r.stderr and "nothing to train" in r.stderr and "is not used" not in r.stderr
     r = run("train", "run", *data, "-o", tmp_path / "zero", "-m", root / "target", "--checkpoint-every", "0",
             "--eval-prompts", "0")
     assert r.exit_code == 1 and "checkpoint-every must be at least 1, got 0" in r.stderr

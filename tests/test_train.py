@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from tiny import _COMMON, FAMILIES, flat_params, greedy_reference, make_draft, make_target, make_tokenizer, prompt_of
 
+import dflash_mlx.train as train_module
 from dflash_mlx.chat import apply_chat_template
 from dflash_mlx.data import generate_data, jsonl_prompts, load_shards, parse_hf_spec, prompt_source
 from dflash_mlx.models.dflash import block_mask
@@ -157,7 +158,7 @@ def test_a_tiny_run_lowers_the_loss_and_raises_real_acceptance(tiny_setup, tmp_p
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_supported_family_trains_on_the_features_drafting_gets(family, tmp_path):
+def test_every_supported_family_trains_and_its_features_match_a_cached_prefill(family, tmp_path):
     model = make_target(family)
     # Training takes the target's features from one uncached pass; drafting gets them from a cached
     # prefill and then a few positions at a time (sliding windows, recurrent state): they must agree.
@@ -249,7 +250,7 @@ def test_each_epoch_trains_on_every_sequence_once(tiny_setup, tmp_path):
     assert drawn[:32] != drawn[32:]  # each epoch in its own order
 
 
-def test_target_features_are_kept_only_up_to_the_budget_and_never_change_training(tiny_setup, tmp_path):
+def test_target_features_are_kept_only_up_to_the_budget_and_never_change_training(tiny_setup, tmp_path, monkeypatch):
     model, seqs = tiny_setup
     target = Target(model, [1, 2])
     tokens = [mx.array(s) for s, _ in seqs[:4]]
@@ -262,10 +263,19 @@ def test_target_features_are_kept_only_up_to_the_budget_and_never_change_trainin
     # 40 steps over 32 training sequences: the second epoch reuses kept features, or recomputes them.
     cfg = TrainConfig(steps=40, block_size=8, num_layers=1, mask_token_id=95, anchors=4, lr=3e-3, warmup=5,
                       checkpoint_every=1000, holdout=8)
+    caches = []
+
+    class Watched(FeatureCache):
+        def __init__(self, *args):
+            super().__init__(*args)
+            caches.append(self)
+
+    monkeypatch.setattr(train_module, "FeatureCache", Watched)
     kept, recomputed = [], []
     train(Target(model), make_tokenizer(), seqs, tmp_path / "a", cfg, on_step=lambda r: kept.append(r["loss"]))
     train(Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg, on_step=lambda r: recomputed.append(r["loss"]),
           feature_cache_gb=0)
+    assert len(caches[0].store) == len(seqs) and caches[1].store == {}  # all kept (default 4 GB), none kept
     np.testing.assert_allclose(recomputed, kept, rtol=1e-5, atol=1e-6)
 
 
