@@ -228,14 +228,24 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
+    console = Console()
+    for r in rows:
+        r["local"] = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in r["local"].items()) or "-"
+    if console.width < 160:  # a seven-column table wraps into slivers: one block per pair instead
+        console.print("target / drafter pairs (dflash-mlx chat --model NAME)", style="bold")
+        for r in rows:
+            console.print(f"\n{r['name']}", style="bold", markup=False, highlight=False)
+            for label, key in (("target", "target"), ("drafter", "draft"), ("family", "family"), ("disk", "disk"),
+                               ("notes", "notes"), ("here", "local")):
+                console.print(f"  {label:<8}{r[key]}", markup=False, highlight=False, soft_wrap=True)
+        return
     t = Table(title="target / drafter pairs (dflash-mlx chat --model NAME)")
     for col in ("name", "target", "drafter", "family", "disk", "notes", "on this machine"):
         # Names and ids must stay whole to be copied: the name never wraps, ids fold rather than get cut.
         t.add_column(col, no_wrap=col == "name", overflow="fold" if col in ("target", "drafter") else "ellipsis")
     for r in rows:
-        local = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in r["local"].items()) or "-"
-        t.add_row(r["name"], r["target"], r["draft"], r["family"], r["disk"], r["notes"], local)
-    Console().print(t)
+        t.add_row(r["name"], r["target"], r["draft"], r["family"], r["disk"], r["notes"], r["local"])
+    console.print(t)
 
 
 @app.command()
@@ -283,7 +293,8 @@ def bench(
             raise ValueError(f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
                              f"got {block_sizes!r} and {temps!r}") from None
         if any(b < 1 for b in bs) or any(t < 0 for t in ts):
-            raise ValueError("block sizes must be >= 1 and temperatures >= 0")
+            raise ValueError(f"block sizes must be >= 1 and temperatures >= 0, got --block-sizes {block_sizes} "
+                             f"--temps {temps}")
         ps = _first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
         name = draft_for(model, draft)
@@ -386,7 +397,7 @@ def train_run(
     from dflash_mlx.loading import load, load_draft
     from dflash_mlx.models.targets import Target
     from dflash_mlx.train import (TrainConfig, check_export_folder, export, resume_notes, saved_run,
-                                  tau_on_prompts, train)
+                                  tau_on_prompts, train, usable_sequences)
 
     with user_errors():
         if export_to:
@@ -427,8 +438,11 @@ def train_run(
             start = load_draft(init, dtype=mx.float32) if init else None
             if start is not None and block_size is None:
                 given["block_size"] = start.block_size
-        target_model, tokenizer = load(model)
         cfg = TrainConfig(**{k: v for k, v in {**given, **control}.items() if v is not None})
+        if run is None:
+            usable_sequences(seqs, cfg)  # refused before a run folder or a progress bar appears
+        done = run is not None and run["step"] >= cfg.steps
+        target_model, tokenizer = load(model)
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
         out.mkdir(parents=True, exist_ok=True)
         log = open(out / "log.jsonl", "a")
@@ -438,7 +452,7 @@ def train_run(
                                           held_out, max_tokens=96)["tau"]} if held_out else {}
 
         with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                      TimeRemainingColumn(), console=_stderr()) as bar:
+                      TimeRemainingColumn(), console=_stderr(), disable=done) as bar:
             task = bar.add_task("", total=cfg.steps)
 
             def on_step(r):

@@ -116,15 +116,19 @@ def _rate(records, kind):
     return sum(r["n"] for r in records) / max(sum(r["total_s"] for r in records), 1e-9)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def markdown(results: dict, title: str) -> str:
     m = results["machine"]
     lines = [f"# {title}", "", f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
-             f"BLAS: {m.get('blas preload')}. {results['summary'][0]['prompts']} prompts, up to "
+             f"BLAS: {m.get('blas preload')}. {_count(results['summary'][0]['prompts'], 'prompt')}, up to "
              f"{results['max_tokens']} tokens each; warm-up excluded.", "",
              "| block | temp | tau | baseline tok/s | DFlash tok/s | speedup (decode) | speedup (end to end) "
              "| TTFT base / DFlash (s) | identical |", "|---|---|---|---|---|---|---|---|---|"]
     for s in results["summary"]:
-        same = {True: "yes", False: f"**NO** ({len(s['mismatched_prompts'])} prompts)", None: "n/a (sampling)"}
+        same = {True: "yes", False: f"**NO** ({_count(len(s['mismatched_prompts']), 'prompt')})", None: "n/a (sampling)"}
         lines.append(f"| {s['block_size']} | {s['temperature']} | {s['tau']:.2f} | {s['baseline_decode_tps']:.1f} | "
                      f"{s['dflash_decode_tps']:.1f} | {s['speedup_decode']:.2f}x | {s['speedup_e2e']:.2f}x | "
                      f"{s['baseline_ttft_s']:.2f} / {s['ttft_s']:.2f} | {same[s['identical']]} |")

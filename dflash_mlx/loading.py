@@ -166,14 +166,24 @@ def local_copies(pair: Pair) -> dict[str, int]:
     return found
 
 
+def read_config(path: Path) -> dict:
+    """A model folder's config.json, or a one-line error naming the file."""
+    file = path / "config.json"
+    if not file.exists():
+        raise FileNotFoundError(f"{path} has no config.json: not a model folder")
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}): re-download or re-convert the model") from None
+
+
 def load(name: str, dtype="auto"):
     """Load a target with mlx-lm -> (model, tokenizer). dtype 'auto' = float32 on the CPU."""
     from mlx_lm import load as mlx_lm_load
 
     dtype = _default_dtype() if dtype == "auto" else dtype
     path = resolve_target(name, dtype)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} has no config.json: not a model folder")
+    read_config(path)  # mlx-lm's own error for a broken one names no file
     try:
         model, tokenizer = mlx_lm_load(str(path))
     except RuntimeError as e:  # mlx's terse "[load_safetensors] ..." for a truncated or corrupt file
@@ -189,10 +199,7 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
     dtype 'auto' = float32 on the CPU, the checkpoint's own dtype elsewhere.
     """
     path = resolve_draft(name)
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{path} has no config.json: not a model folder")
-    raw = json.loads(cfg_file.read_text())
+    raw = read_config(path)
     config = DFlashConfig.from_dict(raw)
     files = sorted(path.glob("model*.safetensors"))  # not optimizer.safetensors of a checkpoint
     if not files:

