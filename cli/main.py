@@ -337,19 +337,23 @@ def train_data(
     """Self-distillation: the target answers prompts; its answers become training sequences."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from dflash_mlx.data import generate_data, prompt_source
+    from dflash_mlx.data import generate_data, prompt_source, resume_point
     from dflash_mlx.loading import load
 
     with user_errors():
         prompts = prompt_source(source)
-        target, tokenizer = load(model)
         total = min(limit or len(prompts), len(prompts))
+        done, consumed = resume_point(Path(out).expanduser(), source, max(shard_size, 1))
+        if consumed >= len(prompts) or (limit is not None and done >= limit):
+            typer.echo(f"{done} sequences in {out}: nothing left to generate")
+            return
+        target, tokenizer = load(model)
         with Progress(TextColumn("generating answers"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=_stderr()) as bar:
-            task = bar.add_task("", total=total)
-            n = generate_data(target, tokenizer, prompts, out, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                              shard_size=shard_size, max_prompt_tokens=max_prompt_tokens, limit=limit, source=source,
-                              progress=lambda done, _: bar.update(task, completed=done))
+            task = bar.add_task("", total=total, completed=done)
+            n = generate_data(target, tokenizer, prompts, Path(out).expanduser(), max_new_tokens=max_new_tokens,
+                              batch_size=batch_size, shard_size=shard_size, max_prompt_tokens=max_prompt_tokens,
+                              limit=limit, source=source, progress=lambda k, _: bar.update(task, completed=k))
     typer.echo(f"{n} sequences in {out}")
 
 

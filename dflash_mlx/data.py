@@ -208,6 +208,23 @@ def _write_shard(folder: Path, index: int, seqs: list[tuple[list[int], int]], fi
     os.replace(tmp, folder / f"shard-{index:05d}.npz")
 
 
+def resume_point(folder: str | Path, source: str = "", shard_size: int = 256) -> tuple[int, int]:
+    """(sequences already in `folder`, prompts of `source` already consumed); an error if the folder's
+    shards answer another source."""
+    folder = Path(folder)
+    shards = sorted(folder.glob("shard-*.npz"))
+    if not shards:
+        return 0, 0
+    done = sum(len(np.load(s)["prompt_lens"]) for s in shards)
+    last = np.load(shards[-1])  # resume after the last prompt it consumed (whatever --shard-size was then)
+    before = str(last["source"]) if "source" in last else ""
+    if before and source and before != source:
+        raise ValueError(f"{folder} holds answers to prompts from {before!r}, not {source!r}: write them to a "
+                         "new --out folder and give `train run` both folders (--data twice)")
+    # Shards written before next_prompt was recorded: assume the same shard size as now.
+    return done, int(last["next_prompt"]) if "next_prompt" in last else int(last["first_prompt"]) + shard_size
+
+
 def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str | Path, *,
                   max_new_tokens: int = 256, batch_size: int = 32, shard_size: int = 256,
                   max_prompt_tokens: int = 512, limit: Optional[int] = None, source: str = "",
@@ -231,20 +248,10 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
         raise ValueError(f"limit cannot be negative, got {limit}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    shards = sorted(folder.glob("shard-*.npz"))
-    done = sum(len(np.load(s)["prompt_lens"]) for s in shards)
-    consumed = 0
-    if shards:  # resume after the last prompt the last shard consumed (whatever --shard-size was then)
-        last = np.load(shards[-1])
-        before = str(last["source"]) if "source" in last else ""
-        if before and source and before != source:
-            raise ValueError(f"{folder} holds answers to prompts from {before!r}, not {source!r}: write them to a "
-                             "new --out folder and give `train run` both folders (--data twice)")
-        # Shards written before next_prompt was recorded: assume the same shard size as now.
-        consumed = int(last["next_prompt"]) if "next_prompt" in last else int(last["first_prompt"]) + shard_size
+    done, consumed = resume_point(folder, source, shard_size)
     prompts = list(prompts)
     eos = tokenizer.eos_token_id
-    index = len(shards)
+    index = len(sorted(folder.glob("shard-*.npz")))
     while consumed < len(prompts) and (limit is None or done < limit):
         chunk = prompts[consumed:consumed + (shard_size if limit is None else min(shard_size, limit - done))]
         encoded = [apply_chat_template(tokenizer, m) for m in chunk]

@@ -255,6 +255,10 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
             "--max-new-tokens", "24", "--shard-size", "2", "--batch-size", "2")
     assert r.exit_code == 0, r.output
     assert "4 sequences" in r.stdout and len(list((tmp_path / "data").glob("shard-*.npz"))) == 2
+    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "data")
+    assert r.exit_code == 0 and "4 sequences" in r.stdout and "nothing left to generate" in r.stdout
+    r = run("train", "data", "-m", root / "target", "--source", "python-stdlib", "-o", tmp_path / "data")
+    assert r.exit_code == 1 and "holds answers to prompts from" in r.stderr
     r = run("train", "run", "--data", tmp_path / "data", "-o", tmp_path / "run", "-m", root / "target",
             "--layers", "1", "--block-size", "4", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0",
             "--export", tmp_path / "exported")
