@@ -313,16 +313,16 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     `feature_cache_gb` caps the RAM kept for target features between epochs (it never changes the result).
     """
     out = Path(out).expanduser()
-    seqs = usable_sequences(seqs, cfg)
     start = 0
     ckpt = out / "checkpoint"
     run = saved_run(out)
-    if run is not None:
+    if run is not None:  # resume: the run's recipe and weights
         cfg = TrainConfig(**{**asdict(cfg), **run["train_config"], **{k: getattr(cfg, k) for k in RUN_CONTROL}})
         draft = DFlashDraftModel(run["config"])
         draft.load_weights(str(ckpt / "model.safetensors"))
         start = run["step"]
-    else:
+    seqs = usable_sequences(seqs, cfg)
+    if run is None:
         if draft is None:
             mx.random.seed(cfg.seed)
             draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
