@@ -445,6 +445,9 @@ def train_run(
         cfg = TrainConfig(**{k: v for k, v in {**given, **control}.items() if v is not None})
         if run is None:
             usable_sequences(seqs, cfg)  # refused before a run folder or a progress bar appears
+            if cfg.warmup >= cfg.steps:
+                typer.echo(f"note: the warm-up ({cfg.warmup} steps) is not shorter than the run ({cfg.steps}), so "
+                           f"the learning rate never reaches its peak; a shorter --warmup fixes that", err=True)
         done = run is not None and run["step"] >= cfg.steps
         target_model, tokenizer = load(model)
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []

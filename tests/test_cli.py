@@ -277,6 +277,7 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
             "--block-size", "4", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0",
             "--export", tmp_path / "exported")
     assert r.exit_code == 0, r.output
+    assert "the learning rate never reaches its peak" in r.stderr  # 3 steps, the default 100 to warm up
     assert (tmp_path / "exported" / "model.safetensors").exists()
     # --export replaces an older drafter, but never a folder holding anything else (checked before training).
     again = ["train", "run", *data, "-o", tmp_path / "ok", "-m", root / "target", "--layers", "1", "--block-size", "4",
