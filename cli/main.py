@@ -343,7 +343,8 @@ def train_data(
     with user_errors():
         prompts = prompt_source(source)
         total = min(limit or len(prompts), len(prompts))
-        done, consumed = resume_point(Path(out).expanduser(), source, max(shard_size, 1))
+        folder = Path(out).expanduser()
+        done, consumed = resume_point(folder, source, max(shard_size, 1))
         if consumed >= len(prompts) or (limit is not None and done >= limit):
             typer.echo(f"{done} sequences in {out}: nothing left to generate")
             return
@@ -351,7 +352,7 @@ def train_data(
         with Progress(TextColumn("generating answers"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=_stderr()) as bar:
             task = bar.add_task("", total=total, completed=done)
-            n = generate_data(target, tokenizer, prompts, Path(out).expanduser(), max_new_tokens=max_new_tokens,
+            n = generate_data(target, tokenizer, prompts, folder, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, shard_size=shard_size, max_prompt_tokens=max_prompt_tokens,
                               limit=limit, source=source, progress=lambda k, _: bar.update(task, completed=k))
     typer.echo(f"{n} sequences in {out}")
@@ -422,14 +423,15 @@ def train_run(
                  "intermediate_size": intermediate_size, "block_size": block_size, "mask_token_id": mask_token_id,
                  "target_layer_ids": [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None}
         control = {"steps": steps, "checkpoint_every": checkpoint_every, "eval_every": eval_every}
-        start = None
+        start, done = None, False
         if run is not None:  # resume: the run's recipe, the new command's control options where given
             control = {k: v if v is not None else run["train_config"].get(k, getattr(TrainConfig, k))
                        for k, v in control.items()}
             notes = [f"resuming {out} at step {run['step']} of {control['steps']}"] + resume_notes(run, given)
             if init:
                 notes.append("--init is not used: the run goes on from its own checkpoint")
-            if run["step"] >= control["steps"]:
+            done = run["step"] >= control["steps"]
+            if done:
                 notes.append("nothing to train: give a larger --steps to go on")
             for note in notes:
                 typer.echo(note, err=True)
@@ -448,7 +450,6 @@ def train_run(
             if cfg.warmup >= cfg.steps:
                 typer.echo(f"note: the warm-up ({cfg.warmup} steps) is not shorter than the run ({cfg.steps}), so "
                            f"the learning rate never reaches its peak; a shorter --warmup fixes that", err=True)
-        done = run is not None and run["step"] >= cfg.steps
         target_model, tokenizer = load(model)
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
         out.mkdir(parents=True, exist_ok=True)
