@@ -251,7 +251,7 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
     done, consumed = resume_point(folder, source, shard_size)
     prompts = list(prompts)
     eos = tokenizer.eos_token_id
-    index = len(sorted(folder.glob("shard-*.npz")))
+    index = len(list(folder.glob("shard-*.npz")))
     while consumed < len(prompts) and (limit is None or done < limit):
         chunk = prompts[consumed:consumed + (shard_size if limit is None else min(shard_size, limit - done))]
         encoded = [apply_chat_template(tokenizer, m) for m in chunk]

@@ -37,6 +37,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .convert import atomic_folder
+from .loading import read_config
 from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from .models.targets import Target
 
@@ -268,7 +269,7 @@ def saved_run(out: str | Path) -> Optional[dict]:
     ckpt = Path(out).expanduser() / "checkpoint"
     if not (ckpt / "state.json").exists():
         return None
-    config = DFlashConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
+    config = DFlashConfig.from_dict(read_config(ckpt))
     return {**json.loads((ckpt / "state.json").read_text()), "config": config}
 
 
@@ -277,7 +278,7 @@ def resume_notes(run: dict, given: dict) -> list[str]:
     option given on the new command (TrainConfig names; None: not given) that differs from the run's."""
     notes = []
     for key, mine in given.items():
-        if mine is None or key in RUN_CONTROL:
+        if mine is None:
             continue
         theirs = getattr(run["config"], ARCHITECTURE[key]) if key in ARCHITECTURE else run["train_config"].get(key)
         if mine != theirs:
