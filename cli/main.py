@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from contextlib import contextmanager
@@ -390,7 +391,7 @@ def train_run(
     feature_cache_gb: float = typer.Option(4.0, help="RAM for keeping the target's features between epochs "
                                                      "(past it they are recomputed; 0: never kept)."),
 ):
-    """Train a drafter on self-distilled data (the paper's recipe); Ctrl-C and re-run to resume.
+    """Train a drafter on self-distilled data (the paper's recipe); Ctrl-C checkpoints and stops, re-run to resume.
 
     A resumed run keeps its recipe and architecture; --steps, --eval-every and --checkpoint-every may change.
     """
@@ -402,7 +403,7 @@ def train_run(
     from dflash_mlx.loading import load, load_draft
     from dflash_mlx.models.targets import Target
     from dflash_mlx.train import (TrainConfig, check_export_folder, export, resume_notes, saved_run,
-                                  tau_on_prompts, train, usable_sequences)
+                                  tau_on_prompts, train, trim_log, usable_sequences)
 
     with user_errors():
         if export_to:
@@ -453,27 +454,53 @@ def train_run(
         target_model, tokenizer = load(model)
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
         out.mkdir(parents=True, exist_ok=True)
+        if run is not None:
+            trim_log(out / "log.jsonl", run["step"])  # steps after the checkpoint (a crash) are done again
         log = open(out / "log.jsonl", "a")
 
         def evaluate(draft):
             return {"tau": tau_on_prompts(Target(target_model, draft.config.target_layer_ids), draft, tokenizer,
                                           held_out, max_tokens=96)["tau"]} if held_out else {}
 
-        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                      TimeRemainingColumn(), console=_stderr(), disable=done) as bar:
-            task = bar.add_task("", total=cfg.steps)
+        stop, reached = [], [run["step"] if run else 0]  # the signal that asked for a stop; the last step done
 
-            def on_step(r):
-                log.write(json.dumps(r) + "\n")
-                log.flush()
-                desc = f"loss {r['loss']:.3f}  {r['block_tokens'] / r['seconds']:.0f} block tokens/s"
-                if "offline_tau" in r:
-                    desc += f"  offline tau {r['offline_tau']:.2f}" + (f"  tau {r['tau']:.2f}" if "tau" in r else "")
-                    bar.console.print(f"step {r['step']}: {desc}")
-                bar.update(task, completed=r["step"], description=desc)
+        def on_signal(signum, frame):
+            if stop:
+                raise KeyboardInterrupt  # asked twice: at once, keeping the last checkpoint
+            stop.append(signum)
+            bar.console.print("stopping after this step, with a checkpoint (Ctrl-C again stops at once)")
 
-            train(Target(target_model), tokenizer, seqs, out, cfg, draft=start, on_step=on_step, evaluate=evaluate,
-                  feature_cache_gb=feature_cache_gb)
+        handlers = {}
+        try:
+            with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                          TimeRemainingColumn(), console=_stderr(), disable=done) as bar:
+                task = bar.add_task("", total=cfg.steps, completed=reached[0])
+                handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+                def on_step(r):
+                    log.write(json.dumps(r) + "\n")
+                    log.flush()
+                    reached[0] = r["step"]
+                    desc = f"loss {r['loss']:.3f}  {r['block_tokens'] / r['seconds']:.0f} block tokens/s"
+                    if "offline_tau" in r:
+                        desc += f"  offline tau {r['offline_tau']:.2f}" + (f"  tau {r['tau']:.2f}" if "tau" in r else "")
+                        bar.console.print(f"step {r['step']}: {desc}")
+                    bar.update(task, completed=r["step"], description=desc)
+
+                train(Target(target_model), tokenizer, seqs, out, cfg, draft=start, on_step=on_step,
+                      evaluate=evaluate, feature_cache_gb=feature_cache_gb, stop=lambda: bool(stop))
+        except KeyboardInterrupt:
+            kept = saved_run(out)
+            typer.secho(f"interrupted at step {reached[0]}: " + (f"the checkpoint of step {kept['step']} is kept; run "
+                        "the same command to go on from it" if kept else "no checkpoint yet"), fg="red", err=True)
+            raise typer.Exit(130)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        if stop and reached[0] < cfg.steps:
+            typer.echo(f"stopped at step {reached[0]} of {cfg.steps} with a checkpoint: run the same command to "
+                       "go on", err=True)
+            raise typer.Exit(128 + stop[0])
         if export_to:
             export(out / "checkpoint", export_to)
             typer.echo(f"drafter written to {export_to}")

@@ -17,8 +17,9 @@
   label is among them, and with a 49k vocabulary of which ~15k occur, a step is ~1.5x faster. The
   drafter still drafts over the whole vocabulary, and the held-out estimate scores it that way.
 
-Checkpoints (weights, optimizer state, step) are written atomically every `checkpoint_every` steps;
-a run restarted with the same output folder resumes from the last one. The data order and anchors of
+Checkpoints (weights, optimizer state, step) are written atomically every `checkpoint_every` steps
+and when a stop is asked for (Ctrl-C in the CLI); a run restarted with the same output folder resumes
+from the last one. The data order and anchors of
 step s depend only on (seed, s), so a resumed run follows the same curve.
 """
 
@@ -306,12 +307,13 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
           draft: Optional[DFlashDraftModel] = None,
           on_step: Optional[Callable[[dict], None]] = None,
           evaluate: Optional[Callable[[DFlashDraftModel], dict]] = None,
-          feature_cache_gb: float = 4.0) -> DFlashDraftModel:
+          feature_cache_gb: float = 4.0, stop: Optional[Callable[[], bool]] = None) -> DFlashDraftModel:
     """Train (or resume training) a drafter into `out`; returns the trained drafter.
 
     `on_step(record)` sees every step's loss/lr/tokens-per-second; `evaluate(draft)` (e.g. a real
     stream_generate tau on held-out prompts) runs every `eval_every` steps and at the end.
     `feature_cache_gb` caps the RAM kept for target features between epochs (it never changes the result).
+    `stop()` is asked after every step; when it says so, the run checkpoints that step and returns early.
     """
     out = Path(out).expanduser()
     start = 0
@@ -390,9 +392,29 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
             history.append({k: v for k, v in record.items() if k != "seconds"})
         if on_step is not None:
             on_step(record)
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+        stopping = stop is not None and stop()
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps or stopping:
             save_checkpoint(ckpt, draft, opt, step + 1, TrainConfig(**{**asdict(cfg), "history": history}))
+        if stopping:
+            break
     return draft
+
+
+def trim_log(path: Path, step: int) -> None:
+    """Keep a run log's records up to `step`, the checkpoint a resumed run goes on from: steps done after
+    it (before a crash) are done again, and the log should read as one run, each step once."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):  # a line cut short by the crash
+            pass
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
 
 
 def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: TrainConfig) -> None:

@@ -1,7 +1,12 @@
 """The command line through Typer's runner, on a tiny target/drafter pair saved as real folders."""
 
 import json
+import os
+import signal
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -338,3 +343,39 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     r = run("train", "run", *data, "-o", tmp_path / "more2", "-m", root / "target", "--init", tmp_path / "exported",
             "--layers", "3", "--eval-prompts", "0")
     assert r.exit_code == 1 and "--layers: the drafter's architecture comes from --init" in r.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
+def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_run(pair, tmp_path, sig):
+    root, _ = pair
+    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "data",
+            "--max-new-tokens", "24", "--shard-size", "2", "--batch-size", "2")
+    assert r.exit_code == 0, r.output
+    args = ["train", "run", *["--data", tmp_path / "data"] * 5, "-o", tmp_path / "run", "-m", root / "target",
+            "--layers", "1", "--block-size", "4", "--mask-token-id", "94", "--eval-prompts", "0"]
+    # A real process and a real signal (Ctrl-C, or a kill) with no checkpoint due for 100,000 steps.
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli.main", *map(str, args), "--steps", "100000",
+                             "--checkpoint-every", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    log, deadline = tmp_path / "run" / "log.jsonl", time.monotonic() + 300
+    try:
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # never left running, whatever failed
+    assert proc.returncode == 128 + sig, err
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    n = steps[-1]
+    assert steps == list(range(1, n + 1))
+    assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == n  # nothing lost
+    assert f"stopped at step {n} of 100000 with a checkpoint: run the same command to go on" in err
+    # Then a crash: a step logged after the checkpoint, and a line cut short. Resuming does that step again
+    # and the log keeps each step once.
+    log.write_text(log.read_text() + json.dumps({"step": n + 1, "loss": -1.0}) + "\n" + '{"step": ')
+    r = run(*args, "--steps", n + 2)
+    assert r.exit_code == 0, r.output
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [x["step"] for x in records] == list(range(1, n + 3)) and records[n]["loss"] != -1.0
