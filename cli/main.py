@@ -398,12 +398,13 @@ def train_run(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
-    from dflash_mlx.data import load_shards, sharegpt_prompts
+    from dflash_mlx.data import check_data_tokenizer, load_shards, sharegpt_prompts
     from dflash_mlx.loading import load, load_draft
     from dflash_mlx.models.targets import Target
-    from dflash_mlx.train import (TrainConfig, check_export_folder, export, resume_notes, saved_run,
-                                  tau_on_prompts, train, trim_log, usable_sequences)
+    from dflash_mlx.train import (TrainConfig, check_export_folder, check_same_data, export, resume_notes,
+                                  saved_run, tau_on_prompts, train, trim_log, usable_sequences)
 
     with user_errors():
         if export_to:
@@ -412,12 +413,13 @@ def train_run(
             raise ValueError(f"--eval-prompts must be >= 0, got {eval_prompts}")
         if not feature_cache_gb >= 0:
             raise ValueError(f"--feature-cache-gb must be >= 0, got {feature_cache_gb}")
-        seqs = []
+        seqs, folders = [], []
         for folder in data:
             found = load_shards(folder)
             if not found:
                 raise ValueError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")
             seqs += found
+            folders.append((folder, found))
         out = Path(out).expanduser()
         run = saved_run(out)
         given = {"lr": lr, "warmup": warmup, "anchors": anchors, "vocab": vocab, "num_layers": layers,
@@ -431,6 +433,7 @@ def train_run(
             notes = [f"resuming {out} at step {run['step']} of {control['steps']}"] + resume_notes(run, given)
             if init:
                 notes.append("--init is not used: the run goes on from its own checkpoint")
+            check_same_data(run, seqs)
             done = run["step"] >= control["steps"]
             if done:
                 notes.append("nothing to train: give a larger --steps to go on")
@@ -443,6 +446,9 @@ def train_run(
                 raise ValueError(f"{', '.join(k for k, v in arch.items() if v is not None)}: the drafter's "
                                  f"architecture comes from --init; drop the option or start a new drafter")
             start = load_draft(init, dtype=mx.float32) if init else None
+            if start is not None and any(k.endswith(".scales") for k, _ in tree_flatten(start.parameters())):
+                raise ValueError(f"{init} is quantized, so almost none of it could train: start from the "
+                                 "unquantized drafter")
             if start is not None and block_size is None:
                 given["block_size"] = start.block_size
         cfg = TrainConfig(**{k: v for k, v in {**given, **control}.items() if v is not None})
@@ -451,11 +457,15 @@ def train_run(
             if cfg.warmup >= cfg.steps:
                 typer.echo(f"note: the warm-up ({cfg.warmup} steps) is not shorter than the run ({cfg.steps}), so "
                            f"the learning rate never reaches its peak; a shorter --warmup fixes that", err=True)
+        try:
+            held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
+        except ValueError as e:  # the package is an extra
+            raise ValueError(f"{e} (it holds the held-out prompts), or pass --eval-prompts 0") from None
         target_model, tokenizer = load(model)
-        held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
+        for folder, found in folders:
+            check_data_tokenizer(folder, found, tokenizer, Target(target_model).vocab_size, model)
         out.mkdir(parents=True, exist_ok=True)
-        if run is not None:
-            trim_log(out / "log.jsonl", run["step"])  # steps after the checkpoint (a crash) are done again
+        trim_log(out / "log.jsonl", run["step"] if run else 0)  # steps after the checkpoint (a crash) are redone
         log = open(out / "log.jsonl", "a")
 
         def evaluate(draft):
@@ -493,7 +503,7 @@ def train_run(
             kept = saved_run(out)
             typer.secho(f"interrupted at step {reached[0]}: " + (f"the checkpoint of step {kept['step']} is kept; run "
                         "the same command to go on from it" if kept else "no checkpoint yet"), fg="red", err=True)
-            raise typer.Exit(130)
+            raise typer.Exit(128 + stop[0] if stop else 130)
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)

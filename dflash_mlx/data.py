@@ -11,6 +11,7 @@ complete shard.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -197,14 +198,37 @@ def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:
     return seqs
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Which tokens the ids mean: a data folder's ids are nonsense to a target with another vocabulary."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def shards_tokenizer(folder: str | Path) -> str:
+    """The tokenizer fingerprint a data folder was made with ("" if its shards predate the record)."""
+    shards = sorted(Path(folder).glob("shard-*.npz"))
+    last = np.load(shards[-1]) if shards else {}
+    return str(last["tokenizer"]) if "tokenizer" in last else ""
+
+
+def check_data_tokenizer(folder: str | Path, seqs: list[tuple[list[int], int]], tokenizer, vocab_size: int,
+                         model: str) -> None:
+    """A clear error if a data folder was made by a model with another vocabulary than `model`'s."""
+    made = shards_tokenizer(folder)
+    top = max((max(ids) for ids, _ in seqs), default=0)
+    if (made and made != tokenizer_fingerprint(tokenizer)) or top >= vocab_size:
+        raise ValueError(f"{folder} was made by a model with another vocabulary than {model}'s: give the "
+                         "target that made it (-m), or make data with this one (`dflash-mlx train data -m`)")
+
+
 def _write_shard(folder: Path, index: int, seqs: list[tuple[list[int], int]], first_prompt: int,
-                 next_prompt: int, source: str) -> None:
+                 next_prompt: int, source: str, tokenizer: str) -> None:
     tokens = np.concatenate([np.asarray(s, dtype=np.uint32) for s, _ in seqs])
     offsets = np.cumsum([0] + [len(s) for s, _ in seqs])
     tmp = folder / f".shard-{index:05d}.tmp.npz"
     np.savez_compressed(tmp, tokens=tokens, offsets=offsets, prompt_lens=np.array([p for _, p in seqs]),
                         first_prompt=np.array(first_prompt), next_prompt=np.array(next_prompt),
-                        source=np.array(source))
+                        source=np.array(source), tokenizer=np.array(tokenizer))
     os.replace(tmp, folder / f"shard-{index:05d}.npz")
 
 
@@ -249,6 +273,10 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     done, consumed = resume_point(folder, source, shard_size)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if shards_tokenizer(folder) not in ("", fingerprint):
+        raise ValueError(f"{folder} holds answers written by a model with another vocabulary: write this "
+                         "target's answers to a new --out folder")
     prompts = list(prompts)
     eos = tokenizer.eos_token_id
     index = len(list(folder.glob("shard-*.npz")))
@@ -265,7 +293,7 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
             if progress is not None:
                 progress(done + len(seqs), limit or len(prompts))
         if seqs:
-            _write_shard(folder, index, seqs, consumed, consumed + len(chunk), source)
+            _write_shard(folder, index, seqs, consumed, consumed + len(chunk), source, fingerprint)
             index += 1
         done += len(seqs)
         consumed += len(chunk)

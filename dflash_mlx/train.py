@@ -25,6 +25,7 @@ step s depend only on (seed, s), so a resumed run follows the same curve.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -202,7 +203,8 @@ def acceptance_from_blocks(logits, labels, valid) -> tuple[float, np.ndarray]:
 class FeatureCache:
     """Target hidden features per sequence, computed once and kept as float16 in RAM while they fit in
     `max_bytes` (a whole data set's can outgrow RAM: ~3.5 KB a token for SmolLM2's 3 taps); past
-    that, a sequence's features are recomputed each time it comes round."""
+    that, a sequence's features are recomputed each time it comes round. Features past float16's
+    range (the massive activations of some targets), or a bfloat16 target's, are kept as bfloat16."""
 
     def __init__(self, target: Target, max_bytes: float = float("inf")):
         self.target, self.max_bytes, self.store, self.nbytes = target, max_bytes, {}, 0
@@ -211,7 +213,9 @@ class FeatureCache:
         if index in self.store:
             return self.store[index]
         _, features = self.target(tokens[None], None, last_logits_only=True)
-        features = mx.stop_gradient(features).astype(mx.float16)
+        features = mx.stop_gradient(features)
+        fits = features.dtype != mx.bfloat16 and mx.abs(features).max().item() < 65504
+        features = features.astype(mx.float16 if fits else mx.bfloat16)
         mx.eval(features)
         if self.nbytes + features.nbytes <= self.max_bytes:
             self.store[index] = features
@@ -268,10 +272,34 @@ ARCHITECTURE = {"block_size": "block_size", "num_layers": "num_hidden_layers", "
 def saved_run(out: str | Path) -> Optional[dict]:
     """A run folder's last checkpoint: its step, train_config and the drafter's config; None if it has none."""
     ckpt = Path(out).expanduser() / "checkpoint"
+    old = ckpt.with_name(".checkpoint.old")
+    if not ckpt.exists() and (old / "state.json").exists():
+        old.rename(ckpt)  # a stop between the two renames of a checkpoint swap: the previous one is whole
     if not (ckpt / "state.json").exists():
         return None
     config = DFlashConfig.from_dict(read_config(ckpt))
     return {**json.loads((ckpt / "state.json").read_text()), "config": config}
+
+
+def data_fingerprint(seqs: list[tuple[list[int], int]]) -> dict:
+    """What a run trains on (its usable sequences, in order): a resume on other data would change its
+    order of sequences and its held-out set, so it is refused."""
+    h = hashlib.sha256()
+    for ids, plen in seqs:
+        h.update(np.asarray([plen, *ids], dtype=np.int64).tobytes())
+    return {"sequences": len(seqs), "sha256": h.hexdigest()[:16]}
+
+
+def check_same_data(run: dict, seqs: list[tuple[list[int], int]]) -> None:
+    """A clear error if a run would resume on other data than it trained on (runs that did not record
+    their data are not checked)."""
+    saved = run.get("data")
+    now = data_fingerprint(usable_sequences(seqs, TrainConfig(**run["train_config"])))
+    if saved is not None and now != saved:
+        how = (f"{saved['sequences']} usable sequences, these have {now['sequences']}"
+               if now["sequences"] != saved["sequences"] else "the same number of sequences, not the same ones")
+        raise ValueError(f"the run trained on other data ({how}): resume it with the same --data folders in "
+                         "the same order, or export it and start a new run from it with --init")
 
 
 def resume_notes(run: dict, given: dict) -> list[str]:
@@ -291,11 +319,12 @@ def resume_notes(run: dict, given: dict) -> list[str]:
 
 
 def usable_sequences(seqs: list[tuple[list[int], int]], cfg: TrainConfig) -> list[tuple[list[int], int]]:
-    """The sequences a run can use (a response of 2+ tokens), or a clear error before any work."""
-    seqs = [s for s in seqs if len(s[0]) - s[1] >= 2]
+    """The sequences a run can use (2+ response tokens within the first `max_seq_len`, so that each
+    has an anchor), or a clear error before any work."""
+    seqs = [s for s in seqs if min(len(s[0]), cfg.max_seq_len) - max(s[1], 1) >= 2]
     if len(seqs) <= cfg.holdout:
-        raise ValueError(f"the dataset has {len(seqs)} usable sequences (a response of 2+ tokens); "
-                         f"need more than the {cfg.holdout} held out")
+        raise ValueError(f"the dataset has {len(seqs)} usable sequences (2+ response tokens within the first "
+                         f"{cfg.max_seq_len}); need more than the {cfg.holdout} held out")
     if cfg.block_size < 2:
         raise ValueError(f"block size must be at least 2 to train a drafter, got {cfg.block_size}")
     if cfg.vocab not in ("full", "data"):
@@ -324,7 +353,9 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         draft = DFlashDraftModel(run["config"])
         draft.load_weights(str(ckpt / "model.safetensors"))
         start = run["step"]
+        check_same_data(run, seqs)
     seqs = usable_sequences(seqs, cfg)
+    data = data_fingerprint(seqs)
     if run is None:
         if draft is None:
             mx.random.seed(cfg.seed)
@@ -372,9 +403,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         i = sequence_for_step(cfg.seed, step, train_idx)
         ids, plen = seqs[i]
         tokens = mx.array(ids[:cfg.max_seq_len])
-        anchors = sample_anchors(rng, plen, tokens.shape[0], cfg.anchors)
-        if len(anchors) == 0:
-            continue
+        anchors = sample_anchors(rng, plen, tokens.shape[0], cfg.anchors)  # never empty: usable_sequences
         features = features_of(i, tokens)
         loss, grads = loss_and_grad(draft, features, tokens, mx.array(anchors))
         grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
@@ -394,7 +423,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
             on_step(record)
         stopping = stop is not None and stop()
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps or stopping:
-            save_checkpoint(ckpt, draft, opt, step + 1, TrainConfig(**{**asdict(cfg), "history": history}))
+            save_checkpoint(ckpt, draft, opt, step + 1, TrainConfig(**{**asdict(cfg), "history": history}), data)
         if stopping:
             break
     return draft
@@ -417,13 +446,13 @@ def trim_log(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
-def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: TrainConfig) -> None:
+def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: TrainConfig, data: dict) -> None:
     with atomic_folder(folder, force=True) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(draft.parameters())))
         (tmp / "config.json").write_text(json.dumps(draft.config.to_dict(), indent=2))
         mx.save_safetensors(str(tmp / "optimizer.safetensors"),
                             {k: v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)})
-        (tmp / "state.json").write_text(json.dumps({"step": step, "train_config": asdict(cfg)}))
+        (tmp / "state.json").write_text(json.dumps({"step": step, "train_config": asdict(cfg), "data": data}))
 
 
 def check_export_folder(dest: str | Path, run: Optional[str | Path] = None) -> None:

