@@ -22,6 +22,7 @@ def _plain(model, tokenizer, ids, max_tokens, temperature, seed):
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
+    mx.reset_peak_memory()  # each run's own peak, not loading's or an earlier run's
     tic, first, tokens = time.perf_counter(), None, []
     for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(temperature)):
         first = first or time.perf_counter()
@@ -33,6 +34,7 @@ def _plain(model, tokenizer, ids, max_tokens, temperature, seed):
 def _dflash(target, draft, tokenizer, ids, max_tokens, block_size, temperature, seed):
     from .speculative import stream_generate
 
+    mx.reset_peak_memory()
     tic, first, tokens, acc = time.perf_counter(), None, [], []
     for r in stream_generate(target, draft, tokenizer, ids, max_tokens=max_tokens, block_size=block_size,
                              temperature=temperature, seed=seed):

@@ -183,11 +183,15 @@ def load(name: str, dtype="auto"):
 
     dtype = _default_dtype() if dtype == "auto" else dtype
     path = resolve_target(name, dtype)
-    read_config(path)  # mlx-lm's own error for a broken one names no file
+    config = read_config(path)  # mlx-lm's own error for a broken one names no file
     try:
         model, tokenizer = mlx_lm_load(str(path))
     except RuntimeError as e:  # mlx's terse "[load_safetensors] ..." for a truncated or corrupt file
         raise ValueError(f"cannot load the target at {path}: {str(e).strip()} (truncated or corrupt weights?)") from None
+    args = getattr(model, "language_model", model).args
+    context = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
+    if getattr(args, "max_position_embeddings", None) is None and context:
+        args.max_position_embeddings = context  # some of mlx-lm's ModelArgs (gpt_oss) drop it; limits need it
     if dtype is not None:
         model.set_dtype(dtype)
     return model, tokenizer

@@ -56,10 +56,17 @@ class SamplingParams:
         return mx.exp(self.logprobs(logits))
 
     def sample(self, logits: mx.array) -> mx.array:
-        """One token per row of logits (argmax at temperature 0)."""
+        """One token per row of logits (mlx-lm's greedy choice at temperature 0)."""
         if self.greedy:
-            return mx.argmax(logits, axis=-1)
+            return greedy(logits)
         return mx.random.categorical(self.logprobs(logits))
+
+
+def greedy(logits: mx.array) -> mx.array:
+    """The token plain mlx-lm decoding picks at temperature 0: the argmax of the log-probabilities in the
+    logits' own dtype. Not always argmax(logits): in bfloat16, subtracting the logsumexp can round two
+    close logits to one value, and the tie goes to the lower token id."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
 
 
 def _accepted_prefix(accept: mx.array) -> mx.array:
@@ -112,13 +119,15 @@ def acceptance(params: SamplingParams, sampler: Optional[Callable]):
 
         def accept(x, q, logits):
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return match_accept(x, sampler(lp))
+            # One call per position, as plain decoding makes: a sampler may draw once per call for all
+            # its rows (mlx-lm's XTC flips one coin), which would tie the block's positions together.
+            return match_accept(x, mx.concatenate([sampler(lp[i:i + 1]) for i in range(lp.shape[0])]))
     elif params.greedy:
         def draft(logits):
             return mx.argmax(logits, axis=-1), None
 
         def accept(x, q, logits):
-            return match_accept(x, mx.argmax(logits, axis=-1))
+            return match_accept(x, greedy(logits))
     else:
         def draft(logits):
             logq = params.logprobs(logits)

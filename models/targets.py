@@ -120,11 +120,14 @@ class Target:
         """Run the target over tokens (shape (1, n)) -> (logits, features). cache None: no cache.
 
         features is (1, n, len(layer_ids) * hidden_size): the tapped layers' outputs, concatenated.
+        A call with `last_logits_only` (a prefill) cannot be rolled back, so it keeps nothing for that:
+        a recurrent layer's inputs over a long prefill chunk would be a lot of memory.
         """
         record: dict[int, Any] = {}
         layers = self.inner.layers
-        watched = set(self.layer_ids) | set(self._recurrent)
-        states = {i: list(cache[i].cache) for i in self._recurrent} if cache is not None else {}
+        recurrent = [] if last_logits_only else self._recurrent
+        watched = set(self.layer_ids) | set(recurrent)
+        states = {i: list(cache[i].cache) for i in recurrent} if cache is not None else {}
         self.inner.layers = [_Tap(l, i, record) if i in watched else l for i, l in enumerate(layers)]
         try:
             h = self.inner(tokens, cache)
@@ -132,11 +135,13 @@ class Target:
             self.inner.layers = layers
         logits = self.lm_head(h[:, -1:] if last_logits_only else h)
         features = mx.concatenate([record[i][1] for i in self.layer_ids], axis=-1) if self.layer_ids else None
-        self._last = (tokens.shape[1], {i: record[i][0] for i in self._recurrent}, states)
+        self._last = None if last_logits_only else (tokens.shape[1], {i: record[i][0] for i in recurrent}, states)
         return logits, features
 
     def rollback(self, cache: list, keep: int) -> None:
-        """Keep only the first `keep` positions of the last call in the cache."""
+        """Keep only the first `keep` positions of the last call (a verify pass) in the cache."""
+        if self._last is None:
+            raise ValueError("nothing to roll back: the last call was a prefill, or it was rolled back already")
         n, inputs, states = self._last
         if keep == n:
             return

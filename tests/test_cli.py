@@ -21,6 +21,8 @@ import dflash_mlx.speculative as speculative
 from dflash_mlx import apply_chat_template, generate, load_pair
 from dflash_mlx.cli.main import app
 from dflash_mlx.data import jsonl_prompts
+from dflash_mlx.loading import load as load_target
+from dflash_mlx.speculative import context_length
 
 
 @pytest.fixture(scope="module")
@@ -399,3 +401,15 @@ def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_ru
     assert r.exit_code == 0, r.output
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [x["step"] for x in records] == list(range(1, n + 3)) and records[n]["loss"] != -1.0
+
+
+def test_a_context_length_that_mlx_lm_drops_is_read_from_the_config(tmp_path):
+    """mlx-lm's gpt_oss arguments have no max_position_embeddings: the limits come from config.json."""
+    model = make_target("gpt_oss")
+    save_model(tmp_path, model)
+    save_config(dict(CONFIGS["gpt_oss"], max_position_embeddings=64, eos_token_id=95), tmp_path / "config.json")
+    make_tokenizer(eos=95)._tokenizer.save_pretrained(tmp_path)
+    loaded, _ = load_target(str(tmp_path))
+    assert context_length(loaded) == 64
+    r = run("generate", "-m", tmp_path, "--no-draft", "-p", "w5 " * 64, "--no-chat-template")
+    assert r.exit_code == 1 and "the prompt is 64 tokens and the model's context holds 64" in r.stderr

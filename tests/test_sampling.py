@@ -10,7 +10,7 @@ from tiny import draft_config, make_draft, make_target, make_tokenizer
 import dflash_mlx.speculative as speculative
 from dflash_mlx import SpeculativeCache, generate, stream_generate
 from dflash_mlx.models.dflash import DFlashDraftModel
-from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.sampling import SamplingParams, acceptance
 
 V, T, B, RUNS = 8, 4, 3, 1500
 PROMPT = [1, 5, 3, 6]
@@ -169,3 +169,37 @@ def test_bad_sampling_settings_are_refused():
                             (dict(min_p=2), r"min_p must be in \[0, 1\], got 2")]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
+
+
+def test_greedy_picks_what_plain_mlx_lm_picks_where_rounding_ties_two_logits():
+    from mlx_lm.sample_utils import make_sampler
+
+    # In bfloat16 the log-probabilities of 3.0 and 3.015625 round to one value: mlx-lm's greedy sampler
+    # then takes the lower id (0), while the argmax of the logits is 1.
+    logits = mx.array([[3.0, 3.015625] + [2.0] * 20000]).astype(mx.bfloat16)
+    plain = make_sampler(temp=0.0)(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    assert plain.item() == 0 and mx.argmax(logits, axis=-1).item() == 1
+    assert SamplingParams().sample(logits).item() == 0  # the first token of an answer
+    _, accept = acceptance(SamplingParams(), None)
+    verify = mx.concatenate([logits, logits], axis=0)  # a verify pass over [last, x_1]
+    n, token = accept(mx.array([1]), None, verify)
+    assert n.item() == 0 and token.item() == 0  # proposal 1 is rejected; the target's own token is 0
+
+
+def test_a_sampler_that_flips_one_coin_per_call_stays_exact(model):
+    """mlx-lm's XTC flips one coin per call, for the whole batch: a verify pass's positions must not
+    share it. Here the coin picks the argmax or the argmin of every row, with a drafter that is right
+    whenever the coin says argmax."""
+    def coin(logprobs):
+        return mx.where(mx.random.uniform() < 0.5, mx.argmax(logprobs, axis=-1), mx.argmin(logprobs, axis=-1))
+
+    joint = {(): 1.0}  # plain decoding: one coin per token
+    for _ in range(T):
+        seqs = list(joint)
+        logits = np.array(model(mx.array([PROMPT + list(s) for s in seqs]))[:, -1].astype(mx.float32))
+        joint = {s + (t,): joint[s] * 0.5 for s, row in zip(seqs, logits) for t in (int(row.argmax()), int(row.argmin()))}
+    holder = [None]
+    counts = sample_counts(model, TargetPathDraft(draft_config(vocab=V), model, holder), holder, 0.0, 1.0, sampler=coin)
+    assert sum(counts.get(s, 0) for s in joint) == RUNS  # nothing plain decoding could not write
+    p = chisquare([counts.get(s, 0) for s in joint], [q * RUNS for q in joint.values()]).pvalue
+    assert p > 1e-3, f"chi-square p-value {p:.2e}: the verify pass shared one coin"
