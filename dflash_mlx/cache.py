@@ -31,6 +31,7 @@ class SpeculativeCache:
         self.tokens: list[int] = []  # every committed token, processed or pending
         self.processed = 0  # how many of them the target (and drafter) have seen
         self.last_prefill = 0  # tokens the last prefill ran through the target
+        self.snapshot = None  # (position, recurrent states) at the end of the last prefill, if any
 
     @property
     def pending(self) -> list[int]:
@@ -56,6 +57,10 @@ class SpeculativeCache:
             mx.eval(logits, [c.state for c in self.target_cache],
                     [c.state for c in self.draft_cache or []])
             self.processed += chunk.shape[1]
+        if not all(c.is_trimmable() for c in self.target_cache):
+            # Recurrent state cannot be trimmed: keep it as it stands at the end of this prompt (the
+            # arrays are immutable, so this copies nothing), so a conversation can go back there.
+            self.snapshot = (self.processed, [None if c.is_trimmable() else list(c.cache) for c in self.target_cache])
         return logits[:, -1]
 
     def verify(self, block: mx.array):
@@ -76,16 +81,27 @@ class SpeculativeCache:
         self.processed += keep
 
     def truncate(self, n: int) -> bool:
-        """Keep only the first n committed tokens. Returns False (and changes nothing) when that
-        would cut into state that cannot be trimmed (recurrent layers): start a new cache then."""
+        """Keep only the first n committed tokens (what chat does before each turn). Recurrent state
+        cannot be trimmed, only put back as it was at the end of the last prefill; the tokens between
+        there and n are then prefilled again by the next call. Returns False (and changes nothing) when n
+        is before that point: start a new cache then."""
         if n >= self.processed:
             del self.tokens[n:]
             return True
         caches = self.target_cache + (self.draft_cache or [])
-        if not all(c.is_trimmable() for c in caches):
+        if all(c.is_trimmable() for c in caches):
+            back, states = n, [None] * len(self.target_cache)
+        elif self.snapshot is not None and self.snapshot[0] <= n:
+            back, states = self.snapshot
+        else:
             return False
-        for c in caches:
-            c.trim(self.processed - n)
-        self.processed = n
+        for c, state in zip(self.target_cache, states):
+            if state is None:
+                c.trim(self.processed - back)
+            else:
+                c.cache = list(state)
+        for c in self.draft_cache or []:
+            c.trim(self.processed - back)
+        self.processed = back
         del self.tokens[n:]
         return True

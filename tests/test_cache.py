@@ -86,15 +86,19 @@ def test_truncate_takes_a_conversation_back(family):
     draft = OracleDraft(draft_config(block_size=4), prompt + ref, [None, 1])
     cache = SpeculativeCache(model, draft)
     first = generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=12, prompt_cache=cache).tokens
-    keep = len(prompt) + 3
-    if family == "qwen3_5":  # recurrent state cannot be trimmed: refused, nothing changed
+    if family == "qwen3_5":  # recurrent state cannot be trimmed, only put back as the prompt left it
         tokens, processed = list(cache.tokens), cache.processed
-        assert cache.truncate(keep) is False and (cache.tokens, cache.processed) == (tokens, processed)
-        return
+        assert cache.truncate(len(prompt) - 2) is False and (cache.tokens, cache.processed) == (tokens, processed)
+    keep = len(prompt) + 3
     assert cache.truncate(keep) and cache.tokens == prompt + first[:3]
     want = greedy_reference(model, prompt + first[:3] + more, 10)
     second = generate(model, draft, no_eos_tokenizer(want), more, max_tokens=10, prompt_cache=cache).tokens
     assert second == want
+    # Only what follows the point the caches went back to went through the target again.
+    assert cache.last_prefill == (3 if family == "qwen3_5" else 0) + len(more)
+    fresh = SpeculativeCache(model, draft)
+    fresh.prefill(cache.tokens[:cache.processed])
+    assert_same_caches(cache, fresh)
 
 
 def test_block_size_one_keeps_a_drafter_cache_in_step():
