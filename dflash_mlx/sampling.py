@@ -64,8 +64,13 @@ class SamplingParams:
 
 def greedy(logits: mx.array) -> mx.array:
     """The token plain mlx-lm decoding picks at temperature 0: the argmax of the log-probabilities in the
-    logits' own dtype. Not always argmax(logits): in bfloat16, subtracting the logsumexp can round two
-    close logits to one value, and the tie goes to the lower token id."""
+    logits' own dtype. In bfloat16 or float16 that is not always argmax(logits): subtracting the
+    logsumexp can round two close logits to one value, and the tie goes to the lower token id. In
+    float32 such a tie needs logits within about one rounding step, below the noise between a verify
+    pass's kernels and a one-token step's, so there the logsumexp (~10 ms a verify pass on a CPU) is
+    skipped."""
+    if logits.dtype == mx.float32:
+        return mx.argmax(logits, axis=-1)
     return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
 
 
