@@ -403,8 +403,8 @@ def train_run(
     from dflash_mlx.data import check_data_tokenizer, load_shards, sharegpt_prompts
     from dflash_mlx.loading import load, load_draft
     from dflash_mlx.models.targets import Target
-    from dflash_mlx.train import (TrainConfig, check_export_folder, check_same_data, export, resume_notes,
-                                  saved_run, tau_on_prompts, train, trim_log, usable_sequences)
+    from dflash_mlx.train import (TrainConfig, check_export_folder, check_same_data, data_fingerprint, export,
+                                  resume_notes, saved_run, tau_on_prompts, train, trim_log, usable_sequences)
 
     with user_errors():
         if export_to:
@@ -433,7 +433,8 @@ def train_run(
             notes = [f"resuming {out} at step {run['step']} of {control['steps']}"] + resume_notes(run, given)
             if init:
                 notes.append("--init is not used: the run goes on from its own checkpoint")
-            check_same_data(run, seqs)
+            # Before loading the target (train() checks again, for callers from Python).
+            check_same_data(run, data_fingerprint(usable_sequences(seqs, TrainConfig(**run["train_config"]))))
             done = run["step"] >= control["steps"]
             if done:
                 notes.append("nothing to train: give a larger --steps to go on")
@@ -462,8 +463,7 @@ def train_run(
         except ValueError as e:  # the package is an extra
             raise ValueError(f"{e} (it holds the held-out prompts), or pass --eval-prompts 0") from None
         target_model, tokenizer = load(model)
-        for folder, found in folders:
-            check_data_tokenizer(folder, found, tokenizer, Target(target_model).vocab_size, model)
+        check_data_tokenizer(folders, tokenizer, Target(target_model).vocab_size, model)
         out.mkdir(parents=True, exist_ok=True)
         trim_log(out / "log.jsonl", run["step"] if run else 0)  # steps after the checkpoint (a crash) are redone
         log = open(out / "log.jsonl", "a")

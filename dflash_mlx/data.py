@@ -211,14 +211,17 @@ def shards_tokenizer(folder: str | Path) -> str:
     return str(last["tokenizer"]) if "tokenizer" in last else ""
 
 
-def check_data_tokenizer(folder: str | Path, seqs: list[tuple[list[int], int]], tokenizer, vocab_size: int,
+def check_data_tokenizer(folders: list[tuple[str | Path, list[tuple[list[int], int]]]], tokenizer, vocab_size: int,
                          model: str) -> None:
-    """A clear error if a data folder was made by a model with another vocabulary than `model`'s."""
-    made = shards_tokenizer(folder)
-    top = max((max(ids) for ids, _ in seqs), default=0)
-    if (made and made != tokenizer_fingerprint(tokenizer)) or top >= vocab_size:
-        raise ValueError(f"{folder} was made by a model with another vocabulary than {model}'s: give the "
-                         "target that made it (-m), or make data with this one (`dflash-mlx train data -m`)")
+    """A clear error if a data folder (given with its sequences) was made by a model with another
+    vocabulary than `model`'s."""
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    for folder, seqs in folders:
+        made = shards_tokenizer(folder)
+        top = max((max(ids) for ids, _ in seqs), default=0)
+        if (made and made != fingerprint) or top >= vocab_size:
+            raise ValueError(f"{folder} was made by a model with another vocabulary than {model}'s: give the "
+                             "target that made it (-m), or make data with this one (`dflash-mlx train data -m`)")
 
 
 def _write_shard(folder: Path, index: int, seqs: list[tuple[list[int], int]], first_prompt: int,

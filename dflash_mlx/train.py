@@ -290,11 +290,10 @@ def data_fingerprint(seqs: list[tuple[list[int], int]]) -> dict:
     return {"sequences": len(seqs), "sha256": h.hexdigest()[:16]}
 
 
-def check_same_data(run: dict, seqs: list[tuple[list[int], int]]) -> None:
-    """A clear error if a run would resume on other data than it trained on (runs that did not record
-    their data are not checked)."""
+def check_same_data(run: dict, now: dict) -> None:
+    """A clear error if a run would resume on other data (`now`: their data_fingerprint) than it trained
+    on (runs that did not record their data are not checked)."""
     saved = run.get("data")
-    now = data_fingerprint(usable_sequences(seqs, TrainConfig(**run["train_config"])))
     if saved is not None and now != saved:
         how = (f"{saved['sequences']} usable sequences, these have {now['sequences']}"
                if now["sequences"] != saved["sequences"] else "the same number of sequences, not the same ones")
@@ -353,9 +352,10 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         draft = DFlashDraftModel(run["config"])
         draft.load_weights(str(ckpt / "model.safetensors"))
         start = run["step"]
-        check_same_data(run, seqs)
     seqs = usable_sequences(seqs, cfg)
     data = data_fingerprint(seqs)
+    if run is not None:
+        check_same_data(run, data)
     if run is None:
         if draft is None:
             mx.random.seed(cfg.seed)

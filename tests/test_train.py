@@ -434,11 +434,11 @@ def test_data_made_with_another_vocabulary_is_refused(tmp_path):
     kw = dict(max_new_tokens=2, batch_size=4, shard_size=2)
     assert generate_data(model, tok, prompts, tmp_path, limit=2, **kw) == 2
     seqs = load_shards(tmp_path)
-    check_data_tokenizer(tmp_path, seqs, tok, 96, "tiny")  # the tokenizer that made it: fine
+    check_data_tokenizer([(tmp_path, seqs)], tok, 96, "tiny")  # the tokenizer that made it: fine
     other = make_tokenizer(eos=95)
     other._tokenizer.add_tokens(["<extra>"])  # another model's vocabulary
     with pytest.raises(ValueError, match="was made by a model with another vocabulary than tiny's"):
-        check_data_tokenizer(tmp_path, seqs, other, 96, "tiny")
+        check_data_tokenizer([(tmp_path, seqs)], other, 96, "tiny")
     with pytest.raises(ValueError, match="holds answers written by a model with another vocabulary"):
         generate_data(model, other, prompts, tmp_path, **kw)
     # Shards from before the tokenizer was recorded (the shipped data): an id past the vocabulary still is.
@@ -448,6 +448,6 @@ def test_data_made_with_another_vocabulary_is_refused(tmp_path):
         d = dict(np.load(shard))
         d.pop("tokenizer")
         np.savez(old / shard.name, **d)
-    check_data_tokenizer(old, load_shards(old), other, 96, "tiny")
+    check_data_tokenizer([(old, load_shards(old))], other, 96, "tiny")
     with pytest.raises(ValueError, match="another vocabulary than tiny's"):
-        check_data_tokenizer(old, load_shards(old), tok, 90, "tiny")
+        check_data_tokenizer([(old, load_shards(old))], tok, 90, "tiny")
