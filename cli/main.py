@@ -50,6 +50,8 @@ def convert(
     with user_errors():
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+        if Path(output).expanduser().exists() and not force:  # before any download
+            raise FileExistsError(f"{output} already exists (pass --force to replace it)")
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=_stderr()) as bar:
             task = bar.add_task(f"converting {source}")

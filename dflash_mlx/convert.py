@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .loading import load_draft, resolve
+from .models.dflash import is_drafter_config
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -52,7 +53,7 @@ def atomic_folder(dest: str | Path, force: bool = False):
 
 def is_drafter(path: Path) -> bool:
     cfg = path / "config.json"
-    return cfg.exists() and "dflash_config" in json.loads(cfg.read_text())
+    return cfg.exists() and is_drafter_config(json.loads(cfg.read_text()))
 
 
 def convert_draft(source: str, dest: str | Path, dtype: str = "bfloat16", quantize: bool = False,
@@ -60,6 +61,8 @@ def convert_draft(source: str, dest: str | Path, dtype: str = "bfloat16", quanti
     """A z-lab drafter (HF id or folder) -> MLX folder in `dtype`, optionally quantized."""
     draft = load_draft(source, dtype=DTYPES[dtype])
     config = draft.config.to_dict()
+    if quantize and any(k.endswith(".scales") for k, _ in tree_flatten(draft.parameters())):
+        raise ValueError(f"{source} is already quantized: quantize the float drafter it came from")
     if quantize:
         nn.quantize(draft, group_size=q_group_size, bits=q_bits)
         config["quantization"] = {"group_size": q_group_size, "bits": q_bits}

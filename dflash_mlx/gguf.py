@@ -29,6 +29,7 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # Pre-tokenizer split patterns by `tokenizer.ggml.pre` (the regexes the original tokenizers use).
+KNOWN_PRE = ("gpt2", "llama-bpe", "qwen2", "smollm", "starcoder", "refact")
 _GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -218,15 +219,23 @@ def gguf_weights(tensors: dict, config: dict, dtype: Optional[mx.Dtype]):
 
 def gguf_tokenizer(meta: dict):
     """-> (tokenizers.Tokenizer, tokenizer_config dict) from the GGUF tokenizer metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = _scalar(meta, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer model '{kind}' is not supported (only byte-level BPE, 'gpt2')")
     tokens = list(meta["tokenizer.ggml.tokens"])
+
+    def token(key):
+        i = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None else None
+
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     types = meta["tokenizer.ggml.token_type"].tolist()
     pre = _scalar(meta, "tokenizer.ggml.pre", "gpt2")
+    if pre not in KNOWN_PRE:  # another split would silently give the model other tokens
+        raise ValueError(f"GGUF pre-tokenizer '{pre}' is not supported (known: {', '.join(KNOWN_PRE)}): "
+                         "convert the model from its Hugging Face folder instead")
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=pre == "llama-bpe"))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     split = {"llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre, _GPT2_SPLIT)
@@ -235,19 +244,21 @@ def gguf_tokenizer(meta: dict):
         steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
+    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False))
+    bos_id = _scalar(meta, "tokenizer.ggml.bos_token_id")
+    if add_bos and bos_id is not None:  # as the original tokenizer.json's post-processor does
+        bos = tokens[int(bos_id)]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, int(bos_id))])
     # Control (3) and user-defined (4) tokens are matched whole, before BPE.
     tok.add_tokens([AddedToken(t, special=types[i] == 3, normalized=False)
                     for i, t in enumerate(tokens) if types[i] in (3, 4)])
-
-    def token(key):
-        i = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(i)] if i is not None else None
 
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
         "pad_token": token("padding"),
-        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": add_bos,
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(_scalar(meta, f"{_scalar(meta, 'general.architecture')}.context_length", 4096)),
     }

@@ -1,8 +1,8 @@
 """Find and load targets (through mlx-lm) and DFlash drafters.
 
-A name is, in this order: a pair in `models/registry.toml` (its name, target or an alias), a local
-`.gguf` file (converted once into a cache folder), a local folder (MLX or Hugging Face safetensors),
-or a Hugging Face repo id (downloaded with huggingface_hub into its standard cache; files already
+A name is, in this order: a local `.gguf` file (converted once into a cache folder) or folder (MLX
+or Hugging Face safetensors), a pair in `models/registry.toml` (its name, target or an alias), or a
+Hugging Face repo id (downloaded with huggingface_hub into its standard cache; files already
 downloaded are kept, and a dropped connection resumes within the run).
 """
 
@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .models.dflash import DFlashConfig, DFlashDraftModel
+from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .platform import backend
 
 if sys.version_info >= (3, 11):
@@ -30,6 +30,9 @@ else:  # pragma: no cover
 
 MODELS_DIR = Path(sys.modules[DFlashConfig.__module__].__file__).resolve().parent  # the models/ folder
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# What transformers' AutoTokenizer builds a tokenizer from (one is enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "*.tiktoken",
+                   "tiktoken.model")
 
 
 @dataclass
@@ -90,50 +93,63 @@ def gguf_folder(path: Path, dtype: Optional[mx.Dtype]) -> Path:
     return dest
 
 
-def resolve(name: str, allow_patterns=("*.json", "*.safetensors")) -> Path:
+def check_name(name: str) -> None:
+    """Refuse a name that is neither here nor shaped like a Hugging Face id (nothing is downloaded)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return
+    if path.suffix == ".gguf":
+        raise FileNotFoundError(f"no GGUF file at {name}")
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise FileNotFoundError(f"no model folder at {name}, and it is not a known pair or a "
+                                "Hugging Face id like org/name (see `dflash-mlx models`)")
+
+
+def resolve(name: str) -> Path:
     """A local folder as is; anything else is a Hugging Face repo id, downloaded (and cached)."""
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"{name} is a file; expected a model folder (or a .gguf file for a target)")
         return path
-    if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise FileNotFoundError(f"no model folder at {name}, and it is not a known pair or a "
-                                "Hugging Face id like org/name (see `dflash-mlx models`)")
+    check_name(name)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer and template files
 
     try:
-        return Path(snapshot_download(name, allow_patterns=list(allow_patterns)))
+        return Path(snapshot_download(name, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except GatedRepoError:  # (a subclass of RepositoryNotFoundError: keep it first)
         raise PermissionError(f"{name} is gated on Hugging Face: accept its license on its page, and "
                               "log in with `hf auth login`") from None
     except (RepositoryNotFoundError, RevisionNotFoundError):
-        raise FileNotFoundError(f"{name} was not found on Hugging Face (check the spelling; private "
-                                "repos need `hf auth login`)") from None
+        raise FileNotFoundError(f"no folder {name} here, and no such repo on Hugging Face (check the "
+                                "spelling; private repos need `hf auth login`)") from None
     except LocalEntryNotFoundError:
-        raise ConnectionError(f"cannot reach Hugging Face to download {name}, and it is not in the "
-                              "local cache: check the network (or HF_ENDPOINT)") from None
+        raise ConnectionError(f"no folder {name} here, and Hugging Face cannot be reached to download "
+                              "it (nor is it in the local cache): check the path, or the network "
+                              "(or HF_ENDPOINT)") from None
     except HfHubHTTPError as e:
         raise ConnectionError(f"Hugging Face refused the download of {name}: {str(e).splitlines()[0]}") from None
 
 
 def resolve_target(name: str, dtype: Optional[mx.Dtype] = None) -> Path:
     pair = find_pair(name)
-    if pair is not None and name.lower() == pair.name.lower():
+    if pair is not None and name.lower() == pair.name.lower() and not Path(name).expanduser().exists():
         if pair.target == "smollm2-135m-instruct":
             return gguf_folder(smollm2_gguf(), dtype)
         name = pair.target
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
-        if not path.exists():
-            raise FileNotFoundError(f"no GGUF file at {name}")
+        check_name(name)
         return gguf_folder(path, dtype)
-    return resolve(name, ("*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"))
+    return resolve(name)
 
 
 def resolve_draft(name: str) -> Path:
+    if Path(name).expanduser().exists():  # a folder here wins over a registry name
+        return resolve(name)
     pair = find_pair(name)
     if pair is not None:  # a target's name finds its drafter
         name = pair.draft
@@ -184,6 +200,11 @@ def load(name: str, dtype="auto"):
     dtype = _default_dtype() if dtype == "auto" else dtype
     path = resolve_target(name, dtype)
     config = read_config(path)  # mlx-lm's own error for a broken one names no file
+    if is_drafter_config(config):
+        raise ValueError(f"{path} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): copy "
+                                "the tokenizer files of the model it came from into it")
     try:
         model, tokenizer = mlx_lm_load(str(path))
     except RuntimeError as e:  # mlx's terse "[load_safetensors] ..." for a truncated or corrupt file
@@ -239,6 +260,7 @@ def draft_for(target: str, draft: Optional[str] = None) -> str:
         return draft
     pair = find_pair(target)
     if pair is None:
+        check_name(target)  # a mistyped path is the clearer error
         raise ValueError(f"no known drafter for {target}: pass one (--draft), or train one with "
                          "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)")
     return pair.draft
@@ -248,7 +270,8 @@ def load_pair(target: str, draft: Optional[str] = None, dtype="auto"):
     """-> (model, draft, tokenizer), checked to fit each other. Without `draft`, the registry's."""
     from .speculative import prepare
 
-    model, tokenizer = load(target, dtype)  # first: a missing target is the clearer error
-    drafter = load_draft(draft_for(target, draft), dtype)
+    draft = draft_for(target, draft)  # before loading (or downloading) anything
+    model, tokenizer = load(target, dtype)  # before the drafter: a missing target is the clearer error
+    drafter = load_draft(draft, dtype)
     prepare(model, drafter)
     return model, drafter, tokenizer

@@ -38,6 +38,12 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def is_drafter_config(cfg: dict) -> bool:
+    """Whether a config.json describes a DFlash drafter (z-lab's layout, or its keys at the top level)."""
+    return ("dflash_config" in cfg or "DFlashDraftModel" in cfg.get("architectures", [])
+            or ("mask_token_id" in cfg and "target_layer_ids" in cfg))
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -89,6 +95,11 @@ class DFlashConfig:
             raise ValueError(f"drafter config.json lacks {', '.join(missing)}: is this a DFlash drafter?")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "target_layer_ids", "mask_token_id"}
         kwargs = {k: v for k, v in cfg.items() if k in known}
+        rope = cfg.get("rope_parameters")  # transformers 5 keeps theta and scaling here
+        if isinstance(rope, dict) and "rope_theta" not in cfg and "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
+            if rope.get("rope_type", "default") != "default" and not cfg.get("rope_scaling"):
+                kwargs["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         kwargs.setdefault("num_key_value_heads", cfg["num_attention_heads"])
         # Qwen3 configs list layer_types even with sliding windows off; only honour them when on.
         if not cfg.get("use_sliding_window", True) or not cfg.get("sliding_window"):

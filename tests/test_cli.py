@@ -141,6 +141,27 @@ def test_a_truncated_target_is_one_line(pair, tmp_path):
     assert r.exit_code == 1 and f"{tmp_path / 'bad-draft' / 'config.json'} is not valid JSON" in r.stderr
 
 
+def test_wrong_folders_and_missing_drafters_are_named_before_any_loading(pair, tmp_path, monkeypatch):
+    import shutil
+
+    root, _ = pair
+    r = run("generate", "-m", root / "draft", "-d", root / "draft", "-p", "w5")  # drafter given as the target
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"{root / 'draft'} is a DFlash drafter, not a target: pass it as the drafter" in r.stderr
+    shutil.copytree(root / "target", tmp_path / "untokenized")
+    for f in (tmp_path / "untokenized").glob("tokenizer*"):
+        f.unlink()
+    r = run("generate", "-m", tmp_path / "untokenized", "-d", root / "draft", "-p", "w5")
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"{tmp_path / 'untokenized'} has no tokenizer (tokenizer.json" in r.stderr
+    # A target with no known drafter: said before the target is loaded (a GGUF would be converted first).
+    import dflash_mlx.loading as loading
+
+    monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
+    r = run("generate", "-m", root / "target", "-p", "w5")
+    assert r.exit_code == 1 and f"no known drafter for {root / 'target'}: pass one (--draft)" in r.stderr
+
+
 def test_bench_without_matplotlib_still_writes_its_results(pair, tmp_path, monkeypatch):
     import dflash_mlx.bench
 

@@ -72,6 +72,54 @@ def test_quantized_drafter_loads_and_stays_lossless(zlab, tmp_path):
     assert generate(model, loaded, no_eos_tokenizer(ref), prompt, max_tokens=16).tokens == ref
 
 
+def test_a_quantized_drafter_is_not_quantized_again(zlab, tmp_path):
+    """mlx's quantize skips quantized layers: the folder would claim 8 bits and hold 4, and not load."""
+    assert cli("convert", zlab, tmp_path / "q4", "-q").exit_code == 0
+    r = cli("convert", tmp_path / "q4", tmp_path / "q8", "-q", "--q-bits", "8")
+    assert r.exit_code == 1 and "already quantized: quantize the float drafter" in r.output
+    assert not (tmp_path / "q8").exists()
+
+
+def test_a_drafter_with_its_dflash_keys_at_the_top_level_converts_as_a_drafter(zlab, tmp_path):
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    config = json.loads((zlab / "config.json").read_text())
+    config.pop("architectures")
+    config.update(config.pop("dflash_config"))  # mask_token_id and target_layer_ids at the top level
+    (flat / "config.json").write_text(json.dumps(config))
+    (flat / "model.safetensors").write_bytes((zlab / "model.safetensors").read_bytes())
+    r = cli("convert", flat, tmp_path / "out", "--dtype", "float32")
+    assert r.exit_code == 0 and "wrote drafter" in r.output, r.output
+    model = make_target("llama")
+    np.testing.assert_array_equal(draft_logits(load_draft(str(tmp_path / "out")), model),
+                                  draft_logits(load_draft(str(zlab), dtype=mx.float32), model))
+
+
+def test_rope_parameters_of_transformers_5_are_read(zlab, tmp_path):
+    """transformers 5 writes theta (and any scaling) into `rope_parameters`, not `rope_theta`."""
+    model = make_target("llama")
+    config = json.loads((zlab / "config.json").read_text())
+    for theta in (1e4, 5e6):
+        folder = tmp_path / f"theta-{theta:g}"
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes((zlab / "model.safetensors").read_bytes())
+        old = dict(config, rope_theta=theta)
+        (folder / "config.json").write_text(json.dumps(old))
+        want = draft_logits(load_draft(str(folder)), model)
+        new = {k: v for k, v in old.items() if k not in ("rope_theta", "rope_scaling")}
+        new["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+        (folder / "config.json").write_text(json.dumps(new))
+        drafter = load_draft(str(folder))
+        assert drafter.config.rope_theta == theta and drafter.config.rope_scaling is None
+        np.testing.assert_array_equal(draft_logits(drafter, model), want)
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 4096}
+    from dflash_mlx.models.dflash import DFlashConfig
+
+    read = DFlashConfig.from_dict(dict(new, rope_parameters=yarn))
+    assert read.rope_theta == 1e6 and read.rope_scaling == {"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 4096}
+
+
 def test_export_round_trip_gives_identical_logits(zlab, tmp_path):
     model = make_target("llama")
     original = draft_logits(load_draft(str(zlab)), model)
@@ -116,8 +164,9 @@ def llama3_divisors_by_hand(head_dim, theta, factor, low_freq_factor, high_freq_
     return out
 
 
-def write_gguf(path, family, **overrides):
-    """A tiny model of `family` saved as llama.cpp would: GGUF names, Q/K rows permuted for llama."""
+def write_gguf(path, family, meta=None, **overrides):
+    """A tiny model of `family` saved as llama.cpp would: GGUF names, Q/K rows permuted for llama.
+    `meta` adds or replaces metadata keys."""
     tokens, merges = byte_level_vocab()
     model = make_target(family, vocab_size=len(tokens), num_attention_heads=4, num_key_value_heads=2, **overrides)
     cfg = model.args
@@ -140,7 +189,7 @@ def write_gguf(path, family, **overrides):
     if cfg.rope_scaling:  # Llama 3.1+: llama.cpp writes one RoPE divisor per frequency pair
         tensors["rope_freqs.weight"] = mx.array(llama3_divisors_by_hand(16, cfg.rope_theta, **cfg.rope_scaling))
     u32 = lambda x: mx.array(x, dtype=mx.uint32)  # noqa: E731
-    meta = {
+    base_meta = {
         "general.architecture": family,
         f"{family}.block_count": u32(cfg.num_hidden_layers), f"{family}.embedding_length": u32(cfg.hidden_size),
         f"{family}.feed_forward_length": u32(cfg.intermediate_size),
@@ -155,7 +204,7 @@ def write_gguf(path, family, **overrides):
         "tokenizer.ggml.eos_token_id": u32(len(tokens) - 1), "tokenizer.ggml.bos_token_id": u32(len(tokens) - 1),
         "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
     }
-    mx.save_gguf(str(path), tensors, meta)
+    mx.save_gguf(str(path), tensors, {**base_meta, **(meta or {})})
     return model
 
 
@@ -172,6 +221,31 @@ def test_gguf_target_converts_to_the_same_model(tmp_path, family):
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
     assert 256 in tokenizer.encode(" t", add_special_tokens=False)  # the merge "Ġ t" applies
     assert tokenizer.eos_token == "<|end|>" and tokenizer.encode("<|end|>", add_special_tokens=False) == [258]
+
+
+def test_gguf_bos_is_added_to_raw_text_when_the_file_asks(tmp_path):
+    """`tokenizer.ggml.add_bos_token` (Llama 3 sets it): a raw prompt starts with BOS, as the original
+    tokenizer's post-processor does; a chat template's text is not given a second one."""
+    write_gguf(tmp_path / "bos.gguf", "llama", meta={"tokenizer.ggml.add_bos_token": mx.array(True)})
+    assert cli("convert", tmp_path / "bos.gguf", tmp_path / "bos").exit_code == 0
+    _, tokenizer = mlx_lm_load(str(tmp_path / "bos"))
+    body = tokenizer.encode("the thin", add_special_tokens=False)
+    assert tokenizer.encode("the thin") == [258] + body and 258 not in body
+    from dflash_mlx import apply_chat_template
+
+    assert apply_chat_template(tokenizer, "hi").count(258) == 0  # this template writes no BOS itself
+    write_gguf(tmp_path / "plain.gguf", "llama")  # no add_bos_token: nothing added
+    assert cli("convert", tmp_path / "plain.gguf", tmp_path / "plain").exit_code == 0
+    _, plain = mlx_lm_load(str(tmp_path / "plain"))
+    assert plain.encode("the thin") == body
+
+
+def test_an_unknown_gguf_pre_tokenizer_is_refused(tmp_path):
+    """Its split would differ from GPT-2's, and the model would get other tokens without a word."""
+    write_gguf(tmp_path / "nemo.gguf", "llama", meta={"tokenizer.ggml.pre": "tekken"})
+    r = cli("convert", tmp_path / "nemo.gguf", tmp_path / "out")
+    assert r.exit_code == 1 and "pre-tokenizer 'tekken' is not supported" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nemo.gguf"]
 
 
 def test_llama3_rope_scaling_survives_the_gguf(tmp_path):
@@ -224,6 +298,8 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     assert r.exit_code == 1 and "truncated or not a safetensors file" in r.output
     r = cli("convert", zlab, tmp_path / "empty")
     assert r.exit_code == 1 and "already exists" in r.output
+    r = cli("convert", "some-org/some-model", tmp_path / "empty")  # said before any download is tried
+    assert r.exit_code == 1 and "already exists" in r.output and "Hugging Face" not in r.output
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder
 

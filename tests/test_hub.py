@@ -18,6 +18,10 @@ CONFIG = b'{"model_type": "llama", "hidden_size": 64}'
 REPOS = {
     "org/tiny": {"config.json": CONFIG, "model.safetensors": WEIGHTS, "README.md": b"# not downloaded\n"},
     "org/gated": {"config.json": CONFIG, "model.safetensors": WEIGHTS},
+    # A target as repos hold them: the tokenizer and the chat template in files of their own.
+    "org/target": {"config.json": CONFIG, "model.safetensors": WEIGHTS, "tokenizer.json": b"{}",
+                   "tokenizer_config.json": b"{\"a\": 1}", "tokenizer.model": b"spm", "chat_template.jinja": b"{{ x }}",
+                   "README.md": b"# not downloaded\n", "original/consolidated.00.pth": b"not downloaded"},
 }
 
 
@@ -71,6 +75,15 @@ def test_download_then_cached(hub, tmp_path):
     assert (path / "model.safetensors").read_bytes() == WEIGHTS
 
 
+def test_a_target_comes_with_its_tokenizer_and_chat_template(hub):
+    """What mlx-lm's own download fetches: a template or tokenizer left behind breaks the target later."""
+    path = resolve("org/target")
+    got = sorted(r[1].rsplit("/", 1)[1] for r in hub.file_requests("org/target"))
+    assert got == ["chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json",
+                   "tokenizer.model", "tokenizer_config.json"]
+    assert (path / "chat_template.jinja").read_bytes() == b"{{ x }}"
+
+
 def test_interrupted_download_resumes_with_range(hub):
     """The first GET of the weights breaks halfway; huggingface_hub 2.4 retries inside the same call
     (http_get, after a 1 s pause) with `Range: bytes=N-` and completes the file. (Across calls there is
@@ -108,7 +121,7 @@ def test_cached_snapshot_works_with_the_hub_down(hub):
 
 
 def test_missing_repo(hub):
-    with pytest.raises(FileNotFoundError, match="was not found on Hugging Face"):
+    with pytest.raises(FileNotFoundError, match="no folder nobody/missing-repo here, and no such repo on Hugging Face"):
         resolve("nobody/missing-repo")
     assert ("GET", "/api/models/nobody/missing-repo/revision/main", None) in hub.log
 
@@ -121,6 +134,6 @@ def test_gated_repo(hub):
 
 def test_hub_down_and_nothing_cached(hub):
     hub.close()
-    with pytest.raises(ConnectionError, match="cannot reach Hugging Face") as info:
+    with pytest.raises(ConnectionError, match="no folder org/tiny here, and Hugging Face cannot be reached") as info:
         resolve("org/tiny")
-    assert "was not found on Hugging Face" not in str(info.value)  # a network failure is not a missing repo
+    assert "no such repo" not in str(info.value)  # a network failure is not a missing repo

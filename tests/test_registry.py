@@ -1,5 +1,7 @@
 """The registry finds a target's drafter by name, target id or alias."""
 
+from pathlib import Path
+
 import pytest
 
 from dflash_mlx.loading import draft_for, find_pair, registry, resolve
@@ -28,3 +30,16 @@ def test_unknown_target_without_drafter_says_what_to_do():
 def test_a_name_that_is_neither_folder_nor_id_is_explained():
     with pytest.raises(FileNotFoundError, match="not a known pair or a Hugging Face id"):
         resolve("./no/such/folder")
+
+
+def test_a_folder_here_wins_over_a_registry_name(tmp_path, monkeypatch):
+    """`convert Qwen/Qwen3-4B qwen3-4b` then `-m qwen3-4b` must load that folder, not download the pair's."""
+    from dflash_mlx.loading import resolve_draft, resolve_target
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qwen3-4b").mkdir()
+    (tmp_path / "smollm2-135m-instruct-dflash").mkdir()
+    assert resolve_target("qwen3-4b") == Path("qwen3-4b")
+    assert resolve_draft("qwen3-4b") == Path("qwen3-4b")
+    assert resolve_draft("smollm2-135m-instruct-dflash") == Path("smollm2-135m-instruct-dflash")
+    assert draft_for("qwen3-4b") == "z-lab/Qwen3-4B-DFlash-b16"  # the name still finds its drafter
