@@ -8,6 +8,8 @@ from typing import Optional
 from rich.console import Console
 from rich.markup import escape
 
+from dflash_mlx.sampling import SamplingParams
+
 HELP = """[bold]commands[/bold]
   /help            this list
   /reset           forget the conversation
@@ -17,8 +19,8 @@ HELP = """[bold]commands[/bold]
   /stats           totals for this conversation
   /save FILE       write the conversation as JSON
   /exit            quit (or Ctrl-D)
-Ctrl-C stops an answer and keeps what was written. End a line with \\ to continue it,
-or wrap several lines in \"\"\"."""
+Ctrl-C stops an answer and keeps what was written (before the answer starts, or a second time:
+drops the message). End a line with \\ to continue it, or wrap several lines in \"\"\"."""
 
 
 def read_message(console: Console) -> str:
@@ -26,7 +28,14 @@ def read_message(console: Console) -> str:
     line = console.input("[bold green]you>[/bold green] ")
     if line.strip() == '"""':
         lines = []
-        while (line := console.input("... ")).strip() != '"""':
+        while True:
+            try:
+                line = console.input("... ")
+            except EOFError:  # Ctrl-D ends the block (not the chat)
+                console.print()
+                break
+            if line.strip() == '"""':
+                break
             lines.append(line)
         return "\n".join(lines)
     lines = [line]
@@ -61,7 +70,9 @@ class ThinkingFilter:
 
 
 def status_line(turn: dict) -> str:
-    parts = [f"{turn['tokens']} tokens", f"{turn['tokens_per_s']:.1f} tokens/s"]
+    parts = [f"{turn['tokens']} tokens"]
+    if turn["tokens"] > 1:  # a rate needs a second token (the first comes with the prefill)
+        parts.append(f"{turn['tokens_per_s']:.1f} tokens/s")
     if turn["mean_acceptance"] is not None:
         parts += [f"tau {turn['mean_acceptance']:.2f}", f"{turn['drafted_share']:.0%} drafted"]
     parts.append(f"prefill {turn['prefill_tokens']}")
@@ -96,17 +107,24 @@ def run(session, console: Console, banner: str, hide_thinking: bool = False) -> 
 
 
 def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
-    stop = False
+    stop = started = False
 
     def on_sigint(*_):
+        """Ctrl-C while the answer streams: stop after this cycle, keeping the answer. Before it starts
+        (a long prompt's prefill) or a second time: interrupt at once, which drops the message."""
         nonlocal stop
+        if stop or not started:
+            raise KeyboardInterrupt
         stop = True
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     thinking = ThinkingFilter()
+    messages = len(session.messages)
+    pieces = session.reply(text, should_stop=lambda: stop)
     try:
         console.print("[bold blue]model>[/bold blue] ", end="")
-        for piece in session.reply(text, should_stop=lambda: stop):
+        for piece in pieces:
+            started = True
             for part, is_thinking in thinking.split(piece.text):
                 if is_thinking and hide_thinking:
                     continue
@@ -114,6 +132,13 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
     except ValueError as e:  # a full context (ContextFull) or settings the model refuses: the chat goes on
         console.print(f"\n[yellow]{e}[/yellow]")
         return
+    except KeyboardInterrupt:
+        pieces.close()  # if it came between two cycles, the answer so far is kept as after one Ctrl-C
+        stop = True
+        if len(session.messages) == messages:
+            console.print("\n[yellow]interrupted: the message was dropped (the next one reads the "
+                          "conversation again)[/yellow]")
+            return
     finally:
         signal.signal(signal.SIGINT, previous)
     console.print()
@@ -137,9 +162,7 @@ def command(session, console: Console, line: str) -> Optional[str]:
             session.system = arg or None
             console.print(f"[dim]system prompt {'set' if arg else 'cleared'}[/dim]")
         elif name == "/temp":
-            value = float(arg)
-            if value < 0:
-                raise ValueError("temperature must be >= 0")
+            value = SamplingParams(float(arg)).temperature  # checked as every entry point checks it
             session.temperature = value
             console.print(f"[dim]temperature {value}[/dim]")
         elif name == "/block":
@@ -160,8 +183,7 @@ def command(session, console: Console, line: str) -> Optional[str]:
         elif name == "/save":
             if not arg:
                 raise ValueError("/save needs a file name")
-            session.save(arg)
-            console.print(f"[dim]saved to {arg}[/dim]")
+            console.print(f"[dim]saved to {session.save(arg)}[/dim]")
         else:
             console.print(f"[yellow]unknown command {name}: /help lists them[/yellow]")
     except (ValueError, OSError) as e:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import signal
 import sys
 from pathlib import Path
@@ -24,6 +26,9 @@ def user_errors():
     """Bad input ends the command with one clear line on stderr and exit code 1, not a traceback."""
     try:
         yield
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        raise typer.Exit(141)
     except (ValueError, OSError) as e:  # OSError covers missing files, permissions, the network
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(1)
@@ -125,6 +130,15 @@ def generate_cmd(
         SamplingParams(temp, top_p, top_k, min_p)  # checked before loading, for both paths
         if max_tokens < 0:
             raise ValueError(f"--max-tokens must be >= 0, got {max_tokens}")
+        if no_draft and (draft is not None or block_size is not None):
+            raise ValueError("--no-draft decodes without a drafter: drop --draft and --block-size")
+        if system is not None and not chat_template:
+            raise ValueError("--system needs the chat template: drop --no-chat-template (or put it in the prompt)")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes that are not UTF-8 arrive as lone surrogates
+            raise ValueError(f"the prompt is not UTF-8 text (a stray byte at character {e.start}): convert it "
+                             "first, e.g. with iconv -f latin1 -t utf-8") from None
         if no_draft:
             (target, tokenizer), drafter = load(model), None
         else:
@@ -158,7 +172,10 @@ def generate_cmd(
         typer.echo(json.dumps(record))
         return
     typer.echo()
-    stats = f"{len(tokens)} tokens, {record['generation_tps']:.1f} tokens/s, prompt {record['prompt_tps']:.0f} tokens/s"
+    stats = f"{len(tokens)} tokens"
+    if len(tokens) > 1:  # a rate needs a second token (the first comes with the prompt)
+        stats += f", {record['generation_tps']:.1f} tokens/s"
+    stats += f", prompt {record['prompt_tps']:.0f} tokens/s"
     if tau is not None:
         stats += f", mean acceptance {tau:.2f} over {len(acc)} cycles"
     typer.secho(stats, err=True, dim=True)
@@ -173,6 +190,8 @@ def _plain(model, tokenizer, ids, quiet, max_tokens, temperature, top_p, top_k, 
     from dflash_mlx.speculative import context_room
 
     max_tokens = min(max_tokens, context_room(model, len(ids)))  # as stream_generate does
+    if max_tokens == 0:  # (mlx-lm would read 0 as an error)
+        return "", [], None, []
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(temperature, top_p=top_p if top_p < 1 else 0.0, min_p=min_p, top_k=top_k)
@@ -183,6 +202,8 @@ def _plain(model, tokenizer, ids, quiet, max_tokens, temperature, top_p, top_k, 
             sys.stdout.flush()
         text.append(last.text)
         tokens.append(last.token)
+    # mlx-lm counts the first token in its rate but not the time it took; ours counts neither
+    last.generation_tps *= (len(tokens) - 1) / len(tokens)
     return "".join(text), tokens, last, []
 
 
@@ -204,11 +225,17 @@ def chat(
     from dflash_mlx.chat import ChatSession
     from dflash_mlx.loading import draft_for, load_pair
     from dflash_mlx.platform import backend
+    from dflash_mlx.sampling import SamplingParams
 
     from .chat import run
 
     console = Console(highlight=False)
     with user_errors():
+        SamplingParams(temp)  # checked before loading
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block size must be >= 1, got {block_size}")
+        if max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
         with console.status(f"loading {model} ..."):
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
@@ -295,24 +322,35 @@ def bench(
         except ValueError:
             raise ValueError(f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
                              f"got {block_sizes!r} and {temps!r}") from None
-        if any(b < 1 for b in bs) or any(t < 0 for t in ts):
-            raise ValueError(f"block sizes must be >= 1 and temperatures >= 0, got --block-sizes {block_sizes} "
-                             f"--temps {temps}")
+        if any(b < 1 for b in bs) or not all(0 <= t < math.inf for t in ts):
+            raise ValueError(f"block sizes must be >= 1 and temperatures numbers >= 0, got --block-sizes "
+                             f"{block_sizes} --temps {temps}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        folder = Path(out).expanduser()
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--out {out} is a file: give a folder for the results")
+        folder.mkdir(parents=True, exist_ok=True)  # before hours of benchmarking, not after
         ps = _first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
         name = draft_for(model, draft)
         if not has_matplotlib():
             typer.echo("note: matplotlib is not installed, so no plot.png (pip install 'dflash-mlx[bench]')",
                        err=True)
-        with Progress(TextColumn("benchmarking"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=_stderr()) as bar:
-            task = bar.add_task("", total=len(ps) * (len(ts) + len(bs) * len(ts)))
+            task = bar.add_task("warming up (not counted)", total=len(ps) * (len(ts) + len(bs) * len(ts)))
             results = run_bench(target, drafter, tokenizer, ps, block_sizes=bs, temperatures=ts,
-                                max_tokens=max_tokens, progress=lambda d, _: bar.update(task, completed=d))
+                                max_tokens=max_tokens,
+                                progress=lambda d, _: bar.update(task, completed=d, description="benchmarking"))
         results.update(model=model, draft=name, prompt_set=prompts)
-        paths = write(results, Path(out), f"dflash-mlx bench: {model} + {name} on {prompts}")
+        paths = write(results, folder, f"dflash-mlx bench: {model} + {name} on {prompts}")
     Console().print(Markdown(paths[1].read_text()))
     typer.echo("wrote " + ", ".join(str(p) for p in paths))
+    if results["interrupted"]:
+        typer.secho(f"stopped with Ctrl-C: the results cover the {len(results['prompts'])} prompts finished by then",
+                    fg="yellow", err=True)
+        raise typer.Exit(130)
     bad = [s for s in results["summary"] if s["identical"] is False]
     if bad:
         typer.secho(f"error: DFlash output differed from plain greedy decoding on prompts "

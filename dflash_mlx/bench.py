@@ -74,22 +74,27 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
     configs = [(b, t) for t in temperatures for b in block_sizes]
     per_prompt = []
     total = len(encoded) * (len(temperatures) + len(configs))
-    done = 0
-    for k, ids in enumerate([encoded[0]] + encoded):  # the first pass over prompt 0 is the warm-up
-        row = {"prompt": k - 1, "prompt_tokens": len(ids), "baseline": {}, "dflash": {}}
-        for t in temperatures:
-            row["baseline"][str(t)] = _plain(model, tokenizer, ids, max_tokens, t, seed)
-            done += k > 0
-        for b, t in configs:
-            r = _dflash(target, draft, tokenizer, ids, max_tokens, b, t, seed)
-            if t == 0:
-                r["identical"] = r["tokens"] == row["baseline"][str(t)]["tokens"]
-            row["dflash"][f"{b}@{t}"] = r
-            done += k > 0
-            if progress and k > 0:
-                progress(done, total)
-        if k > 0:
-            per_prompt.append(row)
+    done, interrupted = 0, False
+    try:
+        for k, ids in enumerate([encoded[0]] + encoded):  # the first pass over prompt 0 is the warm-up
+            row = {"prompt": k - 1, "prompt_tokens": len(ids), "baseline": {}, "dflash": {}}
+            for t in temperatures:
+                row["baseline"][str(t)] = _plain(model, tokenizer, ids, max_tokens, t, seed)
+                done += k > 0
+            for b, t in configs:
+                r = _dflash(target, draft, tokenizer, ids, max_tokens, b, t, seed)
+                if t == 0:
+                    r["identical"] = r["tokens"] == row["baseline"][str(t)]["tokens"]
+                row["dflash"][f"{b}@{t}"] = r
+                done += k > 0
+                if progress and k > 0:
+                    progress(done, total)
+            if k > 0:
+                per_prompt.append(row)
+    except KeyboardInterrupt:
+        if not per_prompt:
+            raise
+        interrupted = True  # the prompts finished so far are summarised; the one under way is not
     summary = []
     for b, t in configs:
         base = [p["baseline"][str(t)] for p in per_prompt]
@@ -108,7 +113,8 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
             "identical": all(r.get("identical", True) for r in ours) if t == 0 else None,
             "mismatched_prompts": [p["prompt"] for p, r in zip(per_prompt, ours) if r.get("identical") is False],
         })
-    return {"machine": report()["facts"], "max_tokens": max_tokens, "summary": summary, "prompts": per_prompt}
+    return {"machine": report()["facts"], "max_tokens": max_tokens, "summary": summary, "prompts": per_prompt,
+            "interrupted": interrupted}
 
 
 def _rate(records, kind):
@@ -126,7 +132,8 @@ def markdown(results: dict, title: str) -> str:
     m = results["machine"]
     lines = [f"# {title}", "", f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
              f"BLAS: {m.get('blas preload')}. {_count(results['summary'][0]['prompts'], 'prompt')}, up to "
-             f"{results['max_tokens']} tokens each; warm-up excluded.", "",
+             f"{results['max_tokens']} tokens each; warm-up excluded"
+             f"{' (stopped early with Ctrl-C: the prompts finished by then)' if results.get('interrupted') else ''}.", "",
              "| block | temp | tau | baseline tok/s | DFlash tok/s | speedup (decode) | speedup (end to end) "
              "| TTFT base / DFlash (s) | identical |", "|---|---|---|---|---|---|---|---|---|"]
     for s in results["summary"]:
@@ -161,11 +168,15 @@ def plot(results: dict, path: Path) -> None:
     axes[2].set_xlabel("tokens committed in one cycle")
     axes[2].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
 
 
 def write(results: dict, out: Path, title: str) -> list[Path]:
+    """results.json, summary.md and plot.png in `out`, each replaced whole (never left half-written);
+    a plot of an earlier run is removed when there is no matplotlib to draw this one."""
+    from .convert import atomic_file
+
     out.mkdir(parents=True, exist_ok=True)
     slim = json.loads(json.dumps(results))
     for p in slim["prompts"]:  # keep files small: drop token lists, keep counts
@@ -173,11 +184,15 @@ def write(results: dict, out: Path, title: str) -> list[Path]:
             for r in group.values():
                 r.pop("tokens", None)
     paths = [out / "results.json", out / "summary.md"]
-    paths[0].write_text(json.dumps(slim, indent=1))
-    paths[1].write_text(markdown(results, title))
+    for path, text in zip(paths, (json.dumps(slim, indent=1), markdown(results, title))):
+        with atomic_file(path) as tmp:
+            tmp.write_text(text)
     if has_matplotlib():
         paths.append(out / "plot.png")
-        plot(results, paths[2])
+        with atomic_file(paths[2]) as tmp:
+            plot(results, tmp)
+    else:
+        (out / "plot.png").unlink(missing_ok=True)
     return paths
 
 

@@ -75,31 +75,13 @@ class ChatSession:
 
     def reply(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> Iterator[GenerationResponse]:
         """Stream the answer to a user message. `should_stop()` is checked after every piece; when it
-        turns true the answer ends there, and the partial answer stays in the conversation."""
+        turns true (or the caller stops reading) the answer ends there, and the partial answer stays in
+        the conversation. A KeyboardInterrupt inside a model pass may leave the caches half-updated:
+        the message is then dropped with the cache (the next message prefills the conversation again)."""
         self.messages.append({"role": "user", "content": text})
-        ids = apply_chat_template(self.tokenizer, self.conversation(), **self.template_kwargs)
-        if len(ids) + self.max_tokens > self.max_context:
-            self.messages.pop()
-            raise ContextFull(len(ids), self.max_context, self.max_tokens, fresh=not self.messages)
-        keep = common_prefix(self.cache.tokens, ids)
-        if not self.cache.truncate(keep):
-            self.cache, keep = SpeculativeCache(self.target, self.draft), 0
         answer, accepted, tokens, drafted, last = [], [], 0, 0, None
-        stopped = False
-        try:
-            for last in stream_generate(self.target, self.draft, self.tokenizer, ids[keep:], prompt_cache=self.cache,
-                                        max_tokens=self.max_tokens, temperature=self.temperature,
-                                        block_size=self.block_size):
-                answer.append(last.text)
-                tokens += len(last.tokens)
-                if last.accepted is not None:
-                    accepted.append(last.accepted)
-                    drafted += min(last.accepted - 1, len(last.tokens))  # a cut at EOS/max drops drafted ones
-                yield last
-                if should_stop():
-                    stopped = True
-                    break
-        finally:
+
+        def record(stopped: bool) -> None:
             self.messages.append({"role": "assistant", "content": "".join(answer)})
             self.turns.append({
                 "prefill_tokens": self.cache.last_prefill, "tokens": tokens,
@@ -108,8 +90,44 @@ class ChatSession:
                 "drafted_share": drafted / tokens if tokens else 0.0,
                 "interrupted": stopped, "context_tokens": self.context_tokens()})
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"messages": self.conversation(), "turns": self.turns}, indent=2))
+        try:
+            ids = apply_chat_template(self.tokenizer, self.conversation(), **self.template_kwargs)
+            if len(ids) + self.max_tokens > self.max_context:
+                raise ContextFull(len(ids), self.max_context, self.max_tokens, fresh=len(self.messages) == 1)
+            keep = common_prefix(self.cache.tokens, ids)
+            if not self.cache.truncate(keep):
+                self.cache, keep = SpeculativeCache(self.target, self.draft), 0
+            for last in stream_generate(self.target, self.draft, self.tokenizer, ids[keep:], prompt_cache=self.cache,
+                                        max_tokens=self.max_tokens, temperature=self.temperature,
+                                        block_size=self.block_size):
+                answer.append(last.text)
+                tokens += len(last.tokens)
+                if last.accepted is not None:
+                    accepted.append(last.accepted)
+                    drafted += min(last.accepted - 1, len(last.tokens))  # a cut at EOS/max drops drafted ones
+                try:
+                    yield last
+                except GeneratorExit:  # the caller stopped reading, between two cycles: a clean stop
+                    record(stopped=True)
+                    raise
+                if should_stop():
+                    record(stopped=True)
+                    return
+        except (Exception, KeyboardInterrupt) as e:  # no answer: the message goes, and a cache a pass may
+            self.messages.pop()                       # have left half-updated goes with it
+            if not isinstance(e, ContextFull):
+                self.cache = SpeculativeCache(self.target, self.draft)
+            raise
+        record(stopped=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the conversation as JSON (whole or not at all); -> the path written."""
+        from .convert import atomic_file
+
+        path = Path(path).expanduser()
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps({"messages": self.conversation(), "turns": self.turns}, indent=2))
+        return path
 
 
 class ContextFull(ValueError):

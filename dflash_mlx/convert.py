@@ -1,13 +1,15 @@
 """`dflash-mlx convert`: drafters and targets into MLX folders, and drafters back to z-lab's layout.
 
 Every conversion writes into a temporary folder beside the destination and moves it into place only
-when complete, so a failed or interrupted run never leaves a half folder that would later load.
+when complete, so a failed or interrupted run never leaves a half folder that would later load
+(`atomic_file` does the same for the single files that bench and chat write).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -48,6 +50,22 @@ def atomic_folder(dest: str | Path, force: bool = False):
             tmp.rename(dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(dest: str | Path):
+    """Yield a temporary path beside `dest`; on success it replaces `dest`, on failure it disappears,
+    so a good file is never left half-overwritten."""
+    dest = Path(dest).expanduser()
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.partial-", dir=dest.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 

@@ -11,6 +11,7 @@ until the caller reads the two numbers, so a cycle synchronises once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -26,8 +27,8 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # (NaN fails this too)
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

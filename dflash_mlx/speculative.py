@@ -40,7 +40,7 @@ class GenerationResponse:
     prompt_tokens: int
     prompt_tps: float
     generation_tokens: int  # generated so far
-    generation_tps: float
+    generation_tps: float  # tokens after the first, per second since the first (0 until there is a second)
     peak_memory: float  # GB
     finish_reason: Optional[str] = None  # "stop" (EOS or stop string), "length", or None while running
 
@@ -262,7 +262,7 @@ def stream_generate(
             text += "" if hit else stops.flush()
         elapsed = time.perf_counter() - tic
         return GenerationResponse(text, new, accepted, len(prompt_ids), prompt_tps, produced,
-                                  produced / max(elapsed, 1e-9), mx.get_peak_memory() / 1e9, finish)
+                                  (produced - 1) / max(elapsed, 1e-9), mx.get_peak_memory() / 1e9, finish)
 
     def finish_reason(new: list[int]) -> tuple[list[int], Optional[str]]:
         """Cut new tokens at max_tokens, then after an EOS (an EOS past the limit is never reached)."""

@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,74 @@ def test_a_full_context_is_refused_politely(smollm2):
         ChatSession(model, draft, tokenizer, max_tokens=80, max_context=80)  # no room left for any message
 
 
+def test_an_interrupt_inside_a_model_pass_drops_the_message_and_a_clean_stop_keeps_the_answer(smollm2, monkeypatch):
+    from dflash_mlx.models.dflash import DFlashDraftModel
+
+    model, tokenizer, _ = smollm2
+    draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
+    session = ChatSession(model, draft, tokenizer, max_tokens=12)
+    list(session.reply("What is the capital of France?"))
+    first = list(session.messages)
+    # Ctrl-C lands after the target's pass over the new prompt and before the drafter took its
+    # features: the caches disagree with each other and with the committed tokens.
+    absorb = DFlashDraftModel.absorb
+
+    def interrupted(self, features, cache):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DFlashDraftModel, "absorb", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        list(session.reply("And of Italy?"))
+    monkeypatch.setattr(DFlashDraftModel, "absorb", absorb)
+    assert session.messages == first and len(session.turns) == 1  # the message is gone, the rest kept
+    second = "".join(p.text for p in session.reply("And of Italy?"))
+    full = apply_chat_template(tokenizer, session.messages[:-1])
+    assert session.turns[-1]["prefill_tokens"] == len(full)  # a new cache: the whole conversation again
+    assert second == generate(model, draft, tokenizer, full, max_tokens=12).text
+    # The reader stops between two cycles (a Ctrl-C in chat's printing): the answer so far is kept, and
+    # the caches still fit it, so the next turn prefills only its own tokens and answers as a fresh run.
+    pieces = session.reply("Write a long poem about the sea.")
+    kept = next(pieces).text + next(pieces).text
+    pieces.close()
+    assert session.messages[-1] == {"role": "assistant", "content": kept} and session.turns[-1]["interrupted"]
+    before = session.context_tokens()
+    third = "".join(p.text for p in session.reply("Thanks."))
+    full = apply_chat_template(tokenizer, session.messages[:-1])
+    assert session.turns[-1]["prefill_tokens"] < len(full) - before + 10
+    assert third == generate(model, draft, tokenizer, full, max_tokens=12).text
+
+
+def test_save_writes_the_whole_conversation_at_a_home_path(smollm2, tmp_path, monkeypatch):
+    import json
+
+    model, tokenizer, _ = smollm2
+    session = ChatSession(model, None, tokenizer, max_tokens=4)
+    list(session.reply("Hi"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert session.save("~/chat.json") == tmp_path / "chat.json"
+    saved = json.loads((tmp_path / "chat.json").read_text())
+    assert saved["messages"] == session.messages and len(saved["turns"]) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.json"]  # no temporary file left
+
+
+def test_ctrl_d_ends_a_multi_line_block_not_the_chat():
+    from dflash_mlx.cli.chat import read_message
+
+    class Keyboard:
+        lines = iter(['"""', "first line", "second line"])
+
+        def input(self, prompt):
+            try:
+                return next(self.lines)
+            except StopIteration:
+                raise EOFError from None
+
+        def print(self, *args, **kwargs):
+            pass
+
+    assert read_message(Keyboard()) == "first line\nsecond line"
+
+
 PROMPT = r"you>\S* "  # rich may close its colour code before the space
 
 
@@ -89,6 +158,15 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
         child.expect(PROMPT)
         child.sendline("/stats")
         child.expect(r"0 answers, 0 tokens, mean tau -, context 0/")  # a new conversation, new totals
+        child.expect(PROMPT)
+        child.sendline("Summarise: " + "the knight rode on and on. " * 500)  # ~3,500 tokens: seconds of prefill
+        child.expect(r"model>")
+        time.sleep(1)
+        child.sendintr()  # before the answer starts: interrupted at the end of a prefill chunk
+        child.expect(r"interrupted: the message was dropped")
+        child.expect(PROMPT)
+        child.sendline("/stats")
+        child.expect(r"0 answers, 0 tokens, mean tau -, context 0/")
         child.expect(PROMPT)
         child.sendline("/exit")
         child.expect(pexpect.EOF)

@@ -65,7 +65,7 @@ def test_generate_json_and_the_plain_baseline_agree(pair):
 def test_bad_flags_and_inputs_fail_clearly(pair):
     root, _ = pair
     r = run("generate", "-m", root / "target", "-d", root / "draft", "-p", "w5", "--temp", "-1")
-    assert r.exit_code == 1 and "temperature must be >= 0" in r.stderr
+    assert r.exit_code == 1 and "temperature must be a number >= 0" in r.stderr
     r = run("generate", "--max-tokens", "lots")
     assert r.exit_code == 2 and "Invalid value for '--max-tokens'" in r.output
     r = run("generate", "-m", root / "nowhere", "-p", "w5")
@@ -81,7 +81,7 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     # The plain baseline checks its settings as the drafted path does (mlx-lm would not).
     gen = ["generate", "-m", root / "target", "--no-draft", "-p", "w5", "--no-chat-template"]
     r = run(*gen, "--temp", "-1")
-    assert r.exit_code == 1 and "temperature must be >= 0" in r.stderr
+    assert r.exit_code == 1 and "temperature must be a number >= 0" in r.stderr
     r = run(*gen, "--top-p", "2")
     assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.stderr
     r = run(*gen, "--max-tokens", "-1")  # mlx-lm reads -1 as "no limit"
@@ -94,6 +94,36 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     for args in (["--hidden", "32"], ["--cycles", "0"], ["--block-size", "1"]):
         r = run("profile", *args)
         assert r.exit_code == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.output, (args, r.output)
+
+
+def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
+    root, _ = pair
+    for args, message in ((["--temp", "nan"], "temperature must be a number >= 0, got nan"),
+                          (["--no-draft", "-d", root / "draft"], "--no-draft decodes without a drafter"),
+                          (["--no-draft", "--block-size", "4"], "--no-draft decodes without a drafter"),
+                          (["--no-chat-template", "--system", "Be brief."], "--system needs the chat template")):
+        r = run("generate", "-m", root / "target", "-p", "w5", *args)
+        assert r.exit_code == 1 and message in r.stderr and r.stdout == "", (args, r.output)
+    r = run("chat", "-m", root / "nowhere", "--temp", "-1")  # said before looking for the model
+    assert r.exit_code == 1 and "temperature must be a number >= 0" in r.stderr
+    r = run("generate", "-m", root / "target", "--no-draft", "-p", "w5", "--max-tokens", "0", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["tokens"] == []  # as the drafted path does
+    r = run("generate", "-m", root / "target", "-d", root / "draft", "-p", "w5", "--max-tokens", "1",
+            "--no-chat-template")
+    assert r.exit_code == 0 and "1 tokens, prompt" in r.stderr  # no rate from a single token
+
+
+def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair):
+    root, _ = pair
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "generate", "-m", str(root / "target"), "-d",
+           str(root / "draft"), "--no-chat-template"]
+    r = subprocess.run(cmd, input=b"caf\xe9 w5", capture_output=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.decode().startswith("error: the prompt is not UTF-8 text")
+    assert r.stderr.count(b"\n") == 1
+    code = ("import sys, typer\nfrom dflash_mlx.cli.main import user_errors\ntry:\n    with user_errors():\n"
+            "        raise BrokenPipeError(32, 'Broken pipe')\nexcept typer.Exit as e:\n    sys.exit(e.exit_code)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert r.returncode == 141 and r.stderr == b""
 
 
 def test_a_prompt_that_fills_the_context_is_refused_and_answers_stop_at_its_end(pair):
@@ -167,11 +197,41 @@ def test_bench_without_matplotlib_still_writes_its_results(pair, tmp_path, monke
 
     root, _ = pair
     monkeypatch.setattr(dflash_mlx.bench, "has_matplotlib", lambda: False)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "plot.png").write_bytes(b"an earlier run's plot")
     r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
             "--limit", "1", "--max-tokens", "8", "-o", tmp_path / "b")
     assert r.exit_code == 0, r.output
     assert "no plot.png (pip install 'dflash-mlx[bench]')" in r.stderr
+    # (and no plot of another run left beside these results)
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["results.json", "summary.md"]
+
+
+def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(pair, tmp_path, monkeypatch):
+    import dflash_mlx.loading as loading
+    from dflash_mlx.bench import markdown, run_bench
+
+    root, _ = pair
+    (tmp_path / "afile").write_text("")
+    with monkeypatch.context() as m:
+        m.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
+        for args, message in ((["-o", tmp_path / "afile"], "--out"), (["--temps", "nan"], "temperatures numbers >= 0"),
+                              (["--max-tokens", "0"], "max_tokens must be at least 1")):
+            r = run("bench", "-m", root / "target", "-d", root / "draft", *args)
+            assert r.exit_code == 1 and message in r.stderr, (args, r.output)
+    target, drafter, tokenizer = load_pair(str(root / "target"), str(root / "draft"))
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 1}"}] for i in (5, 6, 7)]
+    def progress(done, total):  # Ctrl-C during the second prompt
+        if done == 5:  # 3 runs a prompt (the plain one, blocks 2 and 4): the second prompt's 2nd run
+            raise KeyboardInterrupt
+
+    results = run_bench(target, drafter, tokenizer, prompts, block_sizes=(2, 4), max_tokens=6, progress=progress)
+    assert results["interrupted"] and len(results["prompts"]) == 1
+    assert all(s["prompts"] == 1 and s["identical"] for s in results["summary"])
+    assert "stopped early with Ctrl-C" in markdown(results, "t")
+    with pytest.raises(KeyboardInterrupt):  # nothing finished yet: nothing to report
+        run_bench(target, drafter, tokenizer, prompts, max_tokens=6,
+                  progress=lambda d, t: (_ for _ in ()).throw(KeyboardInterrupt))
 
 
 def png_size(path):

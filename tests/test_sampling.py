@@ -162,7 +162,11 @@ def test_probabilities_match_the_independent_reference():
 
 
 def test_bad_sampling_settings_are_refused():
-    for kwargs, message in [(dict(temperature=-1), "temperature must be >= 0, got -1"),
+    for kwargs, message in [(dict(temperature=-1), "temperature must be a number >= 0, got -1"),
+                            (dict(temperature=float("nan")), "temperature must be a number >= 0, got nan"),
+                            (dict(temperature=float("inf")), "temperature must be a number >= 0, got inf"),
+                            (dict(top_p=float("nan")), r"top_p must be in \(0, 1\], got nan"),
+                            (dict(min_p=float("nan")), r"min_p must be in \[0, 1\], got nan"),
                             (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
                             (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
                             (dict(top_k=-2), "top_k must be >= 0, got -2"),
