@@ -330,9 +330,9 @@ def bench(
         folder = Path(out).expanduser()
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"--out {out} is a file: give a folder for the results")
-        folder.mkdir(parents=True, exist_ok=True)  # before hours of benchmarking, not after
         ps = _first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
+        folder.mkdir(parents=True, exist_ok=True)  # before hours of benchmarking, not after
         name = draft_for(model, draft)
         if not has_matplotlib():
             typer.echo("note: matplotlib is not installed, so no plot.png (pip install 'dflash-mlx[bench]')",
