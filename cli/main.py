@@ -112,13 +112,16 @@ def generate_cmd(
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template",
                                        help="Wrap the prompt in the model's chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (with the chat template)."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think",
+                                         help="Qwen3-style thinking on or off (where the template has it; "
+                                              "default: the registry pair's setting, else the template's)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record instead of the text."),
 ):
     """Answer one prompt: the text on stdout, the statistics on stderr."""
     import time
 
     import dflash_mlx
-    from dflash_mlx.loading import load, load_pair
+    from dflash_mlx.loading import load, load_pair, template_kwargs
     from dflash_mlx.sampling import SamplingParams
 
     if prompt is None:
@@ -132,8 +135,8 @@ def generate_cmd(
             raise ValueError(f"--max-tokens must be >= 0, got {max_tokens}")
         if no_draft and (draft is not None or block_size is not None):
             raise ValueError("--no-draft decodes without a drafter: drop --draft and --block-size")
-        if system is not None and not chat_template:
-            raise ValueError("--system needs the chat template: drop --no-chat-template (or put it in the prompt)")
+        if (system is not None or think is not None) and not chat_template:
+            raise ValueError("--system and --think/--no-think need the chat template: drop --no-chat-template")
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:  # bytes that are not UTF-8 arrive as lone surrogates
@@ -143,8 +146,8 @@ def generate_cmd(
             (target, tokenizer), drafter = load(model), None
         else:
             target, drafter, tokenizer = load_pair(model, draft)
-        ids = (dflash_mlx.apply_chat_template(tokenizer, prompt, system=system) if chat_template
-               else tokenizer.encode(prompt))
+        ids = (dflash_mlx.apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think))
+               if chat_template else tokenizer.encode(prompt))
         kwargs = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         tic = time.perf_counter()
         if drafter is None:
@@ -216,14 +219,15 @@ def chat(
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per drafted block."),
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Longest answer."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think",
-                                         help="Qwen3-style thinking on or off (where the template has it)."),
+                                         help="Qwen3-style thinking on or off (where the template has it; "
+                                              "default: the registry pair's setting, else the template's)."),
     hide_thinking: bool = typer.Option(False, help="Do not show thinking text (it is shown dimmed)."),
 ):
     """Talk to a model in the terminal; answers stream as the target accepts them."""
     from rich.console import Console
 
     from dflash_mlx.chat import ChatSession
-    from dflash_mlx.loading import draft_for, load_pair
+    from dflash_mlx.loading import draft_for, load_pair, template_kwargs
     from dflash_mlx.platform import backend
     from dflash_mlx.sampling import SamplingParams
 
@@ -241,7 +245,7 @@ def chat(
             name = draft_for(model, draft)
         session = ChatSession(target, drafter, tokenizer, system=system, temperature=temp, block_size=block_size,
                               max_tokens=max_tokens,
-                              template_kwargs={} if think is None else {"enable_thinking": think})
+                              template_kwargs=template_kwargs(model, think))
     run(session, console, f"[bold]dflash-mlx chat[/bold] · {model} + {name} · {backend()}", hide_thinking)
 
 
@@ -306,6 +310,9 @@ def bench(
     temps: str = typer.Option("0", help="Comma-separated temperatures (identity is checked at 0)."),
     max_tokens: int = typer.Option(256, help="Tokens per answer."),
     out: str = typer.Option("bench-results", "--out", "-o", help="Folder for results.json, summary.md, plot.png."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think",
+                                         help="Qwen3-style thinking on or off (where the template has it; "
+                                              "default: the registry pair's setting, else the template's)."),
 ):
     """DFlash against plain mlx-lm decoding of the same target, prompt by prompt, in one process."""
     from rich.console import Console
@@ -313,7 +320,7 @@ def bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from dflash_mlx.bench import has_matplotlib, run_bench, write
-    from dflash_mlx.loading import draft_for, load_pair
+    from dflash_mlx.loading import draft_for, load_pair, template_kwargs
 
     with user_errors():
         try:
@@ -341,7 +348,7 @@ def bench(
                       console=_stderr()) as bar:
             task = bar.add_task("warming up (not counted)", total=len(ps) * (len(ts) + len(bs) * len(ts)))
             results = run_bench(target, drafter, tokenizer, ps, block_sizes=bs, temperatures=ts,
-                                max_tokens=max_tokens,
+                                max_tokens=max_tokens, template_kwargs=template_kwargs(model, think),
                                 progress=lambda d, _: bar.update(task, completed=d, description="benchmarking"))
         results.update(model=model, draft=name, prompt_set=prompts)
         paths = write(results, folder, f"dflash-mlx bench: {model} + {name} on {prompts}")

@@ -54,15 +54,16 @@ def _record(tokens, tic, first, end, acc):
 
 
 def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes=(16,), temperatures=(0.0,),
-              max_tokens: int = 256, seed: int = 0,
+              max_tokens: int = 256, seed: int = 0, template_kwargs: Optional[dict] = None,
               progress: Optional[Callable[[int, int], None]] = None) -> dict:
-    """-> results: per prompt and configuration, a summary per configuration, and the machine."""
+    """-> results: per prompt and configuration, a summary per configuration, and the machine.
+    `template_kwargs` reach the chat template (e.g. enable_thinking=False)."""
     from .chat import apply_chat_template
     from .platform import report
     from .speculative import context_room, prepare
 
     target = prepare(model, draft)
-    encoded = [apply_chat_template(tokenizer, p) for p in prompts]
+    encoded = [apply_chat_template(tokenizer, p, **(template_kwargs or {})) for p in prompts]
     if not encoded:
         raise ValueError("no prompts to benchmark")
     if max_tokens < 1:

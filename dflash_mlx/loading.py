@@ -45,6 +45,7 @@ class Pair:
     aliases: list[str] = field(default_factory=list)
     disk: str = ""
     notes: str = ""
+    template: dict = field(default_factory=dict)  # chat-template settings the drafter was trained with
 
     def matches(self, name: str) -> bool:
         return name.lower() in {n.lower() for n in (self.name, self.target, *self.aliases)}
@@ -57,6 +58,15 @@ def registry() -> list[Pair]:
 
 def find_pair(name: str) -> Optional[Pair]:
     return next((p for p in registry() if p.matches(name)), None)
+
+
+def template_kwargs(model: str, think: Optional[bool] = None) -> dict:
+    """Chat-template settings for `model`: thinking on or off if asked (--think/--no-think), else the
+    registry pair's (Qwen3's drafters were trained on answers without thinking)."""
+    if think is not None:
+        return {"enable_thinking": think}
+    pair = find_pair(model)
+    return dict(pair.template) if pair is not None else {}
 
 
 def cache_home() -> Path:

@@ -101,7 +101,8 @@ def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
     for args, message in ((["--temp", "nan"], "temperature must be a number >= 0, got nan"),
                           (["--no-draft", "-d", root / "draft"], "--no-draft decodes without a drafter"),
                           (["--no-draft", "--block-size", "4"], "--no-draft decodes without a drafter"),
-                          (["--no-chat-template", "--system", "Be brief."], "--system needs the chat template")):
+                          (["--no-chat-template", "--system", "Be brief."], "--system and --think/--no-think need"),
+                          (["--no-chat-template", "--no-think"], "--system and --think/--no-think need")):
         r = run("generate", "-m", root / "target", "-p", "w5", *args)
         assert r.exit_code == 1 and message in r.stderr and r.stdout == "", (args, r.output)
     r = run("chat", "-m", root / "nowhere", "--temp", "-1")  # said before looking for the model
@@ -111,6 +112,32 @@ def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
     r = run("generate", "-m", root / "target", "-d", root / "draft", "-p", "w5", "--max-tokens", "1",
             "--no-chat-template")
     assert r.exit_code == 0 and "1 tokens, prompt" in r.stderr  # no rate from a single token
+
+
+def test_think_and_no_think_reach_the_chat_template(pair, tmp_path):
+    """Qwen3-style templates switch thinking with `enable_thinking`; generate and bench pass the flag."""
+    import shutil
+
+    root, _ = pair
+    shutil.copytree(root / "target", tmp_path / "target")
+    config = tmp_path / "target" / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    settings["chat_template"] = ("{% if enable_thinking is defined and not enable_thinking %}w9 w9 {% endif %}"
+                                 "{{ messages[-1]['content'] }}")
+    config.write_text(json.dumps(settings))
+    used = {}
+    for flag in ([], ["--think"], ["--no-think"]):
+        r = run("generate", "-m", tmp_path / "target", "-d", root / "draft", "-p", "w5 w6", "--max-tokens", "2",
+                "--json", *flag)
+        assert r.exit_code == 0, r.output
+        used[tuple(flag)] = json.loads(r.stdout)["prompt_tokens"]
+    # Without a flag (and no registry pair) mlx-lm's wrapper decides: thinking only for a tokenizer with
+    # thinking tokens, which this one has not.
+    assert used == {(): 4, ("--think",): 2, ("--no-think",): 4}
+    r = run("bench", "-m", tmp_path / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
+            "--limit", "1", "--max-tokens", "2", "--no-think", "-o", tmp_path / "b")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "b" / "results.json").read_text())["prompts"][0]["prompt_tokens"] == 5
 
 
 def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair):

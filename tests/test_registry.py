@@ -43,3 +43,12 @@ def test_a_folder_here_wins_over_a_registry_name(tmp_path, monkeypatch):
     assert resolve_draft("qwen3-4b") == Path("qwen3-4b")
     assert resolve_draft("smollm2-135m-instruct-dflash") == Path("smollm2-135m-instruct-dflash")
     assert draft_for("qwen3-4b") == "z-lab/Qwen3-4B-DFlash-b16"  # the name still finds its drafter
+
+
+def test_qwen3_pairs_render_without_thinking_unless_asked():
+    """Their drafters learnt from answers without thinking: the registry says so, --think overrides."""
+    from dflash_mlx.loading import template_kwargs
+
+    assert template_kwargs("qwen3-4b") == template_kwargs("mlx-community/Qwen3-8B-4bit") == {"enable_thinking": False}
+    assert template_kwargs("qwen3-4b", think=True) == {"enable_thinking": True}
+    assert template_kwargs("someone/other-model") == template_kwargs("smollm2-135m-instruct") == {}
