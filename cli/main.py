@@ -381,12 +381,15 @@ def train_data(
     max_prompt_tokens: int = typer.Option(384, help="Skip longer prompts."),
     batch_size: int = typer.Option(64, help="Prompts generated together."),
     shard_size: int = typer.Option(64, help="Sequences per shard (the resume granularity)."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think",
+                                         help="Qwen3-style thinking on or off (where the template has it; "
+                                              "default: the registry pair's setting, else the template's)."),
 ):
     """Self-distillation: the target answers prompts; its answers become training sequences."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from dflash_mlx.data import generate_data, prompt_source, resume_point
-    from dflash_mlx.loading import load
+    from dflash_mlx.loading import load, template_kwargs
 
     with user_errors():
         prompts = prompt_source(source)
@@ -402,7 +405,8 @@ def train_data(
             task = bar.add_task("", total=total, completed=done)
             n = generate_data(target, tokenizer, prompts, folder, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, shard_size=shard_size, max_prompt_tokens=max_prompt_tokens,
-                              limit=limit, source=source, progress=lambda k, _: bar.update(task, completed=k))
+                              limit=limit, source=source, template_kwargs=template_kwargs(model, think),
+                              progress=lambda k, _: bar.update(task, completed=k))
     typer.echo(f"{n} sequences in {out}")
 
 
@@ -448,7 +452,7 @@ def train_run(
     from mlx.utils import tree_flatten
 
     from dflash_mlx.data import check_data_tokenizer, load_shards, sharegpt_prompts
-    from dflash_mlx.loading import load, load_draft
+    from dflash_mlx.loading import load, load_draft, template_kwargs
     from dflash_mlx.models.targets import Target
     from dflash_mlx.train import (TrainConfig, check_export_folder, check_same_data, data_fingerprint, export,
                                   resume_notes, saved_run, tau_on_prompts, train, trim_log, usable_sequences)
@@ -517,7 +521,8 @@ def train_run(
 
         def evaluate(draft):
             return {"tau": tau_on_prompts(Target(target_model, draft.config.target_layer_ids), draft, tokenizer,
-                                          held_out, max_tokens=96)["tau"]} if held_out else {}
+                                          held_out, max_tokens=96, template_kwargs=template_kwargs(model))["tau"]} \
+                if held_out else {}
 
         stop, reached = [], [run["step"] if run else 0]  # the signal that asked for a stop; the last step done
 
@@ -573,16 +578,19 @@ def train_eval(
     temp: float = typer.Option(0.0, "--temp", help="Temperature (rejection sampling above 0)."),
     max_tokens: int = typer.Option(256, help="Tokens per answer."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think",
+                                         help="Qwen3-style thinking on or off (where the template has it; "
+                                              "default: the registry pair's setting, else the template's)."),
 ):
     """Mean acceptance length tau of a drafter on a prompt set, from real stream_generate runs."""
-    from dflash_mlx.loading import load_pair
+    from dflash_mlx.loading import load_pair, template_kwargs
     from dflash_mlx.train import tau_on_prompts
 
     with user_errors():
         ps = _first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
         r = tau_on_prompts(target, drafter, tokenizer, ps, max_tokens=max_tokens, block_size=block_size,
-                           temperature=temp)
+                           temperature=temp, template_kwargs=template_kwargs(model, think))
     r.update(prompts=prompts, n_prompts=len(ps), block_size=drafter.block_size if block_size is None else block_size,
              temperature=temp)
     typer.echo(json.dumps(r) if as_json else

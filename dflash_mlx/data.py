@@ -255,6 +255,7 @@ def resume_point(folder: str | Path, source: str = "", shard_size: int = 256) ->
 def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str | Path, *,
                   max_new_tokens: int = 256, batch_size: int = 32, shard_size: int = 256,
                   max_prompt_tokens: int = 512, limit: Optional[int] = None, source: str = "",
+                  template_kwargs: Optional[dict] = None,
                   progress: Optional[Callable[[int, int], None]] = None) -> int:
     """Generate greedy target responses for prompts into token-id shards; resumes where it stopped.
 
@@ -285,7 +286,7 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
     index = len(list(folder.glob("shard-*.npz")))
     while consumed < len(prompts) and (limit is None or done < limit):
         chunk = prompts[consumed:consumed + (shard_size if limit is None else min(shard_size, limit - done))]
-        encoded = [apply_chat_template(tokenizer, m) for m in chunk]
+        encoded = [apply_chat_template(tokenizer, m, **(template_kwargs or {})) for m in chunk]
         keep = [e for e in encoded if len(e) <= max_prompt_tokens]
         seqs = []
         for start in range(0, len(keep), batch_size):

@@ -483,14 +483,15 @@ def export(checkpoint: str | Path, dest: str | Path) -> Path:
 
 
 def tau_on_prompts(target: Target, draft, tokenizer, prompts, max_tokens=128, block_size=None,
-                   temperature=0.0, seed=0) -> dict:
+                   temperature=0.0, seed=0, template_kwargs: Optional[dict] = None) -> dict:
     """Real acceptance length: stream_generate over chat prompts; also tokens generated."""
     from .chat import apply_chat_template
     from .speculative import generate
 
     acc, n = [], 0
     for k, messages in enumerate(prompts):
-        r = generate(target, draft, tokenizer, apply_chat_template(tokenizer, messages), max_tokens=max_tokens,
+        r = generate(target, draft, tokenizer, apply_chat_template(tokenizer, messages, **(template_kwargs or {})),
+                     max_tokens=max_tokens,
                      block_size=block_size, temperature=temperature, seed=seed + k if temperature else None)
         acc += r.acceptance_lengths
         n += len(r.tokens)

@@ -138,6 +138,19 @@ def test_think_and_no_think_reach_the_chat_template(pair, tmp_path):
             "--limit", "1", "--max-tokens", "2", "--no-think", "-o", tmp_path / "b")
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "b" / "results.json").read_text())["prompts"][0]["prompt_tokens"] == 5
+    # train data writes the prompts as the template renders them with the flag; train eval takes it too.
+    from dflash_mlx.data import load_shards
+
+    prompt_lengths = {}
+    for flag in ("--think", "--no-think"):
+        r = run("train", "data", "-m", tmp_path / "target", "--source", root / "prompts.jsonl", "-o",
+                tmp_path / f"data{flag}", "--max-new-tokens", "2", "--limit", "1", flag)
+        assert r.exit_code == 0, r.output
+        prompt_lengths[flag] = [p for _, p in load_shards(tmp_path / f"data{flag}")]
+    assert prompt_lengths == {"--think": [3], "--no-think": [5]}
+    r = run("train", "eval", "-m", tmp_path / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
+            "--limit", "1", "--max-tokens", "2", "--no-think")
+    assert r.exit_code == 0 and "tau" in r.stdout, r.output
 
 
 def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair):
