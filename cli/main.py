@@ -94,6 +94,8 @@ def convert(
 
 
 DEMO = "smollm2-135m-instruct"
+THINK = typer.Option(None, "--think/--no-think", help="Qwen3-style thinking on or off (where the template has it; "
+                                                      "default: the registry pair's setting, else the template's).")
 
 
 @app.command("generate")
@@ -112,9 +114,7 @@ def generate_cmd(
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template",
                                        help="Wrap the prompt in the model's chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (with the chat template)."),
-    think: Optional[bool] = typer.Option(None, "--think/--no-think",
-                                         help="Qwen3-style thinking on or off (where the template has it; "
-                                              "default: the registry pair's setting, else the template's)."),
+    think: Optional[bool] = THINK,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record instead of the text."),
 ):
     """Answer one prompt: the text on stdout, the statistics on stderr."""
@@ -218,9 +218,7 @@ def chat(
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per drafted block."),
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Longest answer."),
-    think: Optional[bool] = typer.Option(None, "--think/--no-think",
-                                         help="Qwen3-style thinking on or off (where the template has it; "
-                                              "default: the registry pair's setting, else the template's)."),
+    think: Optional[bool] = THINK,
     hide_thinking: bool = typer.Option(False, help="Do not show thinking text (it is shown dimmed)."),
 ):
     """Talk to a model in the terminal; answers stream as the target accepts them."""
@@ -310,9 +308,7 @@ def bench(
     temps: str = typer.Option("0", help="Comma-separated temperatures (identity is checked at 0)."),
     max_tokens: int = typer.Option(256, help="Tokens per answer."),
     out: str = typer.Option("bench-results", "--out", "-o", help="Folder for results.json, summary.md, plot.png."),
-    think: Optional[bool] = typer.Option(None, "--think/--no-think",
-                                         help="Qwen3-style thinking on or off (where the template has it; "
-                                              "default: the registry pair's setting, else the template's)."),
+    think: Optional[bool] = THINK,
 ):
     """DFlash against plain mlx-lm decoding of the same target, prompt by prompt, in one process."""
     from rich.console import Console
@@ -381,9 +377,7 @@ def train_data(
     max_prompt_tokens: int = typer.Option(384, help="Skip longer prompts."),
     batch_size: int = typer.Option(64, help="Prompts generated together."),
     shard_size: int = typer.Option(64, help="Sequences per shard (the resume granularity)."),
-    think: Optional[bool] = typer.Option(None, "--think/--no-think",
-                                         help="Qwen3-style thinking on or off (where the template has it; "
-                                              "default: the registry pair's setting, else the template's)."),
+    think: Optional[bool] = THINK,
 ):
     """Self-distillation: the target answers prompts; its answers become training sequences."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -578,9 +572,7 @@ def train_eval(
     temp: float = typer.Option(0.0, "--temp", help="Temperature (rejection sampling above 0)."),
     max_tokens: int = typer.Option(256, help="Tokens per answer."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-    think: Optional[bool] = typer.Option(None, "--think/--no-think",
-                                         help="Qwen3-style thinking on or off (where the template has it; "
-                                              "default: the registry pair's setting, else the template's)."),
+    think: Optional[bool] = THINK,
 ):
     """Mean acceptance length tau of a drafter on a prompt set, from real stream_generate runs."""
     from dflash_mlx.loading import load_pair, template_kwargs
