@@ -356,7 +356,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     data = data_fingerprint(seqs)
     if run is not None:
         check_same_data(run, data)
-    if run is None:
+    else:
         if draft is None:
             mx.random.seed(cfg.seed)
             draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
