@@ -32,6 +32,9 @@ class SpeculativeCache:
         self.processed = 0  # how many of them the target (and drafter) have seen
         self.last_prefill = 0  # tokens the last prefill ran through the target
         self.snapshot = None  # (position, recurrent states) at the end of the last prefill, if any
+        # True from the start of a model pass until the cache is consistent again: a pass interrupted
+        # in between (Ctrl-C, an exception) leaves the models' caches ahead of `processed`.
+        self.broken = False
 
     @property
     def pending(self) -> list[int]:
@@ -48,6 +51,7 @@ class SpeculativeCache:
         self.last_prefill = len(todo)
         if not todo:
             raise ValueError("nothing to prefill: the prompt is empty")
+        self.broken = True
         logits = None
         for start in range(0, len(todo), step):
             chunk = mx.array([todo[start:start + step]])
@@ -61,10 +65,12 @@ class SpeculativeCache:
             # Recurrent state cannot be trimmed: keep it as it stands at the end of this prompt (the
             # arrays are immutable, so this copies nothing), so a conversation can go back there.
             self.snapshot = (self.processed, [None if c.is_trimmable() else list(c.cache) for c in self.target_cache])
+        self.broken = False
         return logits[:, -1]
 
     def verify(self, block: mx.array):
         """Run the target over a block whose first token is the pending one: (logits, features)."""
+        self.broken = True  # until commit
         return self.target(block, self.target_cache)
 
     def commit(self, features: Optional[mx.array], new_tokens: list[int]) -> None:
@@ -79,12 +85,15 @@ class SpeculativeCache:
             self.draft.absorb(features[:, :keep], self.draft_cache)
         self.tokens.extend(new_tokens)
         self.processed += keep
+        self.broken = False
 
     def truncate(self, n: int) -> bool:
         """Keep only the first n committed tokens (what chat does before each turn). Recurrent state
         cannot be trimmed, only put back as it was at the end of the last prefill; the tokens between
         there and n are then prefilled again by the next call. Returns False (and changes nothing) when n
-        is before that point: start a new cache then."""
+        is before that point, or when an interrupted pass left the cache broken: start a new cache then."""
+        if self.broken:
+            return False
         if n >= self.processed:
             del self.tokens[n:]
             return True

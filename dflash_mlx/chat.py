@@ -76,8 +76,9 @@ class ChatSession:
     def reply(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> Iterator[GenerationResponse]:
         """Stream the answer to a user message. `should_stop()` is checked after every piece; when it
         turns true (or the caller stops reading) the answer ends there, and the partial answer stays in
-        the conversation. A KeyboardInterrupt inside a model pass may leave the caches half-updated:
-        the message is then dropped with the cache (the next message prefills the conversation again)."""
+        the conversation. On an error or a KeyboardInterrupt the message is dropped; if that came inside
+        a model pass, the caches it left half-updated are dropped too (the next message prefills the
+        conversation again)."""
         self.messages.append({"role": "user", "content": text})
         answer, accepted, tokens, drafted, last = [], [], 0, 0, None
 
@@ -113,9 +114,9 @@ class ChatSession:
                 if should_stop():
                     record(stopped=True)
                     return
-        except (Exception, KeyboardInterrupt) as e:  # no answer: the message goes, and a cache a pass may
-            self.messages.pop()                       # have left half-updated goes with it
-            if not isinstance(e, ContextFull):
+        except (Exception, KeyboardInterrupt):  # no answer: the message goes, and so does a cache
+            self.messages.pop()                  # that an interrupted pass left half-updated
+            if self.cache.broken:
                 self.cache = SpeculativeCache(self.target, self.draft)
             raise
         record(stopped=False)

@@ -206,6 +206,8 @@ def stream_generate(
     params = SamplingParams(temperature, top_p, top_k, min_p)
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if prefill_step_size < 1:
+        raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
     if block_size is None:
         block_size = draft.block_size if draft is not None else 1
     if block_size < 1:
@@ -222,6 +224,9 @@ def stream_generate(
     if prompt_cache is not None and (prompt_cache.target.model is not target.model
                                      or prompt_cache.draft is not draft):
         raise ValueError("prompt_cache was made for another model pair")
+    if prompt_cache is not None and prompt_cache.broken:
+        raise ValueError("this prompt_cache was left half-updated by an interrupted call: make a new "
+                         "SpeculativeCache (the prompt then holds the whole conversation again)")
     kept = len(prompt_cache.tokens) if prompt_cache is not None else 0
     max_tokens = min(max_tokens, context_room(target, kept + len(prompt_ids), kept))
     if max_tokens == 0:

@@ -6,6 +6,7 @@ from mlx_lm.models.cache import ArraysCache
 from tiny import FAMILIES, OracleDraft, draft_config, greedy_reference, make_target, make_tokenizer, no_eos_tokenizer, prompt_of
 
 from dflash_mlx import SpeculativeCache, generate, stream_generate
+from dflash_mlx.models.targets import Target
 from dflash_mlx.speculative import prepare
 
 
@@ -126,3 +127,42 @@ def test_max_tokens_zero_keeps_the_prompt_in_a_kept_cache():
     assert list(stream_generate(model, draft, tok, prompt, max_tokens=0, prompt_cache=cache)) == []
     out = sum((p.tokens for p in stream_generate(model, draft, tok, more, max_tokens=10, prompt_cache=cache)), [])
     assert out == greedy_reference(model, prompt + more, 10)
+
+
+@pytest.mark.parametrize("where", ["verify", "prefill"])
+def test_a_cache_an_interrupted_pass_left_half_updated_is_refused(where, monkeypatch):
+    """Ctrl-C (or any error) inside a model pass leaves the models' caches ahead of the committed
+    tokens: reusing that cache is an error, not silently wrong text. A stop between cycles is clean."""
+    model, prompt, more = make_target("llama"), prompt_of(8, seed=6), prompt_of(4, seed=10)
+    ref = greedy_reference(model, prompt, 20)
+    draft = OracleDraft(draft_config(block_size=4), prompt + ref, [None, 1])
+    target = prepare(model, draft)
+    tok = no_eos_tokenizer(ref)
+    passes, run = 0, Target.__call__
+
+    def interrupted(self, *args, **kwargs):  # the target's pass runs, then Ctrl-C arrives before the cycle ends
+        nonlocal passes
+        out = run(self, *args, **kwargs)
+        passes += 1
+        if passes == (3 if where == "verify" else 2):
+            raise KeyboardInterrupt
+        return out
+
+    cache = SpeculativeCache(target, draft)
+    monkeypatch.setattr(Target, "__call__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in stream_generate(target, draft, tok, prompt if where == "verify" else prompt + more,
+                                 max_tokens=20, prompt_cache=cache, prefill_step_size=4 if where == "prefill" else 2048):
+            pass
+    monkeypatch.undo()
+    assert cache.broken and cache.truncate(len(prompt)) is False  # chat then starts a new cache
+    with pytest.raises(ValueError, match="left half-updated by an interrupted call: make a new SpeculativeCache"):
+        next(stream_generate(target, draft, tok, more, max_tokens=5, prompt_cache=cache))
+
+    clean = SpeculativeCache(target, draft)  # a stop between two cycles leaves a cache to go on from
+    stream = stream_generate(target, draft, tok, prompt, max_tokens=20, prompt_cache=clean)
+    next(stream), next(stream)
+    stream.close()
+    assert not clean.broken
+    want = greedy_reference(model, clean.tokens + more, 6)
+    assert generate(target, draft, no_eos_tokenizer(want), more, max_tokens=6, prompt_cache=clean).tokens == want

@@ -57,8 +57,11 @@ def test_an_unsupported_family_names_itself_and_the_supported_ones():
         generate(qwen2, make_draft(), make_tokenizer(), [5, 6], max_tokens=4)
 
 
-def test_bad_block_size_and_max_tokens_are_refused(model):
+def test_bad_block_size_max_tokens_and_prefill_step_are_refused(model):
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         generate(model, make_draft(), make_tokenizer(), [5, 6], block_size=-1)
     with pytest.raises(ValueError, match="max_tokens must be >= 0"):
         generate(model, make_draft(), make_tokenizer(), [5, 6], max_tokens=-3)
+    for step in (0, -1):
+        with pytest.raises(ValueError, match=f"prefill_step_size must be >= 1, got {step}"):
+            generate(model, make_draft(), make_tokenizer(), [5, 6], prefill_step_size=step)
