@@ -17,6 +17,7 @@ import ctypes.util
 import glob
 import os
 import sys
+import warnings
 
 DISABLE_ENV = "DFLASH_MLX_NO_BLAS"
 LIBRARY_ENV = "DFLASH_MLX_BLAS"
@@ -25,6 +26,7 @@ _CANDIDATES = (
     "/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/*-linux-gnu/openblas-openmp/libopenblas.so.0",
     "/usr/lib/*-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblasp.so.0",  # Fedora's pthreads build (its plain libopenblas is single-threaded)
     "/usr/lib64/libopenblas*.so.0",
     "/usr/lib/*-linux-gnu/libmkl_rt.so*",
     "/opt/intel/oneapi/mkl/latest/lib/libmkl_rt.so*",
@@ -53,6 +55,8 @@ def preload_blas() -> dict:
         blas["status"] = f"disabled by {DISABLE_ENV}"
     elif "mlx.core" in sys.modules:
         blas["status"] = "too late: mlx.core was imported before dflash_mlx (import dflash_mlx first)"
+        warnings.warn("mlx.core was imported before dflash_mlx, so MLX's CPU matmuls keep their slow "
+                      "reference BLAS: import dflash_mlx first", stacklevel=3)
     else:
         path = os.environ.get(LIBRARY_ENV) or _find_blas()
         if path is None:
@@ -62,10 +66,14 @@ def preload_blas() -> dict:
             )
         else:
             try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-                blas.update(library=path, status=f"loaded {path}")
+                lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError as e:
                 blas["status"] = f"failed to load {path}: {e}"
+            else:
+                if hasattr(lib, "cblas_sgemm"):
+                    blas.update(library=path, status=f"loaded {path}")
+                else:
+                    blas["status"] = f"{path} is not a BLAS library (it has no cblas_sgemm)"
     return blas
 
 
@@ -112,6 +120,9 @@ def report() -> dict:
     if dev == "cpu" and sys.platform.startswith("linux") and not blas["library"]:
         if blas["status"].startswith("disabled"):
             advice.append(f"MLX's CPU matmuls use a reference BLAS here (~30x slower): unset {DISABLE_ENV}")
+        elif os.environ.get(LIBRARY_ENV):
+            advice.append(f"MLX's CPU matmuls use a reference BLAS here (~30x slower): {LIBRARY_ENV} does not "
+                          "name a BLAS library that loads; fix it or unset it")
         else:
             advice.append("MLX's CPU matmuls use a reference BLAS here (~30x slower): "
                           "apt install libopenblas0-pthread, and import dflash_mlx before mlx")

@@ -1,7 +1,7 @@
 """`dflash-mlx profile`: what one speculative cycle costs against its two model passes.
 
 On a random float32 Llama-style target (no download needed), it times
-  * a whole cycle inside `stream_generate` (draft, verify, accept, commit, detokenise),
+  * a whole cycle inside `stream_generate` (draft, verify, accept, commit; no text),
   * the verify pass alone (target over block_size tokens) and the draft step alone,
 so overhead = cycle / (verify + draft) - 1 is what the runtime adds around the two passes; with the
 draft step compiled and not; and plain autoregressive tokens/s with and without the BLAS preload
@@ -30,13 +30,14 @@ def random_pair(hidden=1024, layers=8, vocab=32000, draft_layers=1, block_size=1
 
     mx.random.seed(seed)
     heads = hidden // 64
+    kv_heads = next(k for k in range(max(1, heads // 4), 0, -1) if heads % k == 0)  # must divide heads
     model = llama.Model(llama.ModelArgs(
         model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=hidden * 3,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), rms_norm_eps=1e-5,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
         vocab_size=vocab, tie_word_embeddings=True))
     draft = DFlashDraftModel(DFlashConfig(
         hidden_size=hidden, num_hidden_layers=draft_layers, num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4), intermediate_size=hidden * 3, vocab_size=vocab,
+        num_key_value_heads=kv_heads, intermediate_size=hidden * 3, vocab_size=vocab,
         target_layer_ids=sorted({min(1, layers - 1), layers // 2, max(layers - 2, 0)}), mask_token_id=vocab - 1,
         block_size=block_size, num_target_layers=layers))
     mx.eval(model.parameters(), draft.parameters())
@@ -94,7 +95,7 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
     # The parts alone, at the same context length.
     cache = SpeculativeCache(target, draft)
     cache.prefill(prompt)
-    block = mx.array([prompt[:block_size]])
+    block = mx.random.randint(0, vocab - 1, (1, block_size))  # as wide as the cycle's verify pass
 
     def verify():
         logits, features = cache.verify(block)
@@ -118,7 +119,10 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
         env = dict(os.environ, **{DISABLE_ENV: "1"})
         code = ("import json, dflash_mlx.profile as p, mlx.core as mx;"
                 f"m, _ = p.random_pair({hidden}, {layers}, {vocab});"
-                f"print(json.dumps(p.ar_tokens_per_s(m, list(range(1, {prompt_len + 1})), n=8)))")
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+                f"print(json.dumps(p.ar_tokens_per_s(m, {prompt}, n=8)))")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        if out.returncode:
+            last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+            raise OSError(f"the run without the BLAS preload failed: {last}")
         result["ar_tokens_per_s_without_blas_preload"] = json.loads(out.stdout.strip().splitlines()[-1])
     return result

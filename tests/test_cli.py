@@ -343,13 +343,25 @@ def test_train_eval_reports_the_acceptance_of_real_runs(pair):
     assert got["tau"] == pytest.approx(sum(lengths) / len(lengths))
 
 
-def test_profile_times_the_cycle_and_traces_the_draft_step_once():
+def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
+    from dflash_mlx.cache import SpeculativeCache
+
+    widths, verify = [], SpeculativeCache.verify
+    monkeypatch.setattr(SpeculativeCache, "verify", lambda self, block: (widths.append(block.shape[1]),
+                                                                         verify(self, block))[1])
     r = run("profile", "--hidden", "64", "--layers", "2", "--vocab", "256", "--block-size", "4", "--cycles", "3",
             "--json")
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout)
     assert got["draft_traces"] == 1  # one trace for the whole run, not one per cycle
     assert min(got["cycle_ms_compiled"], got["verify_ms"], got["draft_ms_eager"], got["ar_tokens_per_s"]) > 0
+    # SmolLM2's width (9 heads: the KV heads must divide them), and a block wider than the 128-token
+    # prompt: the verify pass timed alone is as wide as the cycle's.
+    widths.clear()
+    r = run("profile", "--hidden", "576", "--layers", "2", "--vocab", "256", "--block-size", "130", "--cycles", "2",
+            "--json")
+    assert r.exit_code == 0, r.output
+    assert set(widths) == {130}
 
 
 def test_every_command_prints_its_help():
