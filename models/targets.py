@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 SUPPORTED_FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss")
 
@@ -112,9 +112,7 @@ class Target:
         mlx-lm builds the sliding-window mask from the window size for any cache, so attention is
         unchanged; the cost is that those layers keep their whole history in memory.
         """
-        cache = self.model.make_cache() if hasattr(self.model, "make_cache") else [
-            KVCache() for _ in range(self.num_layers)]
-        return [KVCache() if isinstance(c, RotatingKVCache) else c for c in cache]
+        return [KVCache() if isinstance(c, RotatingKVCache) else c for c in make_prompt_cache(self.model)]
 
     def __call__(self, tokens: mx.array, cache: Optional[list], last_logits_only: bool = False):
         """Run the target over tokens (shape (1, n)) -> (logits, features). cache None: no cache.
