@@ -384,8 +384,11 @@ def train_data(
 
     from dflash_mlx.data import generate_data, prompt_source, resume_point
     from dflash_mlx.loading import load, template_kwargs
+    from dflash_mlx.models.targets import Target
 
     with user_errors():
+        if limit is not None and limit < 0:
+            raise ValueError(f"--limit must be >= 0, got {limit}")
         prompts = prompt_source(source)
         total = min(limit or len(prompts), len(prompts))
         folder = Path(out).expanduser()
@@ -394,6 +397,7 @@ def train_data(
             typer.echo(f"{done} sequences in {out}: nothing left to generate")
             return
         target, tokenizer = load(model)
+        Target(target)  # a family `train run` cannot use is refused before hours of generation
         with Progress(TextColumn("generating answers"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=_stderr()) as bar:
             task = bar.add_task("", total=total, completed=done)
@@ -445,8 +449,10 @@ def train_run(
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from dflash_mlx.chat import apply_chat_template
     from dflash_mlx.data import check_data_tokenizer, load_shards, sharegpt_prompts
     from dflash_mlx.loading import load, load_draft, template_kwargs
+    from dflash_mlx.speculative import context_length
     from dflash_mlx.models.targets import Target
     from dflash_mlx.train import (TrainConfig, check_export_folder, check_same_data, data_fingerprint, export,
                                   resume_notes, saved_run, tau_on_prompts, train, trim_log, usable_sequences)
@@ -509,6 +515,13 @@ def train_run(
             raise ValueError(f"{e} (it holds the held-out prompts), or pass --eval-prompts 0") from None
         target_model, tokenizer = load(model)
         check_data_tokenizer(folders, tokenizer, Target(target_model).vocab_size, model)
+        context = context_length(target_model)
+        fits = [m for m in held_out if context is None
+                or len(apply_chat_template(tokenizer, m, **template_kwargs(model))) < context]
+        if len(fits) < len(held_out):
+            typer.echo(f"note: {len(held_out) - len(fits)} of the {len(held_out)} held-out prompts do not fit the "
+                       f"target's context of {context} tokens; the tau check leaves them out", err=True)
+        held_out = fits
         out.mkdir(parents=True, exist_ok=True)
         trim_log(out / "log.jsonl", run["step"] if run else 0)  # steps after the checkpoint (a crash) are redone
         log = open(out / "log.jsonl", "a")
@@ -541,6 +554,9 @@ def train_run(
                     if "offline_tau" in r:
                         desc += f"  offline tau {r['offline_tau']:.2f}" + (f"  tau {r['tau']:.2f}" if "tau" in r else "")
                         bar.console.print(f"step {r['step']}: {desc}")
+                    if "eval_error" in r:
+                        bar.console.print(f"step {r['step']}: the held-out tau check failed ({r['eval_error']}); "
+                                          "training goes on")
                     bar.update(task, completed=r["step"], description=desc)
 
                 train(Target(target_model), tokenizer, seqs, out, cfg, draft=start, on_step=on_step,
@@ -575,14 +591,22 @@ def train_eval(
     think: Optional[bool] = THINK,
 ):
     """Mean acceptance length tau of a drafter on a prompt set, from real stream_generate runs."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     from dflash_mlx.loading import load_pair, template_kwargs
     from dflash_mlx.train import tau_on_prompts
 
     with user_errors():
+        if max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
         ps = _first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
-        r = tau_on_prompts(target, drafter, tokenizer, ps, max_tokens=max_tokens, block_size=block_size,
-                           temperature=temp, template_kwargs=template_kwargs(model, think))
+        with Progress(TextColumn("answering prompts"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=_stderr()) as bar:
+            task = bar.add_task("", total=len(ps))
+            r = tau_on_prompts(target, drafter, tokenizer, ps, max_tokens=max_tokens, block_size=block_size,
+                               temperature=temp, template_kwargs=template_kwargs(model, think),
+                               progress=lambda k: bar.update(task, completed=k))
     r.update(prompts=prompts, n_prompts=len(ps), block_size=drafter.block_size if block_size is None else block_size,
              temperature=temp)
     typer.echo(json.dumps(r) if as_json else

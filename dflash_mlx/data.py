@@ -127,14 +127,24 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
                 raise ValueError(f"{path}, line {n}: not JSON ({e.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
+            where = f"{path}, line {n}"
             if isinstance(row.get("prompt"), str) and row["prompt"].strip():
                 out.append([{"role": "user", "content": row["prompt"]}])
             elif isinstance(row.get("messages"), list) and row["messages"]:
-                msgs = [m for m in row["messages"] if m.get("role") != "assistant" or m is not row["messages"][-1]]
+                msgs = row["messages"]
+                if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                           for m in msgs):
+                    raise ValueError(f'{where}: each message needs a "role" and a "content" string')
+                if msgs[-1]["role"] == "assistant":  # the answer to learn is the target's own, not this one
+                    msgs = msgs[:-1]
+                if not any(m["role"] != "assistant" for m in msgs):
+                    raise ValueError(f"{where}: no user message to answer")
                 out.append(msgs)
             elif isinstance(row.get("conversations"), list):
-                human = [c for c in row["conversations"] if c.get("from") == "human"]
+                human = [c for c in row["conversations"] if isinstance(c, dict) and c.get("from") == "human"]
                 if human:
+                    if not isinstance(human[0].get("value"), str):
+                        raise ValueError(f'{where}: the first "human" turn needs a "value" string')
                     out.append([{"role": "user", "content": human[0]["value"]}])
     if not out:
         raise ValueError(f"{path}: no usable rows (expected 'prompt', 'messages' or 'conversations' fields)")
@@ -160,11 +170,16 @@ def hf_prompts(spec: str) -> list[list[dict]]:
     except ImportError:
         raise ValueError("Hugging Face datasets need the package: pip install datasets") from None
     rows = load_dataset(name, config, split=split)
+    if column is not None and column not in rows.column_names:
+        raise ValueError(f"{name} ({split}) has no column {column!r}; its columns: {', '.join(rows.column_names)}")
     column = column or next((c for c in ("prompt", "question", "instruction", "text") if c in rows.column_names), None)
     if column is None:
         raise ValueError(f"{name} has no prompt/question/instruction/text column: name one as "
                          f"hf:{name}:{split}:<column>")
-    return [[{"role": "user", "content": str(r[column])}] for r in rows if str(r[column]).strip()]
+    out = [[{"role": "user", "content": str(r[column])}] for r in rows if str(r[column]).strip()]
+    if not out:
+        raise ValueError(f"{name} ({split}): column {column!r} holds no text; name another as hf:{name}:{split}:<column>")
+    return out
 
 
 def prompt_source(source: str) -> list[list[dict]]:
@@ -264,7 +279,7 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
     `source` names the prompt list; resuming a folder made from another source is an error, since
     the resume point counts prompts of the first one.
     """
-    from mlx_lm.generate import batch_generate
+    from mlx_lm.generate import BatchGenerator
 
     from .chat import apply_chat_template
 
@@ -282,7 +297,6 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
         raise ValueError(f"{folder} holds answers written by a model with another vocabulary: write this "
                          "target's answers to a new --out folder")
     prompts = list(prompts)
-    eos = tokenizer.eos_token_id
     index = len(list(folder.glob("shard-*.npz")))
     while consumed < len(prompts) and (limit is None or done < limit):
         chunk = prompts[consumed:consumed + (shard_size if limit is None else min(shard_size, limit - done))]
@@ -291,9 +305,15 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
         seqs = []
         for start in range(0, len(keep), batch_size):
             batch = keep[start:start + batch_size]
-            out = batch_generate(model, tokenizer, batch, max_tokens=max_new_tokens, return_token_ids=True)
-            for p, r in zip(batch, out.token_ids):
-                seqs.append((p + r + ([eos] if len(r) < max_new_tokens else []), len(p)))
+            # mlx-lm's BatchGenerator rather than its batch_generate, which drops the token an answer
+            # stopped on: with several EOS ids (Qwen3, Llama 3) the label must be the one the target wrote.
+            gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
+            answers = {uid: [] for uid in gen.insert(batch, [max_new_tokens] * len(batch))}
+            while responses := gen.next_generated():
+                for r in responses:
+                    answers[r.uid].append(r.token)
+            gen.close()
+            seqs += [(p + r, len(p)) for p, r in zip(batch, answers.values())]
             if progress is not None:
                 progress(done + len(seqs), limit or len(prompts))
         if seqs:
@@ -301,4 +321,7 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
             index += 1
         done += len(seqs)
         consumed += len(chunk)
+    if done == 0 and consumed:
+        raise ValueError(f"none of the {consumed} prompts fits in {max_prompt_tokens} tokens with the chat template, "
+                         "so nothing was generated: raise --max-prompt-tokens")
     return done

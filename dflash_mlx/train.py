@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -301,6 +302,29 @@ def check_same_data(run: dict, now: dict) -> None:
                          "the same order, or export it and start a new run from it with --init")
 
 
+def target_fingerprint(target: Target) -> dict:
+    """What identifies the frozen target a run trains against: its shape and a checksum of its embedding."""
+    rows = target.embed(mx.arange(min(target.vocab_size, 1024))).astype(mx.float32)
+    return {"family": target.family, "layers": target.num_layers, "vocab": target.vocab_size,
+            "embedding": float(mx.abs(rows).sum())}
+
+
+def check_same_target(run: dict, now: dict) -> None:
+    """A clear error if a run would resume against another target than it trained with (other weights of
+    the same shape included; runs that did not record it are not checked)."""
+    saved = run.get("target")
+    if saved is None:
+        return
+    same_shape = all(saved[k] == now[k] for k in ("family", "layers", "vocab"))
+    if not (same_shape and math.isclose(saved["embedding"], now["embedding"], rel_tol=1e-4)):
+        def shape(t):
+            return f"{t['family']}, {t['layers']} layers, vocabulary {t['vocab']}"
+
+        raise ValueError("the run trained against another target (" + (
+            "other weights of the same shape" if same_shape else f"{shape(saved)}; this one: {shape(now)}") +
+            "): resume it with the -m it was trained with, or export it and start a new run from it with --init")
+
+
 def resume_notes(run: dict, given: dict) -> list[str]:
     """A resumed run keeps its recipe and architecture, so that its curve continues: one note for each
     option given on the new command (TrainConfig names; None: not given) that differs from the run's."""
@@ -353,9 +377,10 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         draft.load_weights(str(ckpt / "model.safetensors"))
         start = run["step"]
     seqs = usable_sequences(seqs, cfg)
-    data = data_fingerprint(seqs)
+    data, frozen = data_fingerprint(seqs), target_fingerprint(target)
     if run is not None:
         check_same_data(run, data)
+        check_same_target(run, frozen)
     else:
         if draft is None:
             mx.random.seed(cfg.seed)
@@ -417,13 +442,17 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
             tau, acc = evaluate_blocks(draft, target, features_of, seqs, range(cfg.holdout), cfg)
             record.update(offline_tau=tau, position_accuracy=[round(float(x), 3) for x in acc])
             if evaluate is not None:
-                record.update(evaluate(draft))
+                try:
+                    record.update(evaluate(draft))
+                except Exception as e:  # a failed check must not cost the run: it is logged, training goes on
+                    record["eval_error"] = f"{type(e).__name__}: {e}"
             history.append({k: v for k, v in record.items() if k != "seconds"})
         if on_step is not None:
             on_step(record)
         stopping = stop is not None and stop()
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps or stopping:
-            save_checkpoint(ckpt, draft, opt, step + 1, TrainConfig(**{**asdict(cfg), "history": history}), data)
+            save_checkpoint(ckpt, draft, opt, step + 1, TrainConfig(**{**asdict(cfg), "history": history}), data,
+                            frozen)
         if stopping:
             break
     return draft
@@ -446,13 +475,15 @@ def trim_log(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
-def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: TrainConfig, data: dict) -> None:
+def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: TrainConfig, data: dict,
+                    target: dict) -> None:
     with atomic_folder(folder, force=True) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(draft.parameters())))
         (tmp / "config.json").write_text(json.dumps(draft.config.to_dict(), indent=2))
         mx.save_safetensors(str(tmp / "optimizer.safetensors"),
                             {k: v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)})
-        (tmp / "state.json").write_text(json.dumps({"step": step, "train_config": asdict(cfg), "data": data}))
+        (tmp / "state.json").write_text(json.dumps({"step": step, "train_config": asdict(cfg), "data": data,
+                                                    "target": target}))
 
 
 def check_export_folder(dest: str | Path, run: Optional[str | Path] = None) -> None:
@@ -483,8 +514,10 @@ def export(checkpoint: str | Path, dest: str | Path) -> Path:
 
 
 def tau_on_prompts(target: Target, draft, tokenizer, prompts, max_tokens=128, block_size=None,
-                   temperature=0.0, seed=0, template_kwargs: Optional[dict] = None) -> dict:
-    """Real acceptance length: stream_generate over chat prompts; also tokens generated."""
+                   temperature=0.0, seed=0, template_kwargs: Optional[dict] = None,
+                   progress: Optional[Callable[[int], None]] = None) -> dict:
+    """Real acceptance length: stream_generate over chat prompts; also tokens generated.
+    `progress(k)` is called after each of them (k done)."""
     from .chat import apply_chat_template
     from .speculative import generate
 
@@ -495,5 +528,7 @@ def tau_on_prompts(target: Target, draft, tokenizer, prompts, max_tokens=128, bl
                      block_size=block_size, temperature=temperature, seed=seed + k if temperature else None)
         acc += r.acceptance_lengths
         n += len(r.tokens)
+        if progress is not None:
+            progress(k + 1)
     return {"tau": sum(acc) / max(len(acc), 1), "cycles": len(acc), "tokens": n,
             "histogram": {int(k): int(v) for k, v in zip(*np.unique(acc, return_counts=True))}}

@@ -88,6 +88,9 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     assert r.exit_code == 1 and "--max-tokens must be >= 0" in r.stderr
     r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl", "--limit", "-1")
     assert r.exit_code == 1 and "--limit must be >= 0" in r.stderr
+    r = run("train", "eval", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
+            "--max-tokens", "0")  # would report "tau 0.00 over 0 cycles"
+    assert r.exit_code == 1 and "--max-tokens must be at least 1, got 0" in r.stderr
     r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
             "--max-tokens", "0")
     assert r.exit_code == 1 and "max_tokens must be at least 1" in r.stderr
@@ -341,6 +344,7 @@ def test_train_eval_reports_the_acceptance_of_real_runs(pair):
     assert (got["n_prompts"], got["block_size"], got["cycles"], got["tokens"]) == \
         (3, 5, len(lengths), sum(len(x.tokens) for x in runs))
     assert got["tau"] == pytest.approx(sum(lengths) / len(lengths))
+    assert "answering prompts" in r.stderr and "3/3" in r.stderr  # the progress bar, finished
 
 
 def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
@@ -399,6 +403,20 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert r.exit_code == 0 and "4 sequences" in r.stdout and "nothing left to generate" in r.stdout
     r = run("train", "data", "-m", root / "target", "--source", "python-stdlib", "-o", tmp_path / "data")
     assert r.exit_code == 1 and "holds answers to prompts from" in r.stderr
+    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "long",
+            "--max-prompt-tokens", "2")  # every templated prompt is longer: an error, not "0 sequences"
+    assert r.exit_code == 1 and "none of the 4 prompts fits in 2 tokens" in r.stderr
+    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "d2",
+            "--limit", "-3")
+    assert r.exit_code == 1 and "--limit must be >= 0, got -3" in r.stderr
+    from mlx_lm.models import qwen2  # a family `train run` cannot use: refused before generating
+
+    args = {k: v for k, v in CONFIGS["llama"].items() if k not in ("model_type", "head_dim")}
+    save_model(tmp_path / "qwen2", qwen2.Model(qwen2.ModelArgs(**dict(args, model_type="qwen2"))))
+    save_config(dict(args, model_type="qwen2", eos_token_id=95), tmp_path / "qwen2" / "config.json")
+    make_tokenizer(eos=95)._tokenizer.save_pretrained(tmp_path / "qwen2")
+    r = run("train", "data", "-m", tmp_path / "qwen2", "--source", root / "prompts.jsonl", "-o", tmp_path / "d3")
+    assert r.exit_code == 1 and "family 'qwen2' is not supported" in r.stderr and not (tmp_path / "d3").exists()
     r = run("train", "run", "--data", tmp_path / "data", "-o", tmp_path / "run", "-m", root / "target",
             "--layers", "1", "--block-size", "4", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0",
             "--export", tmp_path / "exported")
@@ -435,6 +453,18 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert (tmp_path / "exported" / "README.md").exists()
     r = run(*again, "--export", tmp_path / "ok" / "final")
     assert r.exit_code == 1 and "would overwrite the run folder" in r.stderr
+    # Held-out prompts longer than the target's context are left out of the tau check, with a note.
+    import shutil
+
+    shutil.copytree(root / "target", tmp_path / "short")
+    config = json.loads((tmp_path / "short" / "config.json").read_text())
+    (tmp_path / "short" / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=64)))
+    r = run("train", "run", *data, "-o", tmp_path / "short-run", "-m", tmp_path / "short", "--layers", "1",
+            "--block-size", "4", "--steps", "2", "--warmup", "1", "--mask-token-id", "94", "--eval-prompts", "8")
+    assert r.exit_code == 0, r.output
+    assert "2 of the 8 held-out prompts do not fit the target's context of 64 tokens" in r.stderr
+    assert "tau check failed" not in r.output and "tau" in json.loads(
+        (tmp_path / "short-run" / "log.jsonl").read_text().splitlines()[-1])
     # Resuming keeps the run's recipe and says which given option it overrides; options not given are
     # the run's own (its --lr and --steps too), and --steps / --eval-every on the new command apply.
     first = ["train", "run", *data, "-o", tmp_path / "resumed", "-m", root / "target", "--eval-prompts", "0"]

@@ -244,9 +244,29 @@ def test_resume_continues_the_same_run(tiny_setup, tmp_path):
         train(Target(model), make_tokenizer(), seqs[:-1], tmp_path / "b", replace(cfg, steps=80))
     with pytest.raises(ValueError, match="the same number of sequences, not the same ones"):
         train(Target(model), make_tokenizer(), seqs[1:] + seqs[:1], tmp_path / "b", replace(cfg, steps=80))
+    # Or against another target: other weights of the same shape, or another shape.
+    with pytest.raises(ValueError, match=r"another target \(other weights of the same shape\): resume it with the -m"):
+        train(Target(make_target("llama", seed=1)), make_tokenizer(), seqs, tmp_path / "b", replace(cfg, steps=80))
+    with pytest.raises(ValueError, match=r"another target \(llama, 4 layers, vocabulary 96; this one: qwen3, 4 layers, vocabulary 96\)"):
+        train(Target(make_target("qwen3")), make_tokenizer(), seqs, tmp_path / "b", replace(cfg, steps=80))
     # Stopped between the two renames that swap a checkpoint in: the previous one is found and put back.
     (tmp_path / "b" / "checkpoint").rename(tmp_path / "b" / ".checkpoint.old")
     assert saved_run(tmp_path / "b")["step"] == 60 and (tmp_path / "b" / "checkpoint" / "model.safetensors").exists()
+
+
+def test_a_failing_tau_check_is_logged_and_the_run_goes_on(tiny_setup, tmp_path):
+    model, seqs = tiny_setup
+    cfg = TrainConfig(steps=12, block_size=8, num_layers=1, mask_token_id=95, anchors=4, warmup=2,
+                      checkpoint_every=6, eval_every=6, holdout=8)
+    records = []
+
+    def evaluate(draft):
+        raise ValueError("the prompt is 327 tokens and the model's context holds 128: shorten the prompt")
+
+    train(Target(model), make_tokenizer(), seqs, tmp_path / "r", cfg, on_step=records.append, evaluate=evaluate)
+    assert [r["step"] for r in records if "eval_error" in r] == [6, 12]
+    assert records[-1]["eval_error"].startswith("ValueError: the prompt is 327 tokens") and "offline_tau" in records[-1]
+    assert saved_run(tmp_path / "r")["step"] == 12  # the last interval was kept
 
 
 def test_sequences_with_no_response_inside_max_seq_len_are_not_used(tiny_setup, tmp_path):
@@ -363,6 +383,17 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "cut off\n')
     with pytest.raises(ValueError, match=r"broken.jsonl, line 2: not JSON"):
         jsonl_prompts(tmp_path / "broken.jsonl")
+    for row, message in (('{"messages": ["hi"]}', 'each message needs a "role" and a "content" string'),
+                         ('{"messages": [{"role": "user"}]}', 'each message needs a "role" and a "content" string'),
+                         ('{"messages": [{"role": "assistant", "content": "hi"}]}', "no user message to answer"),
+                         ('{"conversations": [{"from": "human"}]}', 'the first "human" turn needs a "value" string')):
+        (tmp_path / "odd.jsonl").write_text('{"prompt": "fine"}\n' + row + "\n")
+        with pytest.raises(ValueError, match=rf"odd.jsonl, line 2: {message}"):
+            jsonl_prompts(tmp_path / "odd.jsonl")
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", '
+                                         '"content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    assert jsonl_prompts(tmp_path / "chat.jsonl") == [[{"role": "system", "content": "be brief"},
+                                                       {"role": "user", "content": "hi"}]]
     import importlib
 
     qwen2 = importlib.import_module("mlx_lm.models.qwen2")
@@ -404,6 +435,23 @@ def test_hugging_face_dataset_specs_name_config_split_and_field():
             prompt_source("hf:" + bad)
 
 
+def test_a_hugging_face_dataset_gives_prompts_and_a_misspelt_column_is_named(tmp_path, monkeypatch):
+    """The real `datasets` loader, pointed at a local folder named like a Hub dataset (as on a user's
+    machine after a download)."""
+    pytest.importorskip("datasets")
+    folder = tmp_path / "acme" / "prompts"
+    folder.mkdir(parents=True)
+    (folder / "train.jsonl").write_text('{"question": "What is 2+2?", "answer": "4"}\n'
+                                        '{"question": "  ", "answer": "-"}\n{"question": "Name a colour.", "answer": "red"}\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert prompt_source("hf:acme/prompts") == [[{"role": "user", "content": "What is 2+2?"}],
+                                                [{"role": "user", "content": "Name a colour."}]]
+    assert prompt_source("hf:acme/prompts:train:answer")[0] == [{"role": "user", "content": "4"}]
+    with pytest.raises(ValueError, match="acme/prompts \\(train\\) has no column 'questoin'; its columns: question, answer"):
+        prompt_source("hf:acme/prompts:train:questoin")
+
+
 def test_data_generation_stops_at_the_limit_and_resumes_without_repeats(tmp_path):
     model, tok = make_target("llama"), make_tokenizer(eos=95)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 17)]
@@ -415,6 +463,20 @@ def test_data_generation_stops_at_the_limit_and_resumes_without_repeats(tmp_path
     seqs = load_shards(tmp_path)
     assert [s[:p] for s, p in seqs] == [apply_chat_template(tok, m) for m in prompts[:7]]
     assert all(len(s) > p for s, p in seqs)  # each has its answer
+
+
+def test_data_answers_are_the_targets_greedy_ones_ending_on_the_stop_token_it_wrote(tmp_path):
+    model, tok = make_target("llama"), make_tokenizer(eos=95)
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 9)]
+    encoded = [apply_chat_template(tok, m) for m in prompts]
+    ref = [greedy_reference(model, p, 12) for p in encoded]
+    second = ref[1][3]  # a second EOS id (as Qwen3 and Llama 3 have), which the second answer writes
+    tok.eos_token_ids = {95, second}
+    assert generate_data(model, tok, prompts, tmp_path, max_new_tokens=12, batch_size=3) == 4
+    for (seq, plen), p, r in zip(load_shards(tmp_path), encoded, ref):
+        stop = next((i for i, t in enumerate(r) if t in (95, second)), len(r) - 1)
+        assert (seq[:plen], seq[plen:]) == (p, r[:stop + 1])
+    assert load_shards(tmp_path)[1][0][-1] == second
 
 
 def test_data_generation_will_not_resume_a_folder_from_another_source(tmp_path):
