@@ -405,6 +405,7 @@ def train_data(
                               batch_size=batch_size, shard_size=shard_size, max_prompt_tokens=max_prompt_tokens,
                               limit=limit, source=source, template_kwargs=template_kwargs(model, think),
                               progress=lambda k, _: bar.update(task, completed=k))
+            bar.update(task, completed=total)  # done: prompts skipped as too long never count towards the bar
     typer.echo(f"{n} sequences in {out}")
 
 
