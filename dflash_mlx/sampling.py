@@ -41,16 +41,18 @@ class SamplingParams:
         return self.temperature == 0
 
     def logprobs(self, logits: mx.array) -> mx.array:
-        """Log-probabilities of the distribution plain sampling draws each token from."""
-        x = logits.astype(mx.float32)
-        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        """Log-probabilities (float32) of the distribution plain sampling draws each token from. As in
+        mlx-lm, the log-softmax, the filters and the temperature are computed in the logits' own dtype
+        (in bfloat16 that decides which tokens sit on a filter's threshold); its categorical draw then
+        reads them in float32."""
+        x = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if 0 < self.top_p < 1:
             x = apply_top_p(x, self.top_p)
         if self.min_p > 0:
             x = apply_min_p(x, self.min_p)
         if 0 < self.top_k < x.shape[-1]:
             x = apply_top_k(x, self.top_k)
-        x = x / self.temperature
+        x = (x * (1 / self.temperature)).astype(mx.float32)
         return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
     def probs(self, logits: mx.array) -> mx.array:

@@ -311,7 +311,8 @@ def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs
             acc.append(last.accepted)
     if verbose:
         print()
-    if last is None:
-        return GenerationResult("", [], "length", 0, 0.0, 0, 0.0, mx.get_peak_memory() / 1e9)
+    if last is None:  # max_tokens=0: nothing generated, the prompt still counted
+        return GenerationResult("", [], "length", len(_encode(tokenizer, prompt)), 0.0, 0, 0.0,
+                                mx.get_peak_memory() / 1e9)
     return GenerationResult("".join(text), tokens, last.finish_reason, last.prompt_tokens, last.prompt_tps,
                             last.generation_tokens, last.generation_tps, last.peak_memory, acc)

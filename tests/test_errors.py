@@ -47,7 +47,9 @@ def test_empty_prompt_is_refused(model):
 
 def test_max_tokens_zero_yields_nothing(model):
     assert list(stream_generate(model, make_draft(), make_tokenizer(), prompt_of(4), max_tokens=0)) == []
-    assert generate(model, make_draft(), make_tokenizer(), prompt_of(4), max_tokens=0).tokens == []
+    out = generate(model, make_draft(), make_tokenizer(), prompt_of(4), max_tokens=0)
+    assert (out.tokens, out.prompt_tokens) == ([], 4)
+    assert generate(model, make_draft(), make_tokenizer(), "w5 w6 w7", max_tokens=0).prompt_tokens == 3
 
 
 def test_an_unsupported_family_names_itself_and_the_supported_ones():

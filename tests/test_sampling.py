@@ -161,6 +161,28 @@ def test_probabilities_match_the_independent_reference():
             assert ((ref > 0).sum(axis=1) < 50).all()
 
 
+def test_bfloat16_logits_follow_the_distribution_mlx_lm_samples_from():
+    """With bfloat16 logits mlx-lm filters the log-probabilities in bfloat16, which decides which tokens
+    sit on a filter's threshold: draws of its own sampler must all be possible for us, and as frequent."""
+    from mlx_lm.sample_utils import make_sampler
+
+    logits = (mx.random.normal((6, 4096), key=mx.random.key(0)) * 2.0).astype(mx.bfloat16)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # what generate_step hands its sampler
+    mx.random.seed(3)
+    for temperature, top_p, min_p in [(1.0, 1.0, 0.1), (0.7, 0.9, 0.0)]:
+        plain = make_sampler(temperature, top_p=top_p, min_p=min_p)
+        ours = np.array(SamplingParams(temperature, top_p, 0, min_p).probs(logits), dtype=np.float64)
+        for row in range(logits.shape[0]):
+            draws = np.array(plain(mx.broadcast_to(logprobs[row:row + 1], (4000, 4096))))
+            counts = np.bincount(draws, minlength=4096)
+            assert ours[row][counts > 0].min() > 0, (temperature, top_p, min_p, row)  # no draw we call impossible
+            big = ours[row] * 4000 >= 5  # chi-square over the tokens expected 5+ times, the rest pooled
+            observed = np.append(counts[big], counts[~big].sum())
+            expected = np.append(ours[row][big], ours[row][~big].sum()) * 4000
+            keep = expected > 0
+            assert chisquare(observed[keep], expected[keep] * observed.sum() / expected[keep].sum()).pvalue > 1e-4
+
+
 def test_bad_sampling_settings_are_refused():
     for kwargs, message in [(dict(temperature=-1), "temperature must be a number >= 0, got -1"),
                             (dict(temperature=float("nan")), "temperature must be a number >= 0, got nan"),
