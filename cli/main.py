@@ -453,8 +453,8 @@ def train_run(
     from dflash_mlx.chat import apply_chat_template
     from dflash_mlx.data import check_data_tokenizer, load_shards, sharegpt_prompts
     from dflash_mlx.loading import load, load_draft, template_kwargs
-    from dflash_mlx.speculative import context_length
     from dflash_mlx.models.targets import Target
+    from dflash_mlx.speculative import context_length
     from dflash_mlx.train import (TrainConfig, check_export_folder, check_same_data, data_fingerprint, export,
                                   resume_notes, saved_run, tau_on_prompts, train, trim_log, usable_sequences)
 
