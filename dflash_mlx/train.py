@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -370,6 +371,8 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     out = Path(out).expanduser()
     start = 0
     ckpt = out / "checkpoint"
+    for stale in out.glob(".checkpoint.partial-*"):  # a checkpoint being written when the process was killed
+        shutil.rmtree(stale, ignore_errors=True)
     run = saved_run(out)
     if run is not None:  # resume: the run's recipe and weights
         cfg = TrainConfig(**{**asdict(cfg), **run["train_config"], **{k: getattr(cfg, k) for k in RUN_CONTROL}})

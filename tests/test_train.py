@@ -249,6 +249,11 @@ def test_resume_continues_the_same_run(tiny_setup, tmp_path):
         train(Target(make_target("llama", seed=1)), make_tokenizer(), seqs, tmp_path / "b", replace(cfg, steps=80))
     with pytest.raises(ValueError, match=r"another target \(llama, 4 layers, vocabulary 96; this one: qwen3, 4 layers, vocabulary 96\)"):
         train(Target(make_target("qwen3")), make_tokenizer(), seqs, tmp_path / "b", replace(cfg, steps=80))
+    # Killed while writing a checkpoint: the half-written copy is cleared away when the run resumes.
+    (tmp_path / "b" / ".checkpoint.partial-x1y2").mkdir()
+    (tmp_path / "b" / ".checkpoint.partial-x1y2" / "model.safetensors").write_bytes(b"half")
+    train(Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg)  # nothing left to train: it just returns
+    assert not list((tmp_path / "b").glob(".checkpoint.partial-*"))
     # Stopped between the two renames that swap a checkpoint in: the previous one is found and put back.
     (tmp_path / "b" / "checkpoint").rename(tmp_path / "b" / ".checkpoint.old")
     assert saved_run(tmp_path / "b")["step"] == 60 and (tmp_path / "b" / "checkpoint" / "model.safetensors").exists()
