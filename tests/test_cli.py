@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -119,8 +120,6 @@ def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
 
 def test_think_and_no_think_reach_the_chat_template(pair, tmp_path):
     """Qwen3-style templates switch thinking with `enable_thinking`; generate and bench pass the flag."""
-    import shutil
-
     root, _ = pair
     shutil.copytree(root / "target", tmp_path / "target")
     config = tmp_path / "target" / "tokenizer_config.json"
@@ -197,8 +196,6 @@ def test_the_plain_baseline_runs_any_mlx_lm_model():
 
 
 def test_a_truncated_target_is_one_line(pair, tmp_path):
-    import shutil
-
     root, _ = pair
     shutil.copytree(root / "target", tmp_path / "target")
     weights = next((tmp_path / "target").glob("*.safetensors"))
@@ -215,8 +212,6 @@ def test_a_truncated_target_is_one_line(pair, tmp_path):
 
 
 def test_wrong_folders_and_missing_drafters_are_named_before_any_loading(pair, tmp_path, monkeypatch):
-    import shutil
-
     root, _ = pair
     r = run("generate", "-m", root / "draft", "-d", root / "draft", "-p", "w5")  # drafter given as the target
     assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.stderr
@@ -454,8 +449,6 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     r = run(*again, "--export", tmp_path / "ok" / "final")
     assert r.exit_code == 1 and "would overwrite the run folder" in r.stderr
     # Held-out prompts longer than the target's context are left out of the tau check, with a note.
-    import shutil
-
     shutil.copytree(root / "target", tmp_path / "short")
     config = json.loads((tmp_path / "short" / "config.json").read_text())
     (tmp_path / "short" / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=64)))
