@@ -7,8 +7,9 @@ import math
 import os
 import signal
 import sys
-from pathlib import Path
+import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -315,7 +316,7 @@ def bench(
     from rich.markdown import Markdown
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from dflash_mlx.bench import has_matplotlib, run_bench, write
+    from dflash_mlx.bench import has_matplotlib, markdown, run_bench, write
     from dflash_mlx.loading import draft_for, load_pair, template_kwargs
 
     with user_errors():
@@ -330,35 +331,52 @@ def bench(
                              f"{block_sizes} --temps {temps}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        bs, ts = list(dict.fromkeys(bs)), list(dict.fromkeys(ts))  # each setting once
         folder = Path(out).expanduser()
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"--out {out} is a file: give a folder for the results")
-        ps = _first_prompts(prompts, limit)
-        target, drafter, tokenizer = load_pair(model, draft)
-        folder.mkdir(parents=True, exist_ok=True)  # before hours of benchmarking, not after
-        name = draft_for(model, draft)
-        if not has_matplotlib():
-            typer.echo("note: matplotlib is not installed, so no plot.png (pip install 'dflash-mlx[bench]')",
-                       err=True)
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      console=_stderr()) as bar:
-            task = bar.add_task("warming up (not counted)", total=len(ps) * (len(ts) + len(bs) * len(ts)))
-            results = run_bench(target, drafter, tokenizer, ps, block_sizes=bs, temperatures=ts,
-                                max_tokens=max_tokens, template_kwargs=template_kwargs(model, think),
-                                progress=lambda d, _: bar.update(task, completed=d, description="benchmarking"))
+        made = not folder.exists()
+        try:  # the folder must take files now, not after hours of benchmarking
+            folder.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as e:
+            raise OSError(f"cannot write the results to --out {out} ({e.strerror or e}): give another folder") from None
+        try:
+            ps = _first_prompts(prompts, limit)
+            target, drafter, tokenizer = load_pair(model, draft)
+            name = draft_for(model, draft)
+            if not has_matplotlib():
+                typer.echo("note: matplotlib is not installed, so no plot.png (pip install 'dflash-mlx[bench]')",
+                           err=True)
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TimeRemainingColumn(), console=_stderr()) as bar:
+                task = bar.add_task("warming up (not counted)", total=len(ps) * (len(ts) + len(bs) * len(ts)))
+                results = run_bench(target, drafter, tokenizer, ps, block_sizes=bs, temperatures=ts,
+                                    max_tokens=max_tokens, template_kwargs=template_kwargs(model, think),
+                                    progress=lambda d, _: bar.update(task, completed=d, description="benchmarking"))
+        except BaseException:  # nothing to show: do not leave behind an empty folder this run made
+            if made and not any(folder.iterdir()):
+                folder.rmdir()
+            raise
         results.update(model=model, draft=name, prompt_set=prompts)
-        paths = write(results, folder, f"dflash-mlx bench: {model} + {name} on {prompts}")
+        title = f"dflash-mlx bench: {model} + {name} on {prompts}"
+        try:
+            paths = write(results, folder, title)
+        except OSError:
+            typer.echo(markdown(results, title))  # the numbers are not lost with the files
+            raise
     Console().print(Markdown(paths[1].read_text()))
     typer.echo("wrote " + ", ".join(str(p) for p in paths))
-    if results["interrupted"]:
-        typer.secho(f"stopped with Ctrl-C: the results cover the {len(results['prompts'])} prompts finished by then",
-                    fg="yellow", err=True)
-        raise typer.Exit(130)
     bad = [s for s in results["summary"] if s["identical"] is False]
     if bad:
         typer.secho(f"error: DFlash output differed from plain greedy decoding on prompts "
                     f"{sorted({p for s in bad for p in s['mismatched_prompts']})}: speculative decoding must be "
                     "lossless, so this is a bug", fg="red", err=True)
+    if results["interrupted"]:
+        typer.secho(f"stopped with Ctrl-C: the results cover the {len(results['prompts'])} prompts finished by then",
+                    fg="yellow", err=True)
+        raise typer.Exit(130)
+    if bad:
         raise typer.Exit(1)
 
 

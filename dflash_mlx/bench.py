@@ -69,27 +69,42 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     for k, ids in enumerate(encoded):
-        if context_room(target, len(ids)) < max_tokens:
+        try:
+            room = context_room(target, len(ids))
+        except ValueError as e:
+            raise ValueError(f"prompt {k}: {e}") from None
+        if room < max_tokens:
             raise ValueError(f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
                              f"model's context: lower --max-tokens")
+    # each setting once (a repeated one would be run again and overwrite its own record)
+    temperatures = list(dict.fromkeys(float(t) for t in temperatures))
+    block_sizes = list(dict.fromkeys(int(b) for b in block_sizes))
     configs = [(b, t) for t in temperatures for b in block_sizes]
     per_prompt = []
     total = len(encoded) * (len(temperatures) + len(configs))
     done, interrupted = 0, False
+
+    def counted():
+        nonlocal done
+        if k > 0:
+            done += 1
+            if progress:
+                progress(done, total)
+
     try:
         for k, ids in enumerate([encoded[0]] + encoded):  # the first pass over prompt 0 is the warm-up
+            if k == 1 and progress:
+                progress(0, total)  # the warm-up is over
             row = {"prompt": k - 1, "prompt_tokens": len(ids), "baseline": {}, "dflash": {}}
             for t in temperatures:
                 row["baseline"][str(t)] = _plain(model, tokenizer, ids, max_tokens, t, seed)
-                done += k > 0
+                counted()
             for b, t in configs:
                 r = _dflash(target, draft, tokenizer, ids, max_tokens, b, t, seed)
                 if t == 0:
                     r["identical"] = r["tokens"] == row["baseline"][str(t)]["tokens"]
                 row["dflash"][f"{b}@{t}"] = r
-                done += k > 0
-                if progress and k > 0:
-                    progress(done, total)
+                counted()
             if k > 0:
                 per_prompt.append(row)
     except KeyboardInterrupt:
@@ -106,9 +121,10 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
             "tokens": sum(r["n"] for r in ours), "baseline_tokens": sum(r["n"] for r in base),
             "baseline_decode_tps": _rate(base, "decode"), "dflash_decode_tps": _rate(ours, "decode"),
             "baseline_e2e_tps": _rate(base, "e2e"), "dflash_e2e_tps": _rate(ours, "e2e"),
-            "speedup_decode": _rate(ours, "decode") / max(_rate(base, "decode"), 1e-9),
-            "speedup_e2e": _rate(ours, "e2e") / max(_rate(base, "e2e"), 1e-9),
-            "tau": sum(acc) / len(acc) if acc else 0.0, "tau_histogram": dict(sorted(Counter(acc).items())),
+            # None when there was nothing to compare: no decode phase (answers of one token), no cycle
+            "speedup_decode": _ratio(_rate(ours, "decode"), _rate(base, "decode")),
+            "speedup_e2e": _ratio(_rate(ours, "e2e"), _rate(base, "e2e")),
+            "tau": sum(acc) / len(acc) if acc else None, "tau_histogram": dict(sorted(Counter(acc).items())),
             "ttft_s": sum(r["ttft_s"] for r in ours) / len(ours), "baseline_ttft_s": sum(r["ttft_s"] for r in base) / len(base),
             "peak_memory_gb": max(r["peak_memory_gb"] for r in ours),
             "identical": all(r.get("identical", True) for r in ours) if t == 0 else None,
@@ -125,6 +141,14 @@ def _rate(records, kind):
     return sum(r["n"] for r in records) / max(sum(r["total_s"] for r in records), 1e-9)
 
 
+def _ratio(a: float, b: float) -> Optional[float]:
+    return a / b if a > 0 and b > 0 else None
+
+
+def _fmt(x: Optional[float], spec: str, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{unit}"
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
@@ -139,8 +163,9 @@ def markdown(results: dict, title: str) -> str:
              "| TTFT base / DFlash (s) | identical |", "|---|---|---|---|---|---|---|---|---|"]
     for s in results["summary"]:
         same = {True: "yes", False: f"**NO** ({_count(len(s['mismatched_prompts']), 'prompt')})", None: "n/a (sampling)"}
-        lines.append(f"| {s['block_size']} | {s['temperature']} | {s['tau']:.2f} | {s['baseline_decode_tps']:.1f} | "
-                     f"{s['dflash_decode_tps']:.1f} | {s['speedup_decode']:.2f}x | {s['speedup_e2e']:.2f}x | "
+        lines.append(f"| {s['block_size']} | {s['temperature']} | {_fmt(s['tau'], '.2f')} | {s['baseline_decode_tps']:.1f} | "
+                     f"{s['dflash_decode_tps']:.1f} | {_fmt(s['speedup_decode'], '.2f', 'x')} | "
+                     f"{_fmt(s['speedup_e2e'], '.2f', 'x')} | "
                      f"{s['baseline_ttft_s']:.2f} / {s['ttft_s']:.2f} | {same[s['identical']]} |")
     return "\n".join(lines) + "\n"
 
@@ -154,10 +179,10 @@ def plot(results: dict, path: Path) -> None:
     s = results["summary"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     labels = [f"B={x['block_size']}\nT={x['temperature']}" for x in s]
-    axes[0].bar(labels, [x["speedup_decode"] for x in s], color="tab:blue")
+    axes[0].bar(labels, [x["speedup_decode"] or 0 for x in s], color="tab:blue")
     axes[0].axhline(1.0, color="gray", lw=0.8)
     axes[0].set_title("speedup over plain decoding (decode)")
-    axes[1].bar(labels, [x["tau"] for x in s], color="tab:green")
+    axes[1].bar(labels, [x["tau"] or 0 for x in s], color="tab:green")
     axes[1].set_title("mean acceptance length tau")
     width = 0.8 / max(len(s), 1)
     for k, x in enumerate(s):
@@ -174,8 +199,12 @@ def plot(results: dict, path: Path) -> None:
 
 
 def write(results: dict, out: Path, title: str) -> list[Path]:
-    """results.json, summary.md and plot.png in `out`, each replaced whole (never left half-written);
-    a plot of an earlier run is removed when there is no matplotlib to draw this one."""
+    """results.json, summary.md and plot.png in `out`. All three are made beside their destinations first
+    and only then swapped in, so a failure or Ctrl-C while writing (or plotting) leaves the earlier run's
+    files as they were, never one run's results beside another run's plot; a plot of an earlier run is
+    removed when there is no matplotlib to draw this one."""
+    from contextlib import ExitStack
+
     from .convert import atomic_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -184,16 +213,15 @@ def write(results: dict, out: Path, title: str) -> list[Path]:
         for group in (p["baseline"], p["dflash"]):
             for r in group.values():
                 r.pop("tokens", None)
-    paths = [out / "results.json", out / "summary.md"]
-    for path, text in zip(paths, (json.dumps(slim, indent=1), markdown(results, title))):
-        with atomic_file(path) as tmp:
-            tmp.write_text(text)
-    if has_matplotlib():
-        paths.append(out / "plot.png")
-        with atomic_file(paths[2]) as tmp:
-            plot(results, tmp)
-    else:
-        (out / "plot.png").unlink(missing_ok=True)
+    paths = [out / "results.json", out / "summary.md"] + ([out / "plot.png"] if has_matplotlib() else [])
+    with ExitStack() as stack:  # the swaps happen together as the stack closes, after everything is made
+        tmps = [stack.enter_context(atomic_file(p)) for p in paths]
+        tmps[0].write_text(json.dumps(slim, indent=1))
+        tmps[1].write_text(markdown(results, title))
+        if len(tmps) == 3:
+            plot(results, tmps[2])
+        else:
+            (out / "plot.png").unlink(missing_ok=True)
     return paths
 
 

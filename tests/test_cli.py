@@ -254,22 +254,56 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
     with monkeypatch.context() as m:
         m.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
         for args, message in ((["-o", tmp_path / "afile"], "--out"), (["--temps", "nan"], "temperatures numbers >= 0"),
-                              (["--max-tokens", "0"], "max_tokens must be at least 1")):
+                              (["--max-tokens", "0"], "max_tokens must be at least 1"),
+                              (["-o", tmp_path / "afile" / "sub"], f"cannot write the results to --out {tmp_path}")):
             r = run("bench", "-m", root / "target", "-d", root / "draft", *args)
             assert r.exit_code == 1 and message in r.stderr, (args, r.output)
     target, drafter, tokenizer = load_pair(str(root / "target"), str(root / "draft"))
     prompts = [[{"role": "user", "content": f"w{i} w{i + 1}"}] for i in (5, 6, 7)]
+    calls = []
     def progress(done, total):  # Ctrl-C during the second prompt
+        calls.append((done, total))
         if done == 5:  # 3 runs a prompt (the plain one, blocks 2 and 4): the second prompt's 2nd run
             raise KeyboardInterrupt
 
     results = run_bench(target, drafter, tokenizer, prompts, block_sizes=(2, 4), max_tokens=6, progress=progress)
+    assert calls == [(k, 9) for k in range(6)]  # 0 when the warm-up ends, then every counted run
     assert results["interrupted"] and len(results["prompts"]) == 1
     assert all(s["prompts"] == 1 and s["identical"] for s in results["summary"])
     assert "stopped early with Ctrl-C" in markdown(results, "t")
     with pytest.raises(KeyboardInterrupt):  # nothing finished yet: nothing to report
         run_bench(target, drafter, tokenizer, prompts, max_tokens=6,
                   progress=lambda d, t: (_ for _ in ()).throw(KeyboardInterrupt))
+
+
+def test_bench_an_interrupted_write_keeps_the_earlier_run_whole(pair, tmp_path, monkeypatch):
+    import dflash_mlx.bench
+
+    root, _ = pair
+    base = ["bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl", "--limit", "1",
+            "--max-tokens", "6", "-o", tmp_path / "b"]
+    assert run(*base, "--block-sizes", "2,4").exit_code == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()}
+    assert sorted(before) == ["plot.png", "results.json", "summary.md"]
+
+    def ctrl_c(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(dflash_mlx.bench, "plot", ctrl_c)  # Ctrl-C while the new plot is drawn
+    assert run(*base, "--block-sizes", "8").exit_code == 130
+    assert {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()} == before  # no file of the new run
+
+
+def test_bench_runs_each_setting_once_and_says_n_a_without_a_decode_phase(pair, tmp_path):
+    root, _ = pair
+    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl", "--limit", "1",
+            "--max-tokens", "1", "--block-sizes", "4,4", "--temps", "0,0.0", "-o", tmp_path / "b")
+    assert r.exit_code == 0, r.output
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    [row] = results["summary"]  # one row, not four copies of the last run
+    assert list(results["prompts"][0]["dflash"]) == ["4@0.0"]
+    # one token each: no decode phase and no cycle to compare, so no 0.00x (read as "infinitely slower")
+    assert row["speedup_decode"] is None and row["tau"] is None and row["identical"] is True
+    assert "| 4 | 0.0 | n/a |" in (tmp_path / "b" / "summary.md").read_text()
 
 
 def png_size(path):
@@ -310,6 +344,18 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
     assert r.exit_code == 1
     assert "DFlash output differed from plain greedy decoding" in r.stderr
     assert "**NO**" in (tmp_path / "b" / "summary.md").read_text()
+    # stopped with Ctrl-C after a prompt that differed: the failure is still said
+    import dflash_mlx.bench
+    real, runs = dflash_mlx.bench._dflash, []
+    def stop_at_the_third(*a, **k):
+        runs.append(1)
+        if len(runs) == 3:  # warm-up, prompt 0, then Ctrl-C in prompt 1
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(dflash_mlx.bench, "_dflash", stop_at_the_third)
+    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
+            "--max-tokens", "16", "-o", tmp_path / "c")
+    assert r.exit_code == 130 and "DFlash output differed" in r.stderr and "stopped with Ctrl-C" in r.stderr
 
 
 def test_models_and_doctor_speak_json():
