@@ -42,8 +42,8 @@ def convert(
     dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32 (drafter default: bfloat16; "
                                                    "a GGUF target keeps its quantization unless given)."),
     quantize: bool = typer.Option(False, "-q", "--quantize", help="Quantize the weights."),
-    q_bits: int = typer.Option(4, help="Bits per weight when quantizing."),
-    q_group_size: int = typer.Option(64, help="Group size when quantizing."),
+    q_bits: Optional[int] = typer.Option(None, help="Bits per weight when quantizing (default 4)."),
+    q_group_size: Optional[int] = typer.Option(None, help="Group size when quantizing (default 64)."),
     export: bool = typer.Option(False, help="Export an MLX drafter to z-lab's Hugging Face layout "
                                             "(bf16; vLLM and SGLang read it)."),
     force: bool = typer.Option(False, help="Replace OUTPUT if it exists."),
@@ -52,10 +52,16 @@ def convert(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from dflash_mlx.convert import DTYPES, convert_draft, convert_target, export_draft, is_drafter
+    from dflash_mlx.loading import is_gguf
 
     with user_errors():
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+        if export and (dtype is not None or quantize or q_bits is not None or q_group_size is not None):
+            raise ValueError("--export always writes bf16 weights, unquantized: leave out --dtype, -q and --q-*")
+        if not quantize and (q_bits is not None or q_group_size is not None):
+            raise ValueError("--q-bits and --q-group-size take effect only with -q/--quantize: add it")
+        q_bits, q_group_size = 4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size
         if Path(output).expanduser().exists() and not force:  # before any download
             raise FileExistsError(f"{output} already exists (pass --force to replace it)")
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
@@ -70,7 +76,7 @@ def convert(
                 step("exporting drafter")
                 out = export_draft(source, output, force)
                 kind = "drafter (z-lab layout)"
-            elif src.suffix == ".gguf":
+            elif is_gguf(src):
                 out = convert_target(source, output, dtype, quantize, q_bits, q_group_size, force, step)
                 kind = "target from GGUF"
             else:

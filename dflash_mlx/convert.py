@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .loading import load_draft, resolve
+from .loading import check_model_type, is_gguf, load_draft, read_config, resolve
 from .models.dflash import is_drafter_config
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -28,7 +28,9 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 @contextlib.contextmanager
 def atomic_folder(dest: str | Path, force: bool = False):
     """Yield a temporary folder; on success it replaces `dest`, on failure it disappears."""
-    dest = Path(dest)
+    dest = Path(dest).expanduser()
+    if Path.cwd().resolve().is_relative_to(dest.resolve()):
+        raise ValueError(f"{dest} is the current folder or holds it: give the name of a new folder")
     if dest.exists() and not force:
         raise FileExistsError(f"{dest} already exists (pass --force to replace it)")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -71,7 +73,7 @@ def atomic_file(dest: str | Path):
 
 def is_drafter(path: Path) -> bool:
     cfg = path / "config.json"
-    return cfg.exists() and is_drafter_config(json.loads(cfg.read_text()))
+    return cfg.exists() and is_drafter_config(read_config(path))
 
 
 def convert_draft(source: str, dest: str | Path, dtype: str = "bfloat16", quantize: bool = False,
@@ -93,12 +95,15 @@ def convert_draft(source: str, dest: str | Path, dtype: str = "bfloat16", quanti
 
 def export_draft(source: str, dest: str | Path, force: bool = False) -> Path:
     """An MLX drafter -> z-lab's Hugging Face layout (config.json + bf16 safetensors), which
-    vLLM, SGLang and transformers read."""
+    vLLM and SGLang read. Not transformers: z-lab's checkpoints load there through their own remote code
+    (`auto_map`, dflash.py), which is not ours to ship, so `auto_map` is left out rather than pointing
+    at a file that is not there."""
     draft = load_draft(source, dtype=None)
     if any(".scales" in k for k, _ in tree_flatten(draft.parameters())):
         raise ValueError("cannot export a quantized drafter: export the float one it came from")
     config = draft.config.to_dict()
     config.pop("quantization", None)
+    config.pop("auto_map", None)
     config["torch_dtype"] = "bfloat16"
     weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(draft.parameters())}
     with atomic_folder(dest, force) as tmp:
@@ -113,7 +118,7 @@ def convert_target(source: str, dest: str | Path, dtype: Optional[str] = None, q
     """A target (HF id, folder or .gguf file) -> MLX folder that mlx_lm.load and our load read."""
     src = Path(source).expanduser()
     with atomic_folder(dest, force) as tmp:
-        if src.suffix == ".gguf":
+        if is_gguf(src):
             if not src.exists():
                 raise FileNotFoundError(f"no GGUF file at {source}")
             from .gguf import convert_gguf
@@ -125,8 +130,11 @@ def convert_target(source: str, dest: str | Path, dtype: Optional[str] = None, q
             from mlx_lm.convert import convert as mlx_lm_convert
 
             folder = resolve(source)
-            if not (folder / "config.json").exists():
-                raise FileNotFoundError(f"{folder} has no config.json: not a model folder")
+            config = read_config(folder)
+            check_model_type(folder, config)
+            if quantize and "quantization" in config:
+                raise ValueError(f"{source} is already quantized ({config['quantization'].get('bits')}-bit): "
+                                 "quantize the float model it came from (for a GGUF-based target, add --dtype float32)")
             tmp.rmdir()  # mlx-lm's convert insists on creating the folder itself
             mlx_lm_convert(str(folder), str(tmp), quantize=quantize, q_group_size=q_group_size,
                            q_bits=q_bits, dtype=dtype)

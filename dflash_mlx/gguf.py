@@ -102,7 +102,7 @@ def read_gguf(path: str | Path):
                          f"dflash-mlx reads GGUF tensors of types {SUPPORTED_TYPES}: use such a file "
                          "(e.g. a Q8_0 or Q4_0 one), or convert the Hugging Face weights instead")
     try:
-        return mx.load(str(path), return_metadata=True)
+        return mx.load(str(path), format="gguf", return_metadata=True)  # whatever the case of ".gguf"
     except Exception as e:  # MLX raises a terse RuntimeError/ValueError
         raise ValueError(f"{path} is not a readable GGUF file: {str(e).strip()}") from None
 

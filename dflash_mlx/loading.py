@@ -103,12 +103,16 @@ def gguf_folder(path: Path, dtype: Optional[mx.Dtype]) -> Path:
     return dest
 
 
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf"
+
+
 def check_name(name: str) -> None:
     """Refuse a name that is neither here nor shaped like a Hugging Face id (nothing is downloaded)."""
     path = Path(name).expanduser()
     if path.exists():
         return
-    if path.suffix == ".gguf":
+    if is_gguf(path):
         raise FileNotFoundError(f"no GGUF file at {name}")
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise FileNotFoundError(f"no model folder at {name}, and it is not a known pair or a "
@@ -151,10 +155,19 @@ def resolve_target(name: str, dtype: Optional[mx.Dtype] = None) -> Path:
             return gguf_folder(smollm2_gguf(), dtype)
         name = pair.target
     path = Path(name).expanduser()
-    if path.suffix == ".gguf":
+    if is_gguf(path):
         check_name(name)
         return gguf_folder(path, dtype)
+    refuse_drafter_as_target(name)
     return resolve(name)
+
+
+def refuse_drafter_as_target(name: str) -> None:
+    """A drafter (a folder here, or one shipped in models/) given where a target belongs is named as such."""
+    here = Path(name).expanduser()
+    folder = here if here.exists() else MODELS_DIR / name if "/" not in name else None
+    if folder is not None and (folder / "config.json").is_file() and is_drafter_config(read_config(folder)):
+        raise ValueError(f"{name} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
 
 
 def resolve_draft(name: str) -> Path:
@@ -203,6 +216,11 @@ def read_config(path: Path) -> dict:
         raise ValueError(f"{file} is not valid JSON ({e}): re-download or re-convert the model") from None
 
 
+def check_model_type(path: Path, config: dict) -> None:
+    if "model_type" not in config and "model_type" not in config.get("text_config", {}):
+        raise ValueError(f"{path / 'config.json'} has no model_type: not a Hugging Face or MLX model folder")
+
+
 def load(name: str, dtype="auto"):
     """Load a target with mlx-lm -> (model, tokenizer). dtype 'auto' = float32 on the CPU."""
     from mlx_lm import load as mlx_lm_load
@@ -212,6 +230,7 @@ def load(name: str, dtype="auto"):
     config = read_config(path)  # mlx-lm's own error for a broken one names no file
     if is_drafter_config(config):
         raise ValueError(f"{path} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
+    check_model_type(path, config)
     if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): copy "
                                 "the tokenizer files of the model it came from into it")
@@ -250,11 +269,14 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
         q = raw["quantization"]
         nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
                     class_predicate=lambda p, m: f"{p}.scales" in weights)
-    expected = {k for k, _ in tree_flatten(model.parameters())}
-    missing, unexpected = expected - set(weights), set(weights) - expected
-    if missing or unexpected:
+    expected = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    missing, unexpected = expected.keys() - weights.keys(), weights.keys() - expected.keys()
+    wrong = sorted(f"{k} {tuple(weights[k].shape)} (config: {tuple(expected[k])})" for k in expected.keys() & weights.keys()
+                   if tuple(weights[k].shape) != tuple(expected[k]))
+    if missing or unexpected or wrong:
         raise ValueError(f"{path} does not hold a DFlash drafter matching its config.json: "
-                         f"missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}")
+                         + "; ".join(f"{what} {items[:3]}" for what, items in (("missing", sorted(missing)),
+                                     ("unexpected", sorted(unexpected)), ("shaped otherwise", wrong)) if items))
     model.load_weights(list(weights.items()))
     dtype = _default_dtype() if dtype == "auto" else dtype
     if dtype is not None:
@@ -270,6 +292,7 @@ def draft_for(target: str, draft: Optional[str] = None) -> str:
         return draft
     pair = find_pair(target)
     if pair is None:
+        refuse_drafter_as_target(target)
         check_name(target)  # a mistyped path is the clearer error
         raise ValueError(f"no known drafter for {target}: pass one (--draft), or train one with "
                          "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)")
@@ -280,8 +303,10 @@ def load_pair(target: str, draft: Optional[str] = None, dtype="auto"):
     """-> (model, draft, tokenizer), checked to fit each other. Without `draft`, the registry's."""
     from .speculative import prepare
 
-    draft = draft_for(target, draft)  # before loading (or downloading) anything
+    name = draft_for(target, draft)  # before loading (or downloading) anything
+    if draft is None and "/" not in name and (MODELS_DIR / name).is_dir():
+        name = str(MODELS_DIR / name)  # the registry means the drafter shipped here, not a folder of that name here
     model, tokenizer = load(target, dtype)  # before the drafter: a missing target is the clearer error
-    drafter = load_draft(draft, dtype)
+    drafter = load_draft(name, dtype)
     prepare(model, drafter)
     return model, drafter, tokenizer

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -130,6 +131,33 @@ def test_export_round_trip_gives_identical_logits(zlab, tmp_path):
     assert config["architectures"] == ["DFlashDraftModel"] and "dflash_config" in config
     assert mx.load(str(tmp_path / "hf" / "model.safetensors"))["fc.weight"].dtype == mx.bfloat16
     np.testing.assert_array_equal(draft_logits(load_draft(str(tmp_path / "hf")), model), original)
+    # z-lab's `auto_map` points transformers at their remote code (dflash.py), which we do not ship
+    assert "auto_map" in json.loads((zlab / "config.json").read_text()) and "auto_map" not in config
+
+
+def test_flags_that_would_be_ignored_are_refused(zlab, tmp_path):
+    for args, message in ((["--export", "--dtype", "float32"], "--export always writes bf16 weights, unquantized"),
+                          (["--export", "-q"], "--export always writes bf16"),
+                          (["--q-bits", "8"], "take effect only with -q/--quantize"),
+                          (["--q-group-size", "32"], "take effect only with -q/--quantize")):
+        r = cli("convert", zlab, tmp_path / "out", *args)
+        assert r.exit_code == 1 and message in r.output, (args, r.output)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_quantized_target_is_not_quantized_again(tmp_path):
+    """mlx-lm's quantize skips quantized layers: `-q --q-bits 8` reported success and kept 4 bits."""
+    from mlx_lm.utils import save_config, save_model
+    from tiny import CONFIGS, make_tokenizer
+
+    save_model(tmp_path / "t", make_target("llama"))
+    save_config(dict(CONFIGS["llama"]), tmp_path / "t" / "config.json")
+    make_tokenizer()._tokenizer.save_pretrained(tmp_path / "t")
+    assert cli("convert", tmp_path / "t", tmp_path / "q4", "-q", "--q-group-size", "32").exit_code == 0
+    assert json.loads((tmp_path / "q4" / "config.json").read_text())["quantization"]["bits"] == 4
+    r = cli("convert", tmp_path / "q4", tmp_path / "q8", "-q", "--q-bits", "8", "--q-group-size", "32")
+    assert r.exit_code == 1 and "is already quantized (4-bit): quantize the float model" in r.output
+    assert not (tmp_path / "q8").exists()
 
 
 # ---- GGUF targets, built here from tiny mlx-lm models ------------------------------------------
@@ -211,7 +239,9 @@ def write_gguf(path, family, meta=None, **overrides):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_gguf_target_converts_to_the_same_model(tmp_path, family):
     model = write_gguf(tmp_path / "tiny.gguf", family)
-    r = cli("convert", tmp_path / "tiny.gguf", tmp_path / "mlx")
+    name = "tiny.gguf" if family == "llama" else "tiny.GGUF"  # the extension in either case
+    (tmp_path / "tiny.gguf").rename(tmp_path / name)
+    r = cli("convert", tmp_path / name, tmp_path / "mlx")
     assert r.exit_code == 0, r.output
     converted, tokenizer = mlx_lm_load(str(tmp_path / "mlx"))
     ids = [5, 70, 100, 33, 250, 7]
@@ -300,6 +330,27 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     assert r.exit_code == 1 and "already exists" in r.output
     r = cli("convert", "some-org/some-model", tmp_path / "empty")  # said before any download is tried
     assert r.exit_code == 1 and "already exists" in r.output and "Hugging Face" not in r.output
+    for name, config, message in (("nojson", "{oops", "config.json is not valid JSON"),
+                                  ("notype", "{}", "config.json has no model_type")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(config)
+        r = cli("convert", tmp_path / name, tmp_path / "out")
+        assert r.exit_code == 1 and message in r.output and str(tmp_path / name) in r.output, r.output
+    # weights made for another config: named as such, not as MLX's "Expected shape ... for fc.weight"
+    config = json.loads((zlab / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [0, 1, 2, 3]
+    (tmp_path / "wrong").mkdir()
+    (tmp_path / "wrong" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "wrong" / "model.safetensors").write_bytes((zlab / "model.safetensors").read_bytes())
+    r = cli("convert", tmp_path / "wrong", tmp_path / "out")
+    assert r.exit_code == 1 and "not hold a DFlash drafter matching its config.json: shaped otherwise ['fc.weight" in r.output
+    (tmp_path / "here").mkdir()
+    os.chdir(tmp_path / "here")  # `convert SRC . --force` would swap away the folder the user stands in
+    try:
+        r = cli("convert", zlab, ".", "--force")
+    finally:
+        os.chdir(tmp_path)
+    assert r.exit_code == 1 and ". is the current folder or holds it: give the name of a new folder" in r.output
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mlx.loading import draft_for, find_pair, registry, resolve
+from dflash_mlx.loading import MODELS_DIR, draft_for, find_pair, registry, resolve
 
 
 def test_every_pair_is_complete_and_unique():
@@ -52,3 +52,33 @@ def test_qwen3_pairs_render_without_thinking_unless_asked():
     assert template_kwargs("qwen3-4b") == template_kwargs("mlx-community/Qwen3-8B-4bit") == {"enable_thinking": False}
     assert template_kwargs("qwen3-4b", think=True) == {"enable_thinking": True}
     assert template_kwargs("someone/other-model") == template_kwargs("smollm2-135m-instruct") == {}
+
+
+def test_the_registry_drafter_is_the_shipped_one_whatever_folder_is_here(tmp_path, monkeypatch):
+    """A folder named like the shipped drafter in the working directory (a user's own export, say) must
+    not stand in for it when the registry picks the drafter; typed as -d, the folder here wins."""
+    import dflash_mlx.loading as loading
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2-135m-instruct-dflash").mkdir()
+    asked = []
+
+    def load_draft(name, dtype):
+        asked.append(name)
+        raise StopIteration  # what was asked for is all this test needs
+
+    monkeypatch.setattr(loading, "load", lambda name, dtype: (None, None))
+    monkeypatch.setattr(loading, "load_draft", load_draft)
+    for draft in (None, "smollm2-135m-instruct-dflash"):
+        with pytest.raises(StopIteration):
+            loading.load_pair("smollm2-135m-instruct", draft)
+    assert asked == [str(loading.MODELS_DIR / "smollm2-135m-instruct-dflash"), "smollm2-135m-instruct-dflash"]
+
+
+def test_a_drafter_given_as_the_target_is_named_as_such(tmp_path):
+    from dflash_mlx.loading import draft_for, resolve_target
+
+    for name in ("smollm2-135m-instruct-dflash", str(MODELS_DIR / "smollm2-135m-instruct-dflash")):
+        for call in (lambda: draft_for(name), lambda: resolve_target(name)):
+            with pytest.raises(ValueError, match="is a DFlash drafter, not a target: pass it as the drafter"):
+                call()
