@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import signal
+import sys
 from typing import Optional
 
 from rich.console import Console
 from rich.markup import escape
 
 from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.speculative import check_block_size
 
 HELP = """[bold]commands[/bold]
   /help            this list
@@ -23,14 +25,31 @@ Ctrl-C stops an answer and keeps what was written (before the answer starts, or 
 drops the message). End a line with \\ to continue it, or wrap several lines in \"\"\"."""
 
 
+def check_utf8(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes that are not UTF-8 arrive from stdin as lone surrogates
+        raise ValueError(f"{what} is not UTF-8 text (a stray byte at character {e.start}): convert it "
+                         "first, e.g. with iconv -f latin1 -t utf-8") from None
+
+
+def ask(console: Console, label: str, colour: str = "") -> str:
+    """input() with a prompt. In a terminal the prompt goes to input() itself, its colour codes marked
+    zero-width (\\001...\\002), so readline can redraw it (Ctrl-U, arrow keys); printed apart, as rich's
+    console.input does, readline thinks the prompt is empty and wipes it."""
+    if console.is_terminal and sys.stdin.isatty():
+        return input(f"\001\x1b[{colour}m\002{label}\001\x1b[0m\002 " if colour and not console.no_color else f"{label} ")
+    return console.input(f"{label} ")
+
+
 def read_message(console: Console) -> str:
     """One message: a line, lines continued with a trailing backslash, or a \"\"\"-block."""
-    line = console.input("[bold green]you>[/bold green] ")
+    line = ask(console, "you>", "1;32")
     if line.strip() == '"""':
         lines = []
         while True:
             try:
-                line = console.input("... ")
+                line = ask(console, "...")
             except EOFError:  # Ctrl-D ends the block (not the chat)
                 console.print()
                 break
@@ -41,7 +60,7 @@ def read_message(console: Console) -> str:
     lines = [line]
     while lines[-1].endswith("\\"):
         lines[-1] = lines[-1][:-1]
-        lines.append(console.input("... "))
+        lines.append(ask(console, "..."))
     return "\n".join(lines)
 
 
@@ -98,6 +117,11 @@ def run(session, console: Console, banner: str, hide_thinking: bool = False) -> 
             console.print()
             continue
         if not text.strip():
+            continue
+        try:
+            check_utf8(text, "the message")
+        except ValueError as e:
+            console.print(f"[yellow]{e}[/yellow]")
             continue
         if text.startswith("/"):
             if command(session, console, text.strip()) == "exit":
@@ -166,9 +190,7 @@ def command(session, console: Console, line: str) -> Optional[str]:
             session.temperature = value
             console.print(f"[dim]temperature {value}[/dim]")
         elif name == "/block":
-            value = int(arg)
-            if value < 1:
-                raise ValueError("block size must be >= 1")
+            value = check_block_size(int(arg))
             session.block_size = value
             console.print(f"[dim]block size {value}[/dim]")
         elif name == "/stats":

@@ -130,25 +130,26 @@ def generate_cmd(
     import dflash_mlx
     from dflash_mlx.loading import load, load_pair, template_kwargs
     from dflash_mlx.sampling import SamplingParams
+    from dflash_mlx.speculative import check_block_size
+
+    from .chat import check_utf8
 
     if prompt is None:
         if sys.stdin.isatty():
             typer.secho("error: give --prompt, or pipe the prompt on stdin", fg="red", err=True)
             raise typer.Exit(2)
-        prompt = sys.stdin.read()
+        prompt = sys.stdin.read().removesuffix("\n")  # the newline `echo` adds, as $(...) drops it
     with user_errors():
         SamplingParams(temp, top_p, top_k, min_p)  # checked before loading, for both paths
         if max_tokens < 0:
             raise ValueError(f"--max-tokens must be >= 0, got {max_tokens}")
         if no_draft and (draft is not None or block_size is not None):
             raise ValueError("--no-draft decodes without a drafter: drop --draft and --block-size")
+        if block_size is not None:
+            check_block_size(block_size)
         if (system is not None or think is not None) and not chat_template:
             raise ValueError("--system and --think/--no-think need the chat template: drop --no-chat-template")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:  # bytes that are not UTF-8 arrive as lone surrogates
-            raise ValueError(f"the prompt is not UTF-8 text (a stray byte at character {e.start}): convert it "
-                             "first, e.g. with iconv -f latin1 -t utf-8") from None
+        check_utf8(prompt, "the prompt")
         if no_draft:
             (target, tokenizer), drafter = load(model), None
         else:
@@ -171,17 +172,17 @@ def generate_cmd(
                     acc.append(last.accepted)
             text = "".join(text)
         wall = time.perf_counter() - tic
-    tau = sum(acc) / len(acc) if acc else None
-    record = {"text": text, "tokens": tokens, "prompt_tokens": len(ids), "generation_tokens": len(tokens),
-              "mean_acceptance": tau, "cycles": len(acc), "prompt_tps": last.prompt_tps if last else 0.0,
-              "generation_tps": last.generation_tps if last else 0.0, "wall_s": wall,
-              "peak_memory_gb": last.peak_memory if last else 0.0,
-              "finish_reason": last.finish_reason if last else None, "model": model,
-              "draft": None if drafter is None else (draft or "registry")}
-    if as_json:
-        typer.echo(json.dumps(record))
-        return
-    typer.echo()
+        tau = sum(acc) / len(acc) if acc else None
+        record = {"text": text, "tokens": tokens, "prompt_tokens": len(ids), "generation_tokens": len(tokens),
+                  "mean_acceptance": tau, "cycles": len(acc), "prompt_tps": last.prompt_tps if last else 0.0,
+                  "generation_tps": last.generation_tps if last else 0.0, "wall_s": wall,
+                  "peak_memory_gb": last.peak_memory if last else 0.0,
+                  "finish_reason": last.finish_reason if last else "length",  # (--max-tokens 0, as generate())
+                  "model": model, "draft": None if drafter is None else (draft or "registry")}
+        if as_json:  # (inside user_errors: a reader gone away ends it quietly, as for the text)
+            typer.echo(json.dumps(record))
+            return
+        typer.echo()
     stats = f"{len(tokens)} tokens"
     if len(tokens) > 1:  # a rate needs a second token (the first comes with the prompt)
         stats += f", {record['generation_tps']:.1f} tokens/s"
@@ -235,14 +236,15 @@ def chat(
     from dflash_mlx.loading import draft_for, load_pair, template_kwargs
     from dflash_mlx.platform import backend
     from dflash_mlx.sampling import SamplingParams
+    from dflash_mlx.speculative import check_block_size
 
     from .chat import run
 
     console = Console(highlight=False)
     with user_errors():
         SamplingParams(temp)  # checked before loading
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block size must be >= 1, got {block_size}")
+        if block_size is not None:
+            check_block_size(block_size)
         if max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
         with console.status(f"loading {model} ..."):
@@ -324,6 +326,7 @@ def bench(
 
     from dflash_mlx.bench import has_matplotlib, markdown, run_bench, write
     from dflash_mlx.loading import draft_for, load_pair, template_kwargs
+    from dflash_mlx.speculative import check_block_size
 
     with user_errors():
         try:
@@ -332,9 +335,10 @@ def bench(
         except ValueError:
             raise ValueError(f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
                              f"got {block_sizes!r} and {temps!r}") from None
-        if any(b < 1 for b in bs) or not all(0 <= t < math.inf for t in ts):
-            raise ValueError(f"block sizes must be >= 1 and temperatures numbers >= 0, got --block-sizes "
-                             f"{block_sizes} --temps {temps}")
+        if not all(0 <= t < math.inf for t in ts):
+            raise ValueError(f"temperatures must be numbers >= 0, got --temps {temps}")
+        for b in bs:
+            check_block_size(b)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         bs, ts = list(dict.fromkeys(bs)), list(dict.fromkeys(ts))  # each setting once

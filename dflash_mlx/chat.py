@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
 
 from .cache import SpeculativeCache
-from .speculative import GenerationResponse, context_length, prepare, stream_generate
+from .speculative import GenerationResponse, check_block_size, context_length, prepare, stream_generate
 
 
 def apply_chat_template(tokenizer, messages: Union[str, list[dict]], *, system: Optional[str] = None,
@@ -47,8 +47,8 @@ class ChatSession:
     def __init__(self, model, draft, tokenizer, *, system: Optional[str] = None, temperature: float = 0.0,
                  block_size: Optional[int] = None, max_tokens: int = 1024, max_context: Optional[int] = None,
                  template_kwargs: Optional[dict] = None):
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block size must be >= 1, got {block_size}")
+        if block_size is not None:
+            check_block_size(block_size)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.target = prepare(model, draft)
@@ -71,7 +71,11 @@ class ChatSession:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
 
     def context_tokens(self) -> int:
-        return len(self.cache.tokens)
+        """Tokens the conversation takes: the cache's, or after a dropped cache the rendered conversation's."""
+        if self.cache.tokens or not self.messages:
+            return len(self.cache.tokens)
+        return len(apply_chat_template(self.tokenizer, self.conversation(), add_generation_prompt=False,
+                                       **self.template_kwargs))
 
     def reply(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> Iterator[GenerationResponse]:
         """Stream the answer to a user message. `should_stop()` is checked after every piece; when it
@@ -95,7 +99,9 @@ class ChatSession:
             ids = apply_chat_template(self.tokenizer, self.conversation(), **self.template_kwargs)
             if len(ids) + self.max_tokens > self.max_context:
                 raise ContextFull(len(ids), self.max_context, self.max_tokens, fresh=len(self.messages) == 1)
-            keep = common_prefix(self.cache.tokens, ids)
+            # At least one token goes in: after a message dropped between two cycles, the cache can hold the
+            # whole of `ids` (the message and a partial answer), and an empty prompt would be refused.
+            keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
             if not self.cache.truncate(keep):
                 self.cache, keep = SpeculativeCache(self.target, self.draft), 0
             for last in stream_generate(self.target, self.draft, self.tokenizer, ids[keep:], prompt_cache=self.cache,
@@ -134,6 +140,7 @@ class ChatSession:
 class ContextFull(ValueError):
     def __init__(self, used: int, limit: int, room: int, fresh: bool = False):
         what = "this message" if fresh else "the conversation"
-        fix = "a shorter message or a lower --max-tokens" if fresh else "/reset to start a new conversation"
+        fix = ("/reset to start a new conversation" if not fresh else "a shorter message" if used >= limit
+               else "a shorter message or a lower --max-tokens")
         super().__init__(f"{what} needs {used} tokens plus {room} for the answer, and the model's context holds "
                          f"{limit}: {fix}")

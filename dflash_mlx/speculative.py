@@ -108,6 +108,19 @@ def prepare(model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]) 
     return model
 
 
+# A block is one drafter pass and one target pass over that many positions. Drafters are trained at
+# about 16; far past that the later positions are guesses that cost time, and a block of 100,000 made
+# MLX ask for 360 GB and crash: refused rather than attempted.
+MAX_BLOCK_SIZE = 256
+
+
+def check_block_size(block_size: int) -> int:
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size} (drafters are "
+                         "trained at about 16)")
+    return block_size
+
+
 def context_length(model: Union[nn.Module, Target]) -> Optional[int]:
     """The context the model was trained for (any mlx-lm model, or a Target), if its config says."""
     args = model.args if isinstance(model, Target) else getattr(model, "language_model", model).args
@@ -210,8 +223,7 @@ def stream_generate(
         raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
     if block_size is None:
         block_size = draft.block_size if draft is not None else 1
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_block_size(block_size)
     drafting = draft is not None and block_size > 1  # else plain decoding (the drafter's cache still follows)
     if tokenizer is not None and not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)

@@ -43,7 +43,10 @@ def test_a_full_context_is_refused_politely(smollm2):
     draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
     session = ChatSession(model, draft, tokenizer, max_tokens=24, max_context=80)
     with pytest.raises(ContextFull, match="lower --max-tokens"):  # a first message: /reset would not help
-        list(session.reply("word " * 60))
+        list(session.reply("word " * 40))
+    with pytest.raises(ContextFull) as e:  # bigger than the whole context: no --max-tokens would do
+        list(session.reply("word " * 100))
+    assert str(e.value).endswith("a shorter message")
     assert session.messages == []  # the refused message is not kept
     list(session.reply("hi"))
     kept = list(session.messages)
@@ -76,6 +79,8 @@ def test_an_interrupt_inside_a_model_pass_drops_the_message_and_a_clean_stop_kee
         list(session.reply("And of Italy?"))
     monkeypatch.setattr(DFlashDraftModel, "absorb", absorb)
     assert session.messages == first and len(session.turns) == 1  # the message is gone, the rest kept
+    # /stats's context is the conversation's, not the new empty cache's 0
+    assert session.context_tokens() == len(apply_chat_template(tokenizer, first, add_generation_prompt=False))
     second = "".join(p.text for p in session.reply("And of Italy?"))
     full = apply_chat_template(tokenizer, session.messages[:-1])
     assert session.turns[-1]["prefill_tokens"] == len(full)  # a new cache: the whole conversation again
@@ -91,6 +96,28 @@ def test_an_interrupt_inside_a_model_pass_drops_the_message_and_a_clean_stop_kee
     full = apply_chat_template(tokenizer, session.messages[:-1])
     assert session.turns[-1]["prefill_tokens"] < len(full) - before + 10
     assert third == generate(model, draft, tokenizer, full, max_tokens=12).text
+
+
+def test_a_message_dropped_between_two_cycles_can_be_sent_again(smollm2):
+    """The cache then holds the message and a partial answer, so all of the message is a prefix of it:
+    sending it again fed the model nothing ("the prompt is empty", on every retry)."""
+    model, tokenizer, _ = smollm2
+    draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
+    session = ChatSession(model, draft, tokenizer, max_tokens=12)
+    seen = []
+
+    def ctrl_c_after_two_pieces():
+        seen.append(1)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+        return False
+
+    with pytest.raises(KeyboardInterrupt):
+        list(session.reply("Name three colours.", should_stop=ctrl_c_after_two_pieces))
+    assert session.messages == [] and not session.cache.broken and len(session.cache.tokens) > 0
+    again = "".join(p.text for p in session.reply("Name three colours."))
+    assert again == generate(model, draft, tokenizer, apply_chat_template(tokenizer, "Name three colours."),
+                             max_tokens=12).text
 
 
 def test_save_writes_the_whole_conversation_at_a_home_path(smollm2, tmp_path, monkeypatch):
@@ -110,6 +137,7 @@ def test_ctrl_d_ends_a_multi_line_block_not_the_chat():
     from dflash_mlx.cli.chat import read_message
 
     class Keyboard:
+        is_terminal = False
         lines = iter(['"""', "first line", "second line"])
 
         def input(self, prompt):

@@ -72,13 +72,15 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     r = run("generate", "-m", root / "nowhere", "-p", "w5")
     assert r.exit_code == 1 and "no model folder" in r.stderr
     r = run("bench", "-m", root / "target", "-d", root / "draft", "--block-sizes", "0")
-    assert r.exit_code == 1 and "block sizes must be >= 1" in r.stderr
+    assert r.exit_code == 1 and "block size must be between 1 and 256, got 0" in r.stderr
     r = run("bench", "-m", root / "target", "-d", root / "draft", "--block-sizes", "4,x")
     assert r.exit_code == 1 and "comma-separated numbers" in r.stderr
-    r = run("generate", "-m", root / "target", "-d", root / "draft", "-p", "w5", "--block-size", "0")
-    assert r.exit_code == 1 and "block_size must be >= 1, got 0" in r.stderr
-    r = run("chat", "-m", root / "target", "-d", root / "draft", "--block-size", "0")
-    assert r.exit_code == 1 and "block size must be >= 1, got 0" in r.stderr
+    # (100,000 made MLX ask for 360 GB and crash with a segfault, losing the chat)
+    for size in ("0", "100000"):
+        r = run("generate", "-m", root / "nowhere", "-p", "w5", "--block-size", size)  # said before loading
+        assert r.exit_code == 1 and f"block size must be between 1 and 256, got {size}" in r.stderr
+        r = run("chat", "-m", root / "target", "-d", root / "draft", "--block-size", size)
+        assert r.exit_code == 1 and f"block size must be between 1 and 256, got {size}" in r.stderr
     # The plain baseline checks its settings as the drafted path does (mlx-lm would not).
     gen = ["generate", "-m", root / "target", "--no-draft", "-p", "w5", "--no-chat-template"]
     r = run(*gen, "--temp", "-1")
@@ -111,8 +113,10 @@ def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
         assert r.exit_code == 1 and message in r.stderr and r.stdout == "", (args, r.output)
     r = run("chat", "-m", root / "nowhere", "--temp", "-1")  # said before looking for the model
     assert r.exit_code == 1 and "temperature must be a number >= 0" in r.stderr
-    r = run("generate", "-m", root / "target", "--no-draft", "-p", "w5", "--max-tokens", "0", "--json")
-    assert r.exit_code == 0 and json.loads(r.stdout)["tokens"] == []  # as the drafted path does
+    for path in (["--no-draft"], ["-d", root / "draft"]):
+        r = run("generate", "-m", root / "target", *path, "-p", "w5", "--max-tokens", "0", "--json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["tokens"] == []  # as the drafted path does
+        assert json.loads(r.stdout)["finish_reason"] == "length"  # as generate() says
     r = run("generate", "-m", root / "target", "-d", root / "draft", "-p", "w5", "--max-tokens", "1",
             "--no-chat-template")
     assert r.exit_code == 0 and "1 tokens, prompt" in r.stderr  # no rate from a single token
@@ -166,6 +170,18 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
             "        raise BrokenPipeError(32, 'Broken pipe')\nexcept typer.Exit as e:\n    sys.exit(e.exit_code)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert r.returncode == 141 and r.stderr == b""
+    # `--json` into a reader that has gone away (`| true`) ends as quietly as the text does
+    p = subprocess.Popen(cmd + ["-p", "w5", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    assert p.wait(timeout=120) == 141 and p.stderr.read() == b""
+    # the chat says so and goes on (its piped input arrives the same way)
+    chat = [sys.executable, "-m", "dflash_mlx.cli.main", "chat", "-m", str(root / "target"), "-d", str(root / "draft"),
+            "--max-tokens", "4"]
+    r = subprocess.run(chat, input=b"caf\xe9 w5\n/block 300\n/stats\n", capture_output=True, timeout=120)
+    out = r.stdout.decode()
+    assert r.returncode == 0 and "the message is not UTF-8 text (a stray byte at character 3)" in out, r.stderr
+    assert "block size must be between 1 and 256, got 300" in out and "0 answers" in out
+
 
 
 def test_a_prompt_that_fills_the_context_is_refused_and_answers_stop_at_its_end(pair):
@@ -253,7 +269,7 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
     (tmp_path / "afile").write_text("")
     with monkeypatch.context() as m:
         m.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
-        for args, message in ((["-o", tmp_path / "afile"], "--out"), (["--temps", "nan"], "temperatures numbers >= 0"),
+        for args, message in ((["-o", tmp_path / "afile"], "--out"), (["--temps", "nan"], "temperatures must be numbers >= 0"),
                               (["--max-tokens", "0"], "max_tokens must be at least 1"),
                               (["-o", tmp_path / "afile" / "sub"], f"cannot write the results to --out {tmp_path}")):
             r = run("bench", "-m", root / "target", "-d", root / "draft", *args)

@@ -60,8 +60,9 @@ def test_an_unsupported_family_names_itself_and_the_supported_ones():
 
 
 def test_bad_block_size_max_tokens_and_prefill_step_are_refused(model):
-    with pytest.raises(ValueError, match="block_size must be >= 1"):
-        generate(model, make_draft(), make_tokenizer(), [5, 6], block_size=-1)
+    for size in (-1, 0, 257):
+        with pytest.raises(ValueError, match=f"block size must be between 1 and 256, got {size}"):
+            generate(model, make_draft(), make_tokenizer(), [5, 6], block_size=size)
     with pytest.raises(ValueError, match="max_tokens must be >= 0"):
         generate(model, make_draft(), make_tokenizer(), [5, 6], max_tokens=-3)
     for step in (0, -1):

@@ -110,3 +110,18 @@ def test_a_drafter_for_another_target_is_refused_by_the_cli(ours, tmp_path):
     assert r.exit_code == 1
     assert "error: this drafter was not made for this target: drafter hidden size 64, target hidden size 576" in r.output
     assert "Traceback" not in r.output
+
+
+def test_a_piped_prompt_loses_the_newline_echo_adds(smollm2):
+    """`echo "..." | dflash-mlx generate` is `-p "..."`: the newline became a token, and another answer."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli.main import app
+
+    args = ["generate", "--no-draft", "--max-tokens", "8", "--json"]
+    env = {"DFLASH_MLX_HOME": str(smollm2[2])}
+    typed = json.loads(CliRunner().invoke(app, args + ["-p", "What is the capital of France?"], env=env).stdout)
+    piped = json.loads(CliRunner().invoke(app, args, input="What is the capital of France?\n", env=env).stdout)
+    assert piped["prompt_tokens"] == typed["prompt_tokens"] and piped["tokens"] == typed["tokens"]
