@@ -84,11 +84,18 @@ class TrainConfig:
         return self.gamma or GAMMA.get(self.block_size, 0.44 * self.block_size)
 
 
+def check_block_size(block_size: int) -> None:
+    """2 (one proposal) up to what decoding accepts."""
+    from .speculative import MAX_BLOCK_SIZE
+
+    if not 2 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block size must be between 2 and {MAX_BLOCK_SIZE} to train a drafter, got {block_size}")
+
+
 def drafter_config(target: Target, tokenizer, cfg: TrainConfig) -> DFlashConfig:
     """A drafter as wide as the target (it reads the target's embeddings and feeds its lm_head), with
     the target's attention geometry and RoPE; its depth and MLP width are the run's choice."""
-    if cfg.block_size < 2:
-        raise ValueError(f"block size must be at least 2 to train a drafter, got {cfg.block_size}")
+    check_block_size(cfg.block_size)
     if cfg.num_layers < 1 or (cfg.intermediate_size is not None and cfg.intermediate_size < 1):
         raise ValueError("the drafter needs at least 1 layer and an MLP width of at least 1")
     a = target.args
@@ -349,8 +356,7 @@ def usable_sequences(seqs: list[tuple[list[int], int]], cfg: TrainConfig) -> lis
     if len(seqs) <= cfg.holdout:
         raise ValueError(f"the dataset has {len(seqs)} usable sequences (2+ response tokens within the first "
                          f"{cfg.max_seq_len}); need more than the {cfg.holdout} held out")
-    if cfg.block_size < 2:
-        raise ValueError(f"block size must be at least 2 to train a drafter, got {cfg.block_size}")
+    check_block_size(cfg.block_size)
     if cfg.vocab not in ("full", "data"):
         raise ValueError(f"vocab must be 'full' or 'data', got {cfg.vocab!r}")
     return seqs

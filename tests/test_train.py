@@ -371,8 +371,9 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     model, seqs = tiny_setup
     with pytest.raises(ValueError, match="usable sequences"):
         train(Target(model), make_tokenizer(), [(s[:9], 8) for s, _ in seqs], tmp_path / "x", TrainConfig(holdout=2))
-    with pytest.raises(ValueError, match="block size must be at least 2"):
-        train(Target(model), make_tokenizer(), seqs, tmp_path / "y", TrainConfig(block_size=1, mask_token_id=95))
+    for size in (1, 257):  # one proposal at least, and no more than decoding accepts
+        with pytest.raises(ValueError, match=f"block size must be between 2 and 256 to train a drafter, got {size}"):
+            train(Target(model), make_tokenizer(), seqs, tmp_path / "y", TrainConfig(block_size=size, mask_token_id=95))
     with pytest.raises(ValueError, match="vocab must be 'full' or 'data'"):
         train(Target(model), make_tokenizer(), seqs, tmp_path / "v", TrainConfig(vocab="small", mask_token_id=95))
     with pytest.raises(ValueError, match="at least 1 layer"):
