@@ -38,7 +38,8 @@ def ask(console: Console, label: str, colour: str = "") -> str:
     zero-width (\\001...\\002), so readline can redraw it (Ctrl-U, arrow keys); printed apart, as rich's
     console.input does, readline thinks the prompt is empty and wipes it."""
     if console.is_terminal and sys.stdin.isatty():
-        return input(f"\001\x1b[{colour}m\002{label}\001\x1b[0m\002 " if colour and not console.no_color else f"{label} ")
+        styled = colour and not console.no_color
+        return input(f"\001\x1b[{colour}m\002{label}\001\x1b[0m\002 " if styled else f"{label} ")
     return console.input(f"{label} ")
 
 

@@ -163,9 +163,9 @@ def markdown(results: dict, title: str) -> str:
              "| TTFT base / DFlash (s) | identical |", "|---|---|---|---|---|---|---|---|---|"]
     for s in results["summary"]:
         same = {True: "yes", False: f"**NO** ({_count(len(s['mismatched_prompts']), 'prompt')})", None: "n/a (sampling)"}
-        lines.append(f"| {s['block_size']} | {s['temperature']} | {_fmt(s['tau'], '.2f')} | {s['baseline_decode_tps']:.1f} | "
-                     f"{s['dflash_decode_tps']:.1f} | {_fmt(s['speedup_decode'], '.2f', 'x')} | "
-                     f"{_fmt(s['speedup_e2e'], '.2f', 'x')} | "
+        lines.append(f"| {s['block_size']} | {s['temperature']} | {_fmt(s['tau'], '.2f')} | "
+                     f"{s['baseline_decode_tps']:.1f} | {s['dflash_decode_tps']:.1f} | "
+                     f"{_fmt(s['speedup_decode'], '.2f', 'x')} | {_fmt(s['speedup_e2e'], '.2f', 'x')} | "
                      f"{s['baseline_ttft_s']:.2f} / {s['ttft_s']:.2f} | {same[s['identical']]} |")
     return "\n".join(lines) + "\n"
 

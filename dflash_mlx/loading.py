@@ -162,10 +162,16 @@ def resolve_target(name: str, dtype: Optional[mx.Dtype] = None) -> Path:
     return resolve(name)
 
 
+def shipped(name: str) -> Optional[Path]:
+    """The folder of that name in models/ (the drafters shipped with dflash-mlx), if there is one."""
+    local = MODELS_DIR / name
+    return local if "/" not in name and local.is_dir() else None
+
+
 def refuse_drafter_as_target(name: str) -> None:
     """A drafter (a folder here, or one shipped in models/) given where a target belongs is named as such."""
     here = Path(name).expanduser()
-    folder = here if here.exists() else MODELS_DIR / name if "/" not in name else None
+    folder = here if here.exists() else shipped(name)
     if folder is not None and (folder / "config.json").is_file() and is_drafter_config(read_config(folder)):
         raise ValueError(f"{name} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
 
@@ -176,10 +182,7 @@ def resolve_draft(name: str) -> Path:
     pair = find_pair(name)
     if pair is not None:  # a target's name finds its drafter
         name = pair.draft
-    local = MODELS_DIR / name
-    if "/" not in name and local.is_dir():  # drafters shipped in models/
-        return local
-    return resolve(name)
+    return shipped(name) or resolve(name)
 
 
 def local_copies(pair: Pair) -> dict[str, int]:
@@ -271,8 +274,8 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
                     class_predicate=lambda p, m: f"{p}.scales" in weights)
     expected = {k: v.shape for k, v in tree_flatten(model.parameters())}
     missing, unexpected = expected.keys() - weights.keys(), weights.keys() - expected.keys()
-    wrong = sorted(f"{k} {tuple(weights[k].shape)} (config: {tuple(expected[k])})" for k in expected.keys() & weights.keys()
-                   if tuple(weights[k].shape) != tuple(expected[k]))
+    wrong = sorted(f"{k} {tuple(weights[k].shape)} (config: {tuple(expected[k])})"
+                   for k in expected.keys() & weights.keys() if tuple(weights[k].shape) != tuple(expected[k]))
     if missing or unexpected or wrong:
         raise ValueError(f"{path} does not hold a DFlash drafter matching its config.json: "
                          + "; ".join(f"{what} {items[:3]}" for what, items in (("missing", sorted(missing)),
@@ -304,8 +307,8 @@ def load_pair(target: str, draft: Optional[str] = None, dtype="auto"):
     from .speculative import prepare
 
     name = draft_for(target, draft)  # before loading (or downloading) anything
-    if draft is None and "/" not in name and (MODELS_DIR / name).is_dir():
-        name = str(MODELS_DIR / name)  # the registry means the drafter shipped here, not a folder of that name here
+    if draft is None and shipped(name):
+        name = str(shipped(name))  # the registry means the drafter shipped here, not a folder of that name here
     model, tokenizer = load(target, dtype)  # before the drafter: a missing target is the clearer error
     drafter = load_draft(name, dtype)
     prepare(model, drafter)
