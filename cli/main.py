@@ -155,7 +155,7 @@ def generate_cmd(
         else:
             target, drafter, tokenizer = load_pair(model, draft)
         ids = (dflash_mlx.apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think))
-               if chat_template else tokenizer.encode(prompt))
+               if chat_template else tokenizer.encode(prompt, verbose=False))
         kwargs = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         tic = time.perf_counter()
         if drafter is None:

@@ -26,8 +26,9 @@ def apply_chat_template(tokenizer, messages: Union[str, list[dict]], *, system: 
         return tokenizer.encode("\n".join(m["content"] for m in messages))
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                          **template_kwargs)
-    # The template already writes any BOS token it wants.
-    return tokenizer.encode(text, add_special_tokens=False)
+    # The template already writes any BOS token it wants. verbose=False: transformers would warn that a
+    # long conversation "will result in indexing errors"; the context check says the real limit.
+    return tokenizer.encode(text, add_special_tokens=False, verbose=False)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

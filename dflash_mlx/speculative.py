@@ -143,7 +143,8 @@ def _encode(tokenizer: TokenizerWrapper, prompt) -> list[int]:
         return prompt.reshape(-1).tolist()
     if isinstance(prompt, str):
         bos = tokenizer.bos_token
-        return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos),
+                                verbose=False)  # our context check, not transformers' warning, says the limit
     return [int(t) for t in prompt]
 
 

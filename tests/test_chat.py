@@ -38,7 +38,7 @@ def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(smollm2, t
     assert fresh.tokens == greedy_reference(model, full, len(fresh.tokens), eos={2})
 
 
-def test_a_full_context_is_refused_politely(smollm2):
+def test_a_full_context_is_refused_politely(smollm2, capfd, caplog):
     model, tokenizer, _ = smollm2
     draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
     session = ChatSession(model, draft, tokenizer, max_tokens=24, max_context=80)
@@ -57,6 +57,9 @@ def test_a_full_context_is_refused_politely(smollm2):
     assert session.messages == session.turns == []  # /stats starts again with the conversation
     with pytest.raises(ValueError, match="max tokens must be between 1 and 79"):
         ChatSession(model, draft, tokenizer, max_tokens=80, max_context=80)  # no room left for any message
+    with pytest.raises(ContextFull, match="a shorter message"):  # longer than the model's own 8,192
+        list(ChatSession(model, draft, tokenizer, max_tokens=8).reply("word " * 9000))
+    assert "indexing errors" not in capfd.readouterr().err + caplog.text  # only our message, not transformers'
 
 
 def test_an_interrupt_inside_a_model_pass_drops_the_message_and_a_clean_stop_keeps_the_answer(smollm2, monkeypatch):
