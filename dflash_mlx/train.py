@@ -17,6 +17,12 @@
   label is among them, and with a 49k vocabulary of which ~15k occur, a step is ~1.5x faster. The
   drafter still drafts over the whole vocabulary, and the held-out estimate scores it that way.
 
+* Target features are standardised for `fc` (not in the paper; a reparameterisation, so the drafter
+  is unchanged): a target's tapped layers differ in scale by orders of magnitude (SmolLM2: median
+  RMS 1.2 at layer 1, 15 at layer 27, single dimensions near 470), and with Adam a weight's effect on
+  the output grows with its input's scale, so the large dimensions drown the small ones' learning.
+  Training keeps fc as W' = W * s over features / s (s: each dimension's RMS); checkpoints hold W.
+
 Checkpoints (weights, optimizer state, step) are written atomically every `checkpoint_every` steps
 and when a stop is asked for (Ctrl-C in the CLI); a run restarted with the same output folder resumes
 from the last one. The data order and anchors of
@@ -232,6 +238,44 @@ class FeatureCache:
         return features
 
 
+class StandardisedFC(nn.Module):
+    """The drafter's `fc` while training: W x computed as W' (x / s), with W' = W * s trained and the
+    per-dimension feature scale s fixed. The function is fc's own; only Adam's steps change, which
+    now move every input dimension's weights at the rate its (unit-scale) input warrants."""
+
+    def __init__(self, fc: nn.Linear, scale: mx.array):
+        super().__init__()
+        self.scale = scale
+        self.weight = fc.weight * scale
+        self.freeze(keys=["scale"])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return (x / self.scale) @ self.weight.T
+
+    def plain(self) -> nn.Linear:
+        fc = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=False)
+        fc.weight = self.weight / self.scale
+        return fc
+
+
+def feature_scale(features: list[mx.array]) -> mx.array:
+    """Each feature dimension's RMS over these sequences' positions after the first (position 0 is
+    an attention sink with activations up to ~10^4 in some targets), floored at a thousandth of the
+    median so that a dead dimension is not blown up."""
+    x = np.concatenate([np.array(f[0, 1:].astype(mx.float32)) for f in features])
+    rms = np.sqrt(np.mean(x * x, axis=0))
+    return mx.array(np.maximum(rms, 1e-3 * np.median(rms)))
+
+
+def plain_parameters(draft: DFlashDraftModel) -> dict:
+    """The drafter's weights in its own layout (fc as W, whatever training wraps it in)."""
+    params = dict(tree_flatten(draft.parameters()))
+    if isinstance(draft.fc, StandardisedFC):
+        params.pop("fc.scale")
+        params["fc.weight"] = draft.fc.plain().weight
+    return params
+
+
 def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, n: int) -> np.ndarray:
     """Up to n distinct anchor positions among the response tokens that have a next token."""
     first, last = max(prompt_len, 1), length - 2
@@ -401,18 +445,27 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         cfg = replace(cfg, num_layers=c.num_hidden_layers, intermediate_size=c.intermediate_size,
                       target_layer_ids=list(c.target_layer_ids), mask_token_id=c.mask_token_id)
     target = Target(target.model, draft.config.target_layer_ids)
-    from .speculative import prepare
+    from .speculative import check_pair, prepare
 
-    prepare(target, draft)  # checks the pair, binds the shared embedding and lm_head
+    check_pair(target, draft)
+    features_of = FeatureCache(target, feature_cache_gb * 2**30)
+    train_idx = np.arange(cfg.holdout, len(seqs))
+    if run is None:  # the scale of the features the run starts on (they are kept for its first steps anyway)
+        first = [sequence_for_step(cfg.seed, k, train_idx) for k in range(min(16, len(train_idx)))]
+        scale = feature_scale([features_of(i, mx.array(seqs[i][0][:cfg.max_seq_len])) for i in first])
+    else:  # the run's own (runs from before standardisation have none and go on without it)
+        saved = ckpt / "feature_scale.safetensors"
+        scale = mx.load(str(saved))["scale"] if saved.exists() else None
+    if scale is not None:
+        draft.fc = StandardisedFC(draft.fc, scale.astype(draft.fc.weight.dtype))
+    object.__setattr__(draft, "_bound_to", None)  # (re)compile the draft step around this fc
+    prepare(target, draft)  # binds the shared embedding and lm_head
     mx.eval(draft.parameters())
 
     opt = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
     opt.init(draft.trainable_parameters())
     if start:
         opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
-
-    features_of = FeatureCache(target, feature_cache_gb * 2**30)
-    train_idx = np.arange(cfg.holdout, len(seqs))
     gamma = cfg.loss_gamma()
     head, to_subset = None, None
     if cfg.vocab == "data":
@@ -464,6 +517,9 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
                             frozen)
         if stopping:
             break
+    if isinstance(draft.fc, StandardisedFC):  # the caller gets the drafter as saved: fc a plain Linear
+        draft.fc = draft.fc.plain()
+        object.__setattr__(draft, "_bound_to", None)
     return draft
 
 
@@ -487,7 +543,9 @@ def trim_log(path: Path, step: int) -> None:
 def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: TrainConfig, data: dict,
                     target: dict) -> None:
     with atomic_folder(folder, force=True) as tmp:
-        mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(draft.parameters())))
+        mx.save_safetensors(str(tmp / "model.safetensors"), plain_parameters(draft))
+        if isinstance(draft.fc, StandardisedFC):
+            mx.save_safetensors(str(tmp / "feature_scale.safetensors"), {"scale": draft.fc.scale})
         (tmp / "config.json").write_text(json.dumps(draft.config.to_dict(), indent=2))
         mx.save_safetensors(str(tmp / "optimizer.safetensors"),
                             {k: v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)})

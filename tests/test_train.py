@@ -299,6 +299,45 @@ def test_features_past_the_float16_range_stay_finite(tiny_setup):
     np.testing.assert_allclose(np.array(kept.astype(mx.float32)), np.array(exact), rtol=1e-2)
 
 
+def test_fc_learns_on_standardised_features_and_checkpoints_hold_the_plain_drafter(tiny_setup, tmp_path):
+    model, seqs = tiny_setup
+    loud = make_target("llama")  # features of very different scales, as real targets' tapped layers have
+    mlp = loud.model.layers[1].mlp
+    mlp.down_proj.weight = mlp.down_proj.weight * mx.linspace(0.1, 30, loud.args.hidden_size)[:, None]
+    draft = make_draft(block_size=4, layers=1, layer_ids=(1, 3), mask_token_id=95)
+    before = np.array(draft.fc.weight)
+    cfg = TrainConfig(block_size=4, anchors=8, steps=1, warmup=0, weight_decay=0.0, holdout=8)
+    trained = train(Target(loud), make_tokenizer(), seqs, tmp_path / "run", cfg, draft=draft)
+    # The scale: each feature dimension's RMS over the first 16 training sequences, position 0 left out.
+    target = Target(loud, [1, 3])
+    first = [train_module.sequence_for_step(0, k, np.arange(8, len(seqs))) for k in range(16)]
+    x = np.concatenate([np.array(target(mx.array(seqs[i][0])[None], None)[1][0, 1:]) for i in first])
+    rms = np.sqrt((x.astype(np.float64) ** 2).mean(0))
+    saved = mx.load(str(tmp_path / "run" / "checkpoint" / "feature_scale.safetensors"))["scale"]
+    np.testing.assert_allclose(np.array(saved), rms, rtol=2e-3)  # (features are kept as float16)
+    assert rms.max() / rms.min() > 10
+    # Adam's first step moves every weight by the same amount in the standardised space: in fc's own
+    # space a weight moves inversely to its input's scale (without standardising, all alike).
+    step = np.abs(np.array(trained.fc.weight) - before) * rms
+    assert np.mean(np.abs(step / np.median(step) - 1) < 0.1) > 0.9
+    # The run's drafter and its checkpoint are the plain drafter (fc a Linear, no extra weights).
+    assert isinstance(trained.fc, nn.Linear)
+    ckpt = mx.load(str(tmp_path / "run" / "checkpoint" / "model.safetensors"))
+    assert sorted(ckpt) == sorted(flat_params(trained)) and mx.array_equal(ckpt["fc.weight"], trained.fc.weight)
+    tokens = mx.array(seqs[3][0])
+    _, features = target(tokens[None], None)
+    prepare(loud, trained)
+    logits = trained.propose_logits(int(tokens[20].item()), _absorbed(trained, features[:, :20]), 4)
+    np.testing.assert_allclose(np.array(logits[0]), np.array(block_logits(trained, target, features, tokens,
+                                                                          mx.array([20]))[0]), rtol=1e-4, atol=1e-4)
+
+
+def _absorbed(draft, features):
+    cache = draft.make_cache()
+    draft.absorb(features, cache)
+    return cache
+
+
 def test_each_epoch_trains_on_every_sequence_once(tiny_setup, tmp_path):
     model, seqs = tiny_setup
     cfg = TrainConfig(steps=64, block_size=8, num_layers=1, mask_token_id=95, anchors=2, holdout=8,
