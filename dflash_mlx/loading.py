@@ -307,8 +307,8 @@ def load_pair(target: str, draft: Optional[str] = None, dtype="auto"):
     from .speculative import prepare
 
     name = draft_for(target, draft)  # before loading (or downloading) anything
-    if draft is None and shipped(name):
-        name = str(shipped(name))  # the registry means the drafter shipped here, not a folder of that name here
+    if draft is None and (local := shipped(name)):
+        name = str(local)  # the registry means the drafter shipped here, not a folder of that name here
     model, tokenizer = load(target, dtype)  # before the drafter: a missing target is the clearer error
     drafter = load_draft(name, dtype)
     prepare(model, drafter)

@@ -458,7 +458,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         scale = mx.load(str(saved))["scale"] if saved.exists() else None
     if scale is not None:
         draft.fc = StandardisedFC(draft.fc, scale.astype(draft.fc.weight.dtype))
-    object.__setattr__(draft, "_bound_to", None)  # (re)compile the draft step around this fc
+        object.__setattr__(draft, "_bound_to", None)  # a drafter bound before: compile its step around this fc
     prepare(target, draft)  # binds the shared embedding and lm_head
     mx.eval(draft.parameters())
 
