@@ -15,6 +15,7 @@ from typing import Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from .drafters import NgramIndex
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
 
@@ -29,6 +30,7 @@ class SpeculativeCache:
         self.target_cache = target.make_cache()
         self.draft_cache = draft.make_cache() if draft is not None else None
         self.tokens: list[int] = []  # every committed token, processed or pending
+        self.index = NgramIndex()  # where each short n-gram of `tokens` last occurred (prompt lookup)
         self.processed = 0  # how many of them the target (and drafter) have seen
         self.last_prefill = 0  # tokens the last prefill ran through the target
         self.snapshot = None  # (position, recurrent states) at the end of the last prefill, if any
@@ -40,13 +42,18 @@ class SpeculativeCache:
     def pending(self) -> list[int]:
         return self.tokens[self.processed:]
 
+    def add(self, tokens: list[int]) -> None:
+        """Commit tokens without processing them (they become pending)."""
+        self.tokens.extend(tokens)
+        self.index.extend(tokens)
+
     def prefill(self, tokens: list[int], step: int = 2048) -> mx.array:
         """Process pending + new tokens; return the target's logits (1, vocab) after the last one.
 
         Long prompts go through in chunks of `step`, each chunk's features going straight into the
         drafter's cache, so the whole prompt's features never sit in memory at once.
         """
-        self.tokens.extend(tokens)
+        self.add(tokens)
         todo = self.pending
         self.last_prefill = len(todo)
         if not todo:
@@ -83,7 +90,7 @@ class SpeculativeCache:
         self.target.rollback(self.target_cache, keep)
         if self.draft_cache is not None and features is not None:
             self.draft.absorb(features[:, :keep], self.draft_cache)
-        self.tokens.extend(new_tokens)
+        self.add(new_tokens)
         self.processed += keep
         self.broken = False
 
@@ -96,6 +103,7 @@ class SpeculativeCache:
             return False
         if n >= self.processed:
             del self.tokens[n:]
+            self.index.truncate(n)
             return True
         caches = self.target_cache + (self.draft_cache or [])
         if all(c.is_trimmable() for c in caches):
@@ -113,4 +121,5 @@ class SpeculativeCache:
             c.trim(self.processed - back)
         self.processed = back
         del self.tokens[n:]
+        self.index.truncate(n)
         return True

@@ -24,8 +24,10 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import SpeculativeCache
+from .drafters import DFlashDrafter, lookup_proposals
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
+from .policy import DFLASH, LOOKUP, PLAIN, policy_for
 from .sampling import SamplingParams, acceptance
 
 
@@ -43,6 +45,8 @@ class GenerationResponse:
     generation_tps: float  # tokens after the first, per second since the first (0 until there is a second)
     peak_memory: float  # GB
     finish_reason: Optional[str] = None  # "stop" (EOS or stop string), "length", or None while running
+    source: Optional[str] = None  # what proposed this cycle's tokens: "plain", "lookup" or "dflash"
+    proposed: int = 0  # how many proposals this cycle's verify pass checked
 
 
 @dataclass
@@ -56,6 +60,7 @@ class GenerationResult:
     generation_tps: float
     peak_memory: float
     acceptance_lengths: list[int] = field(default_factory=list)  # one per cycle
+    sources: list[str] = field(default_factory=list)  # one per cycle: "plain", "lookup" or "dflash"
 
     @property
     def cycles(self) -> int:
@@ -71,6 +76,11 @@ class GenerationResult:
     @property
     def histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.acceptance_lengths).items()))
+
+    @property
+    def mix(self) -> dict[str, int]:
+        """Cycles per source."""
+        return dict(Counter(self.sources))
 
 
 def check_pair(target: Target, draft: DFlashDraftModel) -> None:
@@ -194,6 +204,7 @@ def stream_generate(
     prompt: Union[str, Sequence[int], mx.array],
     *,
     block_size: Optional[int] = None,
+    lookup: bool = True,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -212,7 +223,12 @@ def stream_generate(
     a list of token ids or an mx.array. With `prompt_cache` (a SpeculativeCache from an earlier call)
     the prompt holds only the new tokens. `sampler`, if given, is an mlx-lm style sampler
     (log-probabilities -> token) that replaces temperature/top-p/top-k/min-p; proposals are then
-    accepted where they equal its draws. `block_size=1` or `draft=None` is plain decoding.
+    accepted where they equal its draws.
+
+    By default each cycle chooses among a plain step, prompt lookup and the drafter, and how many
+    proposals to verify, by what pays on this machine (see policy.py); `lookup=False` leaves lookup
+    out, `draft=None` the drafter. `block_size=N` pins a fixed DFlash block of N every cycle (no
+    lookup); `block_size=1` is plain decoding.
     `tokenizer=None` works on token ids alone: no text, no EOS. A stop string ends the text where it
     starts; the tokens of the cycle that hit it stay in `tokens` and in `prompt_cache`. A prompt that
     fills the target's context is an error; the answer stops ("length") where the context ends.
@@ -222,10 +238,8 @@ def stream_generate(
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if prefill_step_size < 1:
         raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
-    if block_size is None:
-        block_size = draft.block_size if draft is not None else 1
-    check_block_size(block_size)
-    drafting = draft is not None and block_size > 1  # else plain decoding (the drafter's cache still follows)
+    if block_size is not None:
+        check_block_size(block_size)
     if tokenizer is not None and not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if tokenizer is None and isinstance(prompt, str):
@@ -244,11 +258,14 @@ def stream_generate(
     max_tokens = min(max_tokens, context_room(target, kept + len(prompt_ids), kept))
     if max_tokens == 0:
         if prompt_cache is not None:  # nothing to generate, but the conversation keeps the prompt
-            prompt_cache.tokens.extend(prompt_ids)
+            prompt_cache.add(prompt_ids)
         return
     if seed is not None:
         mx.random.seed(seed)
-    propose, accept = acceptance(params, sampler)
+    draw, accept = acceptance(params, sampler)
+    policy = policy_for(target, draft, block_size=block_size, lookup=lookup)
+    dflash = DFlashDrafter(draft, block_size or draft.block_size, compile) if draft is not None else None
+    sampled = sampler is None and not params.greedy  # rejection sampling: proposals need their q
     pick = (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))) \
         if sampler is not None else params.sample
     cache = prompt_cache or SpeculativeCache(target, draft)
@@ -264,7 +281,8 @@ def stream_generate(
     tic = time.perf_counter()
     produced = 0
 
-    def respond(new: list[int], accepted: Optional[int], finish: Optional[str]) -> GenerationResponse:
+    def respond(new: list[int], accepted: Optional[int], finish: Optional[str], source: Optional[str] = None,
+                proposed: int = 0) -> GenerationResponse:
         """Turn committed tokens into a response: text (EOS not shown), stop strings, stats."""
         nonlocal produced
         produced += len(new)
@@ -280,7 +298,8 @@ def stream_generate(
             text += "" if hit else stops.flush()
         elapsed = time.perf_counter() - tic
         return GenerationResponse(text, new, accepted, len(prompt_ids), prompt_tps, produced,
-                                  (produced - 1) / max(elapsed, 1e-9), mx.get_peak_memory() / 1e9, finish)
+                                  (produced - 1) / max(elapsed, 1e-9), mx.get_peak_memory() / 1e9, finish,
+                                  source, proposed)
 
     def finish_reason(new: list[int]) -> tuple[list[int], Optional[str]]:
         """Cut new tokens at max_tokens, then after an EOS (an EOS past the limit is never reached)."""
@@ -292,29 +311,35 @@ def stream_generate(
         return new, ("length" if len(new) == room else None)
 
     new, finish = finish_reason([first])
-    cache.tokens.append(first)
+    cache.add([first])
     response = respond(new, None, finish)
     yield response
     while response.finish_reason is None:
-        last = cache.pending[-1]
-        if drafting:
-            x, q = propose(draft.propose_logits(last, cache.draft_cache, block_size, compile)[0])
-            block = mx.concatenate([mx.array([last]), x.astype(mx.int32)])[None]
-        else:  # plain decoding: one target token per pass
-            x, block = mx.array([], dtype=mx.int32), mx.array([[last]])
-        logits, features = cache.verify(block)
-        n, nxt = accept(x, q, logits[0]) if drafting else (mx.array(0), pick(logits[0])[0])
+        last, context = cache.pending[-1], len(cache.tokens)
+        found = cache.index.match() if lookup and block_size is None else ([], 0)
+        choice = policy.choose(context, found)
+        k, x, q, confidence = choice.k, mx.array([], dtype=mx.int32), None, []
+        if choice.source == DFLASH:
+            x, q, confidence = dflash.propose(last, cache.draft_cache, k, draw)
+            k, confidence = policy.narrow(choice, confidence, context)
+            x, q = x[:k], None if q is None else q[:k]
+        elif choice.source == LOOKUP:
+            x, q = lookup_proposals(found[0][:k], target.vocab_size, sampled)
+            k = x.shape[0]
+        logits, features = cache.verify(mx.concatenate([mx.array([last]), x])[None])
+        n, nxt = accept(x, q, logits[0]) if k else (mx.array(0), pick(logits[0])[0])
         mx.eval(n, nxt, x)
         n, tokens = n.item(), x.tolist()
+        policy.observe(choice, k, n, confidence, found[1])
         new, finish = finish_reason(tokens[:n] + [nxt.item()])
         cache.commit(features, new)
-        response = respond(new, n + 1, finish)
+        response = respond(new, n + 1, finish, choice.source if k else PLAIN, k)
         yield response
 
 
 def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs) -> GenerationResult:
     """Run `stream_generate` to the end; return the text, tokens and acceptance statistics."""
-    text, tokens, acc, last = [], [], [], None
+    text, tokens, acc, sources, last = [], [], [], [], None
     for last in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         if verbose:
             print(last.text, end="", flush=True)
@@ -322,10 +347,11 @@ def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs
         tokens.extend(last.tokens)
         if last.accepted is not None:
             acc.append(last.accepted)
+            sources.append(last.source)
     if verbose:
         print()
     if last is None:  # max_tokens=0: nothing generated, the prompt still counted
         return GenerationResult("", [], "length", len(_encode(tokenizer, prompt)), 0.0, 0, 0.0,
                                 mx.get_peak_memory() / 1e9)
     return GenerationResult("".join(text), tokens, last.finish_reason, last.prompt_tokens, last.prompt_tps,
-                            last.generation_tokens, last.generation_tps, last.peak_memory, acc)
+                            last.generation_tokens, last.generation_tps, last.peak_memory, acc, sources)

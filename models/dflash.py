@@ -20,6 +20,7 @@ target's lm_head after the drafter's own final `norm`. The checkpoint layout is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -206,7 +207,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = [DFlashLayer(config, t == "sliding_attention") for t in config.layer_types]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.traces = 0  # how often the compiled draft step was traced (a recompile counter)
-        self._step = None
+        self._compiled_step = None
 
     @property
     def block_size(self) -> int:
@@ -257,23 +258,31 @@ class DFlashDraftModel(nn.Module):
         parameters) as compile inputs keeps the compiled step correct if weights change later.
         """
 
-        def step(block_tokens, ctx_keys, ctx_values, ctx_len):
+        def step(block_tokens, ctx_keys, ctx_values, ctx_len, heads):
             h = self.denoise(embed(block_tokens).astype(self.dtype), ctx_keys, ctx_values, ctx_len)
-            return lm_head(h[:, 1:])
+            return lm_head(h[:, 1:1 + heads])  # the output head only where proposals will be read
 
-        def traced_step(*args):
-            self.traces += 1  # runs only while mx.compile traces, never on a cached call
-            return step(*args)
+        def compiled(heads: int):
+            def traced_step(*args):
+                self.traces += 1  # runs only while mx.compile traces, never on a cached call
+                return step(*args, heads)
+
+            return mx.compile(traced_step, inputs=[self.state, shared_state])
 
         self._eager_step = step
-        self._step = mx.compile(traced_step, inputs=[self.state, shared_state])
+        self._compiled_step = functools.cache(compiled)  # one compiled step per head count
 
-    def propose_logits(self, last_token: int, cache: list[KVCache], block_size: int, compiled: bool = True):
-        """Logits (1, block_size-1, vocab) for the block [last_token, MASK, ...] after the cache."""
-        if self._step is None:
+    def propose_logits(self, last_token: int, cache: list[KVCache], block_size: int, compiled: bool = True,
+                       heads: Optional[int] = None):
+        """Logits (1, heads, vocab) of the first `heads` proposals (default all block_size - 1) for the
+        block [last_token, MASK, ...] after the cache."""
+        if self._compiled_step is None:
             raise RuntimeError("drafter is not bound to a target: call bind() (load_pair does this)")
+        heads = block_size - 1 if heads is None else heads
         block = mx.array([[last_token] + [self.config.mask_token_id] * (block_size - 1)])
         keys = [c.keys for c in cache]
         values = [c.values for c in cache]
-        fn = self._step if compiled else self._eager_step
-        return fn(block, keys, values, mx.array(cache[0].offset))
+        args = (block, keys, values, mx.array(cache[0].offset))
+        if not compiled:
+            return self._eager_step(*args, heads)
+        return self._compiled_step(heads)(*args)

@@ -35,7 +35,7 @@ def test_caches_equal_a_fresh_prefill_after_every_cycle(family):
     cache = SpeculativeCache(target, draft)
     tok = no_eos_tokenizer(ref)
     cycles = 0
-    for piece in stream_generate(target, draft, tok, prompt, max_tokens=60, prompt_cache=cache):
+    for piece in stream_generate(target, draft, tok, prompt, max_tokens=60, prompt_cache=cache, block_size=7):
         committed = cache.tokens[:cache.processed]
         assert cache.tokens == prompt + ref[:len(cache.tokens) - len(prompt)]
         assert len(cache.pending) == 1

@@ -33,7 +33,7 @@ def test_every_acceptance_length_stays_lossless(targets, family, block_size):
     ref = greedy_reference(model, prompt, n + block_size)
     # Cycle i injects an error at block position errors[i]: acceptance lengths 1..B all occur.
     draft = OracleDraft(draft_config(block_size=block_size), prompt + ref, [None, *range(block_size - 1)])
-    out = generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=n)
+    out = generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=n, block_size=block_size)
     assert out.tokens == ref[:n]
     assert set(out.acceptance_lengths) == set(range(1, block_size + 1))
 
@@ -57,7 +57,7 @@ def test_max_tokens_cuts_inside_a_block(targets):
     model, prompt = targets["llama"], prompt_of(9)
     ref = greedy_reference(model, prompt, 40)
     draft = OracleDraft(draft_config(block_size=16), prompt + ref, [None])
-    pieces = list(stream_generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=21))
+    pieces = list(stream_generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=21, block_size=16))
     assert [len(p.tokens) for p in pieces] == [1, 16, 4]
     assert sum((p.tokens for p in pieces), []) == ref[:21]
     assert pieces[-1].finish_reason == "length" and pieces[-1].generation_tokens == 21
@@ -69,7 +69,7 @@ def test_eos_inside_an_accepted_block_ends_there(targets):
     # Pick as EOS a token whose first occurrence falls inside the second or third block.
     eos_at = next(i for i in range(5, 40) if ref[i] not in ref[:i])
     draft = OracleDraft(draft_config(block_size=16), prompt + ref, [None])
-    out = generate(model, draft, make_tokenizer(eos=ref[eos_at]), prompt, max_tokens=60)
+    out = generate(model, draft, make_tokenizer(eos=ref[eos_at]), prompt, max_tokens=60, block_size=16)
     assert out.tokens == ref[:eos_at + 1]
     assert out.finish_reason == "stop"
 
@@ -83,7 +83,7 @@ def test_max_tokens_wins_over_an_eos_later_in_the_same_block(targets, limit_offs
     eos_at = next(i for i in range(5, 40) if ref[i] not in ref[:i])
     max_tokens = eos_at + 1 + limit_offset
     draft = OracleDraft(draft_config(block_size=16), prompt + ref, [None])
-    out = generate(model, draft, make_tokenizer(eos=ref[eos_at]), prompt, max_tokens=max_tokens)
+    out = generate(model, draft, make_tokenizer(eos=ref[eos_at]), prompt, max_tokens=max_tokens, block_size=16)
     assert out.tokens == ref[:max_tokens]
     assert out.finish_reason == ("stop" if limit_offset == 0 else "length")
 

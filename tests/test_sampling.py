@@ -33,12 +33,12 @@ def nucleus_probs(logits: np.ndarray, temperature: float, top_p: float, top_k: i
     return q / q.sum()
 
 
-def exact_joint(model, temperature, top_p, **filters) -> dict:
-    """P(first T tokens) for every sequence of T tokens, from the target's logits."""
+def exact_joint(model, temperature, top_p, prompt=PROMPT, **filters) -> dict:
+    """P(first T tokens) for every sequence of T tokens after `prompt`, from the target's logits."""
     probs = {(): 1.0}
     for _ in range(T):
         seqs = list(probs)
-        logits = np.array(model(mx.array([PROMPT + list(s) for s in seqs]))[:, -1].astype(mx.float32))
+        logits = np.array(model(mx.array([prompt + list(s) for s in seqs]))[:, -1].astype(mx.float32))
         probs = {s + (t,): probs[s] * pt for s, row in zip(seqs, logits)
                  for t, pt in enumerate(nucleus_probs(row.astype(np.float64), temperature, top_p, **filters))}
     return probs
@@ -52,14 +52,14 @@ class TargetPathDraft(DFlashDraftModel):
         super().__init__(config)
         self.model, self.holder = model, cache_holder
 
-    def propose_logits(self, last_token, cache, block_size, compiled=True):
+    def propose_logits(self, last_token, cache, block_size, compiled=True, heads=None):
         seq = self.holder[0].tokens[:cache[0].offset] + [last_token]
         rows = []
         for _ in range(block_size - 1):
             row = self.model(mx.array([seq]))[0, -1]
             rows.append(row)
             seq = seq + [int(mx.argmax(row).item())]
-        return mx.stack(rows)[None]
+        return mx.stack(rows)[None, :heads]
 
 
 def sample_counts(model, draft, holder, temperature, top_p, sampler=None, **filters) -> dict:

@@ -106,7 +106,7 @@ class OracleDraft(DFlashDraftModel):
         self.errors = list(errors)
         self.cycle = 0
 
-    def propose_logits(self, last_token, cache, block_size, compiled=True):
+    def propose_logits(self, last_token, cache, block_size, compiled=True, heads=None):
         start = cache[0].offset  # position of last_token
         guess = [self.reference[p] if p < len(self.reference) else 0 for p in range(start + 1, start + block_size)]
         err = self.errors[self.cycle % len(self.errors)]
@@ -116,7 +116,7 @@ class OracleDraft(DFlashDraftModel):
         logits = mx.full((1, block_size - 1, self.config.vocab_size), -30.0)
         for i, t in enumerate(guess):
             logits[0, i, t] = 30.0
-        return logits
+        return logits[:, :heads]
 
 
 def flat_params(model) -> dict:

@@ -1,0 +1,88 @@
+"""What proposes tokens for the target to verify: the DFlash drafter and prompt lookup.
+
+A drafter proposes up to k tokens after the committed context, with the distributions q they were
+drawn from (None where the proposal is a deterministic choice: greedy drafting, or lookup, whose q is
+one-hot). The acceptance rules in sampling.py are exact for any such proposer, so whatever proposes,
+the target's output is unchanged.
+
+`propose` returns (tokens, q, confidence): `confidence[i]` is the drafter's own probability of its
+i-th proposal where it has one (the policy learns how well that predicts acceptance), else None.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .models.dflash import DFlashDraftModel
+
+# Suffix lengths tried, longest first, and the most tokens one lookup proposes (see docs/policy.md).
+LOOKUP_NGRAMS = (4, 3, 2)
+LOOKUP_MAX = 16
+
+
+class NgramIndex:
+    """For each n in `sizes`, where each n-gram of the context last occurred, updated token by token.
+
+    `latest[n][gram] = i` means `tokens[i - n:i] == gram` and i is the largest such index below the
+    context's end, so `tokens[i:]` is what followed the gram's latest earlier occurrence. Appending a
+    token costs one dict write per n; nothing rescans the context.
+    """
+
+    def __init__(self, sizes=LOOKUP_NGRAMS):
+        self.sizes = tuple(sorted(sizes, reverse=True))
+        self.tokens: list[int] = []
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            i = len(self.tokens)  # the new token's index: the n-gram before it is followed by it
+            for n in self.sizes:
+                if i >= n:
+                    self.latest[n][tuple(self.tokens[i - n:i])] = i
+            self.tokens.append(int(t))
+
+    def truncate(self, length: int) -> None:
+        if length < len(self.tokens):
+            kept = self.tokens[:length]
+            self.__init__(self.sizes)
+            self.extend(kept)
+
+    def match(self, cap: int = LOOKUP_MAX) -> tuple[list[int], int]:
+        """-> (up to `cap` tokens that followed the latest earlier occurrence of the longest suffix that
+        occurred before, the suffix's length n); ([], 0) when no suffix did."""
+        end = len(self.tokens)
+        for n in self.sizes:
+            if end >= n:
+                i = self.latest[n].get(tuple(self.tokens[end - n:]))
+                if i is not None:
+                    return self.tokens[i:i + cap], n
+        return [], 0
+
+
+def lookup_proposals(tokens: list[int], vocab_size: int, sampled: bool):
+    """Lookup's proposals as the acceptance rules take them: the tokens, and when sampling their q,
+    one-hot (a proposal x is then kept with probability p(x))."""
+    x = mx.array(tokens, dtype=mx.int32)
+    if not sampled:
+        return x, None
+    return x, (mx.arange(vocab_size)[None] == x[:, None]).astype(mx.float32)
+
+
+class DFlashDrafter:
+    """The block-diffusion drafter: one parallel pass over [last, MASK * (B - 1)] after its context
+    cache; only the first k positions go through the (wide) output head."""
+
+    def __init__(self, model: DFlashDraftModel, block_size: int, compiled: bool = True):
+        self.model, self.block_size, self.compiled = model, block_size, compiled
+
+    def propose(self, last: int, cache, k: int, draw):
+        """-> (k proposals, their q or None, confidences). A position's confidence is the largest
+        probability of the distribution it is drawn from: it never depends on the draw itself, so a
+        width chosen from it keeps rejection sampling exact."""
+        logits = self.model.propose_logits(last, cache, self.block_size, self.compiled, heads=k)[0]
+        x, q = draw(logits)
+        if q is None:
+            confidence = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
+        else:
+            confidence = q.max(axis=-1)
+        return x.astype(mx.int32), q, confidence

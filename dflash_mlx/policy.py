@@ -1,0 +1,298 @@
+"""Which proposer to use each cycle, and how many of its tokens to verify.
+
+A cycle that verifies k proposals commits 1 + (accepted proposals) tokens and costs a target pass over
+k + 1 positions plus the proposer's own pass. With a_j the chance that proposal j is accepted given that
+1 .. j-1 were, it commits on average E_k = 1 + sum_{i<=k} prod_{j<=i} a_j tokens; the policy picks the
+source and k with the most tokens per second, E_k / (T_target(k + 1, context) + T_draft(k, context)),
+where a plain step (k = 0) gives exactly 1 / T_target(1, context).
+
+The times come from a `CostModel` measured on this machine for this pair (see `costs_for`); the a_j are
+learnt online from what the target accepted, per source and position, with old cycles counting less
+and less. A DFlash drafter's own probability for each proposal predicts its acceptance better than its
+position does, so once the block is drafted its width is cut back where those odds no longer pay.
+An option that loses is parked and probed now and then, less often while it keeps losing, so that it
+comes back when the text changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+PLAIN, LOOKUP, DFLASH = "plain", "lookup", "dflash"
+
+# Each cycle of a source weighs its older evidence by DECAY, on top of prior odds PRIOR_HITS / PRIOR_TRIALS.
+# A parked option is probed after PROBE_FIRST cycles, then after twice as many each time it still loses;
+# a probe first discounts the old evidence to PROBE_KEEP, so that one success can bring it back.
+DECAY = 0.97
+PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0
+CONFIDENCE_BINS = 10
+PROBE_FIRST, PROBE_MAX, PROBE_KEEP = 16, 1024, 0.25
+
+
+@dataclass(frozen=True)
+class Choice:
+    source: str  # PLAIN, LOOKUP or DFLASH
+    k: int  # proposals to verify (0 for a plain step)
+
+
+@dataclass
+class CostModel:
+    """Seconds of a target pass over w positions and of a draft pass proposing k tokens, measured at a
+    few context lengths; between and beyond them a cost is interpolated linearly in the context (each
+    verified position attends over the whole context, so costs grow about linearly with it)."""
+
+    contexts: list[int]
+    widths: list[int]  # target pass widths measured, 1 first
+    target: list[list[float]]  # [context][width]
+    proposals: list[int]  # draft pass proposal counts measured ([] without a drafter)
+    draft: list[list[float]]  # [context][proposals]
+
+    def target_time(self, width: int, context: int) -> float:
+        return _interpolate(self.contexts, [_interpolate(self.widths, row, width) for row in self.target], context)
+
+    def draft_time(self, k: int, context: int) -> float:
+        if not self.proposals:
+            return 0.0
+        return _interpolate(self.contexts, [_interpolate(self.proposals, row, k) for row in self.draft], context)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly past both ends (never below 0)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class _Odds:
+    """Decayed counts of accepted / tried proposals at each position, with a prior."""
+
+    def __init__(self, positions: int):
+        self.hits = [0.0] * (positions + 1)
+        self.trials = [0.0] * (positions + 1)
+
+    def rate(self, j: int) -> float:
+        j = min(j, len(self.hits) - 1)
+        return (self.hits[j] + PRIOR_HITS) / (self.trials[j] + PRIOR_TRIALS)
+
+    def discount(self, factor: float) -> None:
+        for j in range(1, len(self.hits)):
+            self.hits[j] *= factor
+            self.trials[j] *= factor
+
+    def observe(self, k: int, accepted: int) -> None:
+        self.discount(DECAY)
+        for j in range(1, min(accepted + 1, k) + 1):  # 1..n accepted, n + 1 rejected (if proposed)
+            j_ = min(j, len(self.hits) - 1)
+            self.trials[j_] += 1
+            self.hits[j_] += j <= accepted
+
+
+def expected_tokens(rates: list[float]) -> list[float]:
+    """E_k for k = 0 .. len(rates): tokens a cycle commits on average with k proposals verified."""
+    out, alive = [1.0], 1.0
+    for a in rates:
+        alive *= a
+        out.append(out[-1] + alive)
+    return out
+
+
+class FixedPolicy:
+    """Every cycle the same: DFlash with block_size - 1 proposals (plain steps at block size 1)."""
+
+    def __init__(self, block_size: int, drafting: bool):
+        self.k = block_size - 1 if drafting else 0
+
+    def choose(self, context: int, lookup: tuple[list[int], int]) -> Choice:
+        return Choice(DFLASH, self.k) if self.k else Choice(PLAIN, 0)
+
+    def narrow(self, choice: Choice, confidence: mx.array, context: int) -> tuple[int, list[float]]:
+        return choice.k, []
+
+    def observe(self, choice: Choice, k: int, accepted: int, confidence, ngram: int) -> None:
+        pass
+
+
+class AdaptivePolicy:
+    """The per-cycle choice among a plain step, lookup with k proposals and DFlash with k proposals."""
+
+    def __init__(self, costs: CostModel, max_dflash: int, lookup: bool, max_lookup: int = 16):
+        self.costs = costs
+        self.max = {DFLASH: max_dflash, LOOKUP: max_lookup if lookup else 0}
+        self.dflash = _Odds(max_dflash)
+        self.lookup = {n: _Odds(max_lookup) for n in range(1, 9)}  # by matched suffix length
+        self.bins = _Odds(CONFIDENCE_BINS)  # acceptance by the drafter's confidence (bins 1..10)
+        self.idle = {DFLASH: 0, LOOKUP: 0}  # cycles an available option was not chosen
+        self.wait = {DFLASH: PROBE_FIRST, LOOKUP: PROBE_FIRST}
+
+    def _best(self, rates: list[float], draft_cost, context: int) -> tuple[float, int]:
+        """-> (tokens per second, k) of the best k >= 1 for these acceptance odds."""
+        e = expected_tokens(rates)
+        best = (0.0, 0)
+        for k in range(1, len(rates) + 1):
+            t = self.costs.target_time(k + 1, context) + draft_cost(k)
+            best = max(best, (e[k] / t, -k))
+        return best[0], -best[1]
+
+    def choose(self, context: int, lookup: tuple[list[int], int]) -> Choice:
+        options = [(1.0 / self.costs.target_time(1, context), Choice(PLAIN, 0))]
+        tokens, n = lookup
+        if self.max[LOOKUP] and tokens:
+            odds = self.lookup[min(n, 8)]
+            rate, k = self._best([odds.rate(j) for j in range(1, min(len(tokens), self.max[LOOKUP]) + 1)],
+                                 lambda k: 0.0, context)
+            options.append((rate, Choice(LOOKUP, k)))
+        if self.max[DFLASH]:
+            rate, k = self._best([self.dflash.rate(j) for j in range(1, self.max[DFLASH] + 1)],
+                                 lambda k: self.costs.draft_time(k, context), context)
+            options.append((rate, Choice(DFLASH, k)))
+        choice = max(options, key=lambda o: o[0])[1]
+        for _, option in options[1:]:
+            source = option.source
+            if source == choice.source:
+                self.idle[source], self.wait[source] = 0, PROBE_FIRST
+            elif choice.source == PLAIN and self.idle[source] >= self.wait[source]:
+                self.idle[source], self.wait[source] = 0, min(2 * self.wait[source], PROBE_MAX)
+                for odds in (self.dflash,) if source == DFLASH else (self.lookup[min(n, 8)],):
+                    odds.discount(PROBE_KEEP)
+                return option
+            else:
+                self.idle[source] += 1
+        return choice
+
+    def _bin(self, c: float) -> int:
+        return 1 + min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
+
+    def narrow(self, choice: Choice, confidence: mx.array, context: int) -> tuple[int, list[float]]:
+        """How many of a drafted block's proposals to verify, now that their confidences are known
+        (-> that number, and the confidences as floats). A confidence bin with little evidence leans on
+        the position's own odds."""
+        confidence = confidence.tolist()
+        rates = []
+        for j, c in enumerate(confidence):
+            b = self._bin(c)
+            prior = self.dflash.rate(j + 1)
+            rates.append((self.bins.hits[b] + PRIOR_TRIALS * prior) / (self.bins.trials[b] + PRIOR_TRIALS))
+        drafted = self.costs.draft_time(choice.k, context)
+        e = expected_tokens(rates)
+        best = max(range(len(e)), key=lambda k: (e[k] / (self.costs.target_time(k + 1, context) + drafted), -k))
+        return best, confidence
+
+    def observe(self, choice: Choice, k: int, accepted: int, confidence: list[float], ngram: int) -> None:
+        if choice.source == DFLASH:
+            self.dflash.observe(k, accepted)
+            self.bins.discount(DECAY)
+            for j, c in enumerate(confidence[:min(accepted + 1, k)]):
+                b = self._bin(c)
+                self.bins.trials[b] += 1
+                self.bins.hits[b] += j < accepted
+        elif choice.source == LOOKUP:
+            self.lookup[min(ngram, 8)].observe(k, accepted)
+
+
+# ---- measuring the costs --------------------------------------------------------------------------
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up (and compilation)
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times)
+
+
+def measure_costs(target, draft, contexts=(64, 1024), widths=(1, 2, 4, 8, 16), proposals=(1, 3, 7, 15),
+                  repeats: int = 3) -> CostModel:
+    """Time the target's passes by width and the drafter's by proposals, after random prompts of each
+    context length (capped by the model's context)."""
+    from .cache import SpeculativeCache
+    from .speculative import context_length
+
+    limit = context_length(target) or 1 << 30
+    contexts = sorted({min(c, limit - max(widths) - 1) for c in contexts})
+    vocab = target.vocab_size
+    proposals = [k for k in proposals if draft is not None and k < draft.block_size] if draft is not None else []
+    table, drafts = [], []
+    key = mx.random.key(0)  # random ids without touching the global generator (a seeded run's draws)
+    for context in contexts:
+        cache = SpeculativeCache(target, draft)
+        cache.prefill(mx.random.randint(0, vocab, (context,), key=key).tolist())
+        row = []
+        for w in widths:
+            block = mx.random.randint(0, vocab, (1, w), key=key)
+
+            def verify():
+                mx.eval(target(block, cache.target_cache)[0])
+                for c in cache.target_cache:  # back to the context (recurrent state does not grow)
+                    if c.is_trimmable():
+                        c.trim(w)
+
+            row.append(_median_seconds(verify, repeats))
+        table.append(row)
+        if proposals:
+            drafts.append([_median_seconds(lambda k=k: mx.eval(draft.propose_logits(
+                1, cache.draft_cache, draft.block_size, True, heads=k)), repeats) for k in proposals])
+    return CostModel(list(contexts), list(widths), table, proposals, drafts)
+
+
+def cost_key(target, draft) -> str:
+    """What the costs depend on: the models' shapes and dtypes, this machine and its MLX build."""
+    from .platform import backend, blas
+
+    def shape(args) -> dict:
+        return {k: v for k, v in sorted(vars(args).items()) if isinstance(v, (int, float, str, bool))}
+
+    facts = {
+        "target": [target.family, shape(target.args), str(target.inner.embed_tokens.weight.dtype)],
+        "draft": None if draft is None else [draft.config.to_dict(), str(draft.dtype)],
+        "machine": [platform.machine(), platform.processor(), platform.node(), backend(), mx.__version__,
+                    blas["library"]],
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def costs_path(target, draft) -> Path:
+    from .loading import cache_home
+
+    return cache_home() / "costs" / f"{cost_key(target, draft)}.json"
+
+
+def costs_for(target, draft, refresh: bool = False) -> CostModel:
+    """This pair's costs on this machine: measured at first use (a few seconds), then read from disk."""
+    from .convert import atomic_file
+
+    path = costs_path(target, draft)
+    if not refresh and path.exists():
+        try:
+            return CostModel(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            pass  # unreadable: measure again
+    costs = measure_costs(target, draft)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(costs.to_dict()))
+    return costs
+
+
+def policy_for(target, draft, *, block_size: Optional[int], lookup: bool, costs: Optional[CostModel] = None):
+    if block_size is not None or (draft is None and not lookup):
+        return FixedPolicy(block_size or 1, draft is not None)
+    costs = costs or costs_for(target, draft)
+    return AdaptivePolicy(costs, draft.block_size - 1 if draft is not None else 0, lookup)

@@ -1,0 +1,216 @@
+"""The adaptive cycle: prompt lookup, the cost model and the per-cycle choice, and that no choice it can
+make changes the output."""
+
+import random
+
+import pytest
+from test_cache import assert_same_caches
+from test_sampling import RUNS, T, V, chi_square_p, exact_joint
+from tiny import (FAMILIES, OracleDraft, draft_config, greedy_reference, make_draft, make_target, make_tokenizer,
+                  prompt_of)
+
+import dflash_mlx.speculative as speculative
+from dflash_mlx import SpeculativeCache, generate, stream_generate
+from dflash_mlx.drafters import NgramIndex
+from dflash_mlx.policy import DFLASH, LOOKUP, PLAIN, AdaptivePolicy, Choice, CostModel, FixedPolicy
+
+
+def brute_force_match(tokens, sizes, cap):
+    for n in sorted(sizes, reverse=True):
+        if len(tokens) < n:
+            continue
+        suffix = tokens[len(tokens) - n:]
+        for i in range(len(tokens) - 1, n - 1, -1):
+            if tokens[i - n:i] == suffix:
+                return tokens[i:i + cap], n
+    return [], 0
+
+
+def test_the_lookup_index_finds_what_a_search_of_the_whole_context_finds():
+    rng = random.Random(0)
+    for trial in range(200):
+        vocab = rng.choice([2, 3, 5, 20])
+        sizes = rng.choice([(4, 3, 2), (3, 2, 1), (2,), (5, 1)])
+        cap = rng.choice([1, 4, 16])
+        index, tokens = NgramIndex(sizes), []
+        for _ in range(rng.randrange(1, 60)):
+            new = [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+            index.extend(new)
+            tokens += new
+            assert index.match(cap) == brute_force_match(tokens, sizes, cap)
+        cut = rng.randrange(len(tokens) + 1)
+        index.truncate(cut)
+        assert index.match(cap) == brute_force_match(tokens[:cut], sizes, cap)
+
+
+class ScriptedPolicy(FixedPolicy):
+    """Makes the choices of a script in turn (lookup falls back to a plain step without a match)."""
+
+    def __init__(self, script):
+        self.script, self.cycle = script, 0
+
+    def choose(self, context, lookup):
+        choice = self.script[self.cycle % len(self.script)]
+        self.cycle += 1
+        if choice.source == LOOKUP and not lookup[0]:
+            return Choice(PLAIN, 0)
+        return choice
+
+
+SCRIPT = [Choice(DFLASH, 15), Choice(LOOKUP, 3), Choice(PLAIN, 0), Choice(DFLASH, 1), Choice(LOOKUP, 16),
+          Choice(DFLASH, 6), Choice(LOOKUP, 1), Choice(DFLASH, 15), Choice(LOOKUP, 8)]
+
+
+class OracleIndex(NgramIndex):
+    """Lookup that proposes the reference continuation of the context, wrong at one position in turn, so
+    lookup cycles happen whatever the text (the real index is tested against a brute-force search above)."""
+
+    def __init__(self, reference, errors):
+        super().__init__()
+        self.reference, self.errors, self.calls = reference, errors, 0
+
+    def match(self, cap=16):
+        guess = self.reference[len(self.tokens):len(self.tokens) + cap]
+        err = self.errors[self.calls % len(self.errors)]
+        self.calls += 1
+        if err is not None and err < len(guess):
+            guess[err] = (guess[err] + 1) % 96
+        return guess, 3
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    def use(script):
+        monkeypatch.setattr(speculative, "policy_for", lambda *a, **k: ScriptedPolicy(script))
+    return use
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_choice_and_every_switch_between_them_is_lossless(family, scripted):
+    scripted(SCRIPT)
+    model, prompt = make_target(family), prompt_of(12, seed=3)
+    ref = greedy_reference(model, prompt, 70)
+    draft = OracleDraft(draft_config(block_size=16), prompt + ref, [None, 0, 4, 2, 9])
+    target = speculative.prepare(model, draft)
+    cache = SpeculativeCache(target, draft)
+    cache.index = OracleIndex(prompt + ref, [None, 1, 0, 5])
+    tok = make_tokenizer(eos=next(i for i in range(3, 96) if i not in ref))
+    sources = []
+    for piece in stream_generate(target, draft, tok, prompt, max_tokens=60, prompt_cache=cache):
+        assert cache.tokens == prompt + ref[:len(cache.tokens) - len(prompt)]
+        fresh = SpeculativeCache(target, draft)
+        fresh.prefill(cache.tokens[:cache.processed])
+        assert_same_caches(cache, fresh)
+        sources.append((piece.source, piece.proposed))
+    assert cache.tokens[len(prompt):] == ref[:60]
+    assert {s for s, _ in sources[1:]} == {PLAIN, LOOKUP, DFLASH}
+    assert len({k for s, k in sources if s == DFLASH}) > 1 and len({k for s, k in sources if s == LOOKUP}) > 1
+
+
+def test_lookup_proposals_cut_by_eos_stop_strings_and_max_tokens(scripted):
+    scripted([Choice(LOOKUP, 16)])
+    part = prompt_of(7, seed=5)
+    model, prompt = make_target("llama"), part + prompt_of(3, seed=6) + part  # a text that repeats itself
+    ref = greedy_reference(model, prompt, 80)
+    no_eos = make_tokenizer(eos=next(i for i in range(3, 96) if i not in ref))
+    full = generate(model, None, no_eos, prompt, max_tokens=80)
+    assert full.tokens == ref and full.mix.get(LOOKUP, 0) > 0
+    for limit in (1, 7, 23):
+        assert generate(model, None, no_eos, prompt, max_tokens=limit).tokens == ref[:limit]
+    eos_at = next(i for i in range(10, 70) if ref[i] not in ref[:i])
+    out = generate(model, None, make_tokenizer(eos=ref[eos_at]), prompt, max_tokens=80)
+    assert out.tokens == ref[:eos_at + 1] and out.finish_reason == "stop"
+    stop = " ".join(full.text.split()[20:22])
+    out = generate(model, None, no_eos, prompt, max_tokens=80, stop=[stop])
+    assert out.text == full.text[:full.text.index(stop)] and out.finish_reason == "stop"
+
+
+# Costs in units of one plain step: a Mac-like target (a wide verify pass costs little more than a step)
+# and this project's CPU (measured with SmolLM2-135M float32; see docs/policy.md).
+MAC = CostModel([64], [1, 2, 4, 8, 16], [[1.0, 1.01, 1.03, 1.06, 1.1]], [1, 3, 7, 15], [[0.1, 0.1, 0.11, 0.12]])
+CPU = CostModel([64], [1, 2, 4, 8, 16], [[1.0, 1.12, 1.40, 1.56, 1.98]], [1, 3, 7, 15], [[0.27, 0.3, 0.32, 0.42]])
+
+
+def run_trace(policy, accept, cycles, confidence=0.5):
+    """Drive the policy with DFlash acceptance drawn by accept(k) -> accepted; -> the choices made."""
+    import mlx.core as mx
+
+    made = []
+    for _ in range(cycles):
+        choice = policy.choose(500, ([], 0))
+        k, conf = choice.k, []
+        if choice.source == DFLASH:
+            k, conf = policy.narrow(choice, mx.array([confidence] * choice.k), 500)
+        policy.observe(choice, k, accept(k) if k else 0, conf, 0)
+        made.append((choice.source if k else PLAIN, k))
+    return made
+
+
+def geometric(rate, rng):
+    def accept(k):
+        n = 0
+        while n < k and rng.random() < rate:
+            n += 1
+        return n
+    return accept
+
+
+def test_on_a_mac_with_a_good_drafter_the_policy_keeps_full_blocks():
+    rng = random.Random(1)
+    made = run_trace(AdaptivePolicy(MAC, 15, lookup=False), geometric(0.85, rng), 300, confidence=0.9)  # tau ~ 6
+    late = made[100:]
+    assert all(s == DFLASH for s, _ in late)
+    assert sum(k for _, k in late) / len(late) >= 12
+
+
+def test_on_this_cpu_with_a_weak_drafter_the_policy_parks_dflash_and_comes_back_when_it_improves():
+    rng = random.Random(2)
+    policy = AdaptivePolicy(CPU, 15, lookup=False)
+    made = run_trace(policy, geometric(0.3, rng), 400, confidence=0.3)  # tau ~ 1.4
+    late = made[200:]
+    assert sum(s == PLAIN for s, _ in late) / len(late) > 0.95  # parked: probed now and then
+    assert any(s == DFLASH for s, _ in late)
+    made = run_trace(policy, geometric(0.95, rng), 600, confidence=0.95)  # the text turns predictable
+    assert sum(s == DFLASH for s, _ in made[-100:]) > 90
+
+
+def test_lookup_is_chosen_where_it_pays_and_left_where_it_does_not():
+    policy = AdaptivePolicy(CPU, 0, lookup=True)
+    for _ in range(60):  # a match whose continuations are always right
+        choice = policy.choose(500, ([7] * 16, 4))
+        policy.observe(choice, choice.k, choice.k, [], 4)
+    choice = policy.choose(500, ([7] * 16, 4))
+    assert choice.source == LOOKUP and choice.k >= 12
+    for _ in range(60):  # two-token matches that are always wrong
+        choice = policy.choose(500, ([7] * 16, 2))
+        policy.observe(choice, choice.k, 0, [], 2)
+    assert policy.choose(500, ([7] * 16, 2)).source == PLAIN
+
+
+def test_costs_are_interpolated_over_width_and_context():
+    costs = CostModel([100, 1100], [1, 16], [[1.0, 2.0], [2.0, 4.0]], [], [])
+    assert costs.target_time(1, 100) == 1.0 and costs.target_time(16, 1100) == 4.0
+    assert costs.target_time(8.5, 600) == pytest.approx(2.25)
+    assert costs.target_time(1, 2100) == pytest.approx(3.0)  # extended past the longest context measured
+    assert costs.draft_time(5, 100) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["lookup", "adaptive"])
+def test_sampled_output_follows_the_target_distribution_with_lookup_and_the_adaptive_policy(mode, monkeypatch):
+    model = make_target("llama", seed=4, vocab_size=V)
+    prompt = [1, 5, 3, 6, 1, 5]  # lookup proposes [3, 6, 1, 5] at once
+    if mode == "lookup":
+        monkeypatch.setattr(speculative, "policy_for", lambda *a, **k: ScriptedPolicy([Choice(LOOKUP, 4)]))
+        draft = None
+    else:
+        policy = AdaptivePolicy(MAC, 2, lookup=True)
+        monkeypatch.setattr(speculative, "policy_for", lambda *a, **k: policy)
+        draft = make_draft(seed=11, vocab=V, block_size=3)
+    tok = make_tokenizer(vocab=V, eos=V + 5)
+    counts, sources = {}, set()
+    for seed in range(RUNS):
+        out = generate(model, draft, tok, prompt, max_tokens=T, temperature=0.7, top_p=0.9, seed=seed)
+        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+        sources |= set(out.sources)
+    assert LOOKUP in sources and (mode == "lookup" or DFLASH in sources)
+    assert chi_square_p(counts, exact_joint(model, 0.7, 0.9, prompt)) > 1e-3
