@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
-from .platform import backend
+from .platform import backend, warn_if_slow_blas
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -228,6 +228,7 @@ def load(name: str, dtype="auto"):
     """Load a target with mlx-lm -> (model, tokenizer). dtype 'auto' = float32 on the CPU."""
     from mlx_lm import load as mlx_lm_load
 
+    warn_if_slow_blas()
     dtype = _default_dtype() if dtype == "auto" else dtype
     path = resolve_target(name, dtype)
     config = read_config(path)  # mlx-lm's own error for a broken one names no file

