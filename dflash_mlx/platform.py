@@ -5,9 +5,10 @@ RTLD_GLOBAL *before* `mlx.core` is first imported, MLX resolves its BLAS symbols
 float32 matmuls run many times faster (docs/performance.md). `dflash_mlx/__init__.py` imports this
 module first for that reason. Nothing here imports mlx at module level.
 
-On Linux x86-64 the install brings MKL from PyPI (the `mkl` wheel puts libmkl_rt in <prefix>/lib); a
-system OpenBLAS or MKL is found too. Set DFLASH_MLX_NO_BLAS=1 to skip the preload, or
-DFLASH_MLX_BLAS=/path/to/libopenblas.so to choose the library.
+A system OpenBLAS is preferred (its threads speed up multi-row passes); otherwise the MKL that a Linux
+x86-64 install brings from PyPI (the `mkl` wheel puts libmkl_rt in <prefix>/lib), run sequentially:
+its OpenMP threads stall whenever another process holds a core. Set DFLASH_MLX_NO_BLAS=1 to skip the
+preload, or DFLASH_MLX_BLAS=/path/to/libopenblas.so to choose the library.
 """
 
 from __future__ import annotations
@@ -24,15 +25,14 @@ import warnings
 DISABLE_ENV = "DFLASH_MLX_NO_BLAS"
 LIBRARY_ENV = "DFLASH_MLX_BLAS"
 
-_CANDIDATES = (
+_OPENBLAS = (
     "/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/*-linux-gnu/openblas-openmp/libopenblas.so.0",
     "/usr/lib/*-linux-gnu/libopenblas.so.0",
     "/usr/lib64/libopenblasp.so.0",  # Fedora's pthreads build (its plain libopenblas is single-threaded)
     "/usr/lib64/libopenblas*.so.0",
-    "/usr/lib/*-linux-gnu/libmkl_rt.so*",
-    "/opt/intel/oneapi/mkl/latest/lib/libmkl_rt.so*",
 )
+_SYSTEM_MKL = ("/usr/lib/*-linux-gnu/libmkl_rt.so*", "/opt/intel/oneapi/mkl/latest/lib/libmkl_rt.so*")
 
 # What the preload did: {"library": path or None, "status": one line for humans and `doctor`}.
 blas: dict = {"library": None, "status": "not attempted"}
@@ -46,12 +46,11 @@ def pypi_blas_patterns() -> list[str]:
 
 
 def _find_blas() -> str | None:
-    for pattern in [*pypi_blas_patterns(), *_CANDIDATES]:
+    for pattern in [*_OPENBLAS, *pypi_blas_patterns(), *_SYSTEM_MKL]:
         hits = sorted(glob.glob(pattern))
         if hits:
             return hits[0]
-    name = ctypes.util.find_library("openblas")
-    return name
+    return ctypes.util.find_library("openblas")
 
 
 def preload_blas() -> dict:
@@ -71,6 +70,8 @@ def preload_blas() -> dict:
         if path is None:
             blas["status"] = "no BLAS library found"
         else:
+            if "mkl" in os.path.basename(path):
+                os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")  # read as libmkl_rt loads
             try:
                 lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError as e:
