@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from dflash_mlx.sampling import SamplingParams
-from dflash_mlx.speculative import check_block_size
+from dflash_mlx.pairing import check_block_size
 
 HELP = """[bold]commands[/bold]
   /help            this list

@@ -130,7 +130,7 @@ def generate_cmd(
     import dflash_mlx
     from dflash_mlx.loading import load, load_pair, template_kwargs
     from dflash_mlx.sampling import SamplingParams
-    from dflash_mlx.speculative import check_block_size
+    from dflash_mlx.pairing import check_block_size
 
     from .chat import check_utf8
 
@@ -198,7 +198,7 @@ def _plain(model, tokenizer, ids, quiet, max_tokens, temperature, top_p, top_k, 
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from dflash_mlx.speculative import context_room
+    from dflash_mlx.pairing import context_room
 
     max_tokens = min(max_tokens, context_room(model, len(ids)))  # as stream_generate does
     if max_tokens == 0:  # (mlx-lm would read 0 as an error)
@@ -236,7 +236,7 @@ def chat(
     from dflash_mlx.loading import draft_for, load_pair, template_kwargs
     from dflash_mlx.platform import backend
     from dflash_mlx.sampling import SamplingParams
-    from dflash_mlx.speculative import check_block_size
+    from dflash_mlx.pairing import check_block_size
 
     from .chat import run
 
@@ -326,7 +326,7 @@ def bench(
 
     from dflash_mlx.bench import has_matplotlib, markdown, run_bench, write
     from dflash_mlx.loading import draft_for, load_pair, template_kwargs
-    from dflash_mlx.speculative import check_block_size
+    from dflash_mlx.pairing import check_block_size
 
     with user_errors():
         try:
@@ -482,7 +482,7 @@ def train_run(
     from dflash_mlx.data import check_data_tokenizer, load_shards, sharegpt_prompts
     from dflash_mlx.loading import load, load_draft, template_kwargs
     from dflash_mlx.models.targets import Target
-    from dflash_mlx.speculative import context_length
+    from dflash_mlx.pairing import context_length
     from dflash_mlx.train import (TrainConfig, check_export_folder, check_same_data, data_fingerprint, export,
                                   resume_notes, saved_run, tau_on_prompts, train, trim_log, usable_sequences)
 

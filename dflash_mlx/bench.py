@@ -11,20 +11,26 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
+from mlx_lm import stream_generate as plain_stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from .chat import apply_chat_template
+from .files import atomic_file
+from .pairing import context_room, prepare
+from .platform import has_module, report
+from .speculative import stream_generate
 
 
 def _plain(model, tokenizer, ids, max_tokens, temperature, seed):
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
     mx.random.seed(seed)
     mx.reset_peak_memory()  # each run's own peak, not loading's or an earlier run's
     tic, first, tokens = time.perf_counter(), None, []
-    for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(temperature)):
+    for r in plain_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(temperature)):
         first = first or time.perf_counter()
         tokens.append(r.token)
     end = time.perf_counter()
@@ -32,8 +38,6 @@ def _plain(model, tokenizer, ids, max_tokens, temperature, seed):
 
 
 def _dflash(target, draft, tokenizer, ids, max_tokens, block_size, temperature, seed):
-    from .speculative import stream_generate
-
     mx.reset_peak_memory()
     tic, first, tokens, acc = time.perf_counter(), None, [], []
     for r in stream_generate(target, draft, tokenizer, ids, max_tokens=max_tokens, block_size=block_size,
@@ -58,10 +62,6 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
               progress: Optional[Callable[[int, int], None]] = None) -> dict:
     """-> results: per prompt and configuration, a summary per configuration, and the machine.
     `template_kwargs` reach the chat template (e.g. enable_thinking=False)."""
-    from .chat import apply_chat_template
-    from .platform import report
-    from .speculative import context_room, prepare
-
     target = prepare(model, draft)
     encoded = [apply_chat_template(tokenizer, p, **(template_kwargs or {})) for p in prompts]
     if not encoded:
@@ -171,7 +171,7 @@ def markdown(results: dict, title: str) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # optional bench extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -203,10 +203,6 @@ def write(results: dict, out: Path, title: str) -> list[Path]:
     and only then swapped in, so a failure or Ctrl-C while writing (or plotting) leaves the earlier run's
     files as they were, never one run's results beside another run's plot; a plot of an earlier run is
     removed when there is no matplotlib to draw this one."""
-    from contextlib import ExitStack
-
-    from .convert import atomic_file
-
     out.mkdir(parents=True, exist_ok=True)
     slim = json.loads(json.dumps(results))
     for p in slim["prompts"]:  # keep files small: drop token lists, keep counts
@@ -227,6 +223,4 @@ def write(results: dict, out: Path, title: str) -> list[Path]:
 
 def has_matplotlib() -> bool:
     """The plot is optional: matplotlib comes with the `bench` extra, not the base install."""
-    from .platform import has_module
-
     return has_module("matplotlib")

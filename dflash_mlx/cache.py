@@ -17,13 +17,12 @@ import mlx.nn as nn
 
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
+from .pairing import prepare
 
 
 class SpeculativeCache:
     def __init__(self, model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]):
         """`model`: the mlx-lm target as `load` returns it (or a Target); `draft`: its drafter, or None."""
-        from .speculative import prepare  # imported here: the cycle's module imports this one
-
         self.target = target = prepare(model, draft)
         self.draft = draft
         self.target_cache = target.make_cache()

@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
 
 from .cache import SpeculativeCache
-from .speculative import GenerationResponse, check_block_size, context_length, prepare, stream_generate
+from .files import atomic_file
+from .pairing import check_block_size, context_length, prepare
+from .speculative import GenerationResponse, stream_generate
 
 
 def apply_chat_template(tokenizer, messages: Union[str, list[dict]], *, system: Optional[str] = None,
@@ -130,8 +132,6 @@ class ChatSession:
 
     def save(self, path: str | Path) -> Path:
         """Write the conversation as JSON (whole or not at all); -> the path written."""
-        from .convert import atomic_file
-
         path = Path(path).expanduser()
         with atomic_file(path) as tmp:
             tmp.write_text(json.dumps({"messages": self.conversation(), "turns": self.turns}, indent=2))

@@ -1,74 +1,26 @@
 """`dflash-mlx convert`: drafters and targets into MLX folders, and drafters back to z-lab's layout.
 
-Every conversion writes into a temporary folder beside the destination and moves it into place only
-when complete, so a failed or interrupted run never leaves a half folder that would later load
-(`atomic_file` does the same for the single files that bench and chat write).
+Every conversion writes its folder whole or not at all (`files.atomic_folder`), so a failed or
+interrupted run never leaves a half folder that would later load.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.convert import convert as mlx_lm_convert
 
+from .files import atomic_folder
+from .gguf import convert_gguf
 from .loading import check_model_type, is_gguf, load_draft, read_config, resolve
 from .models.dflash import is_drafter_config
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-
-
-@contextlib.contextmanager
-def atomic_folder(dest: str | Path, force: bool = False):
-    """Yield a temporary folder; on success it replaces `dest`, on failure it disappears."""
-    dest = Path(dest).expanduser()
-    if Path.cwd().resolve().is_relative_to(dest.resolve()):
-        raise ValueError(f"{dest} is the current folder or holds it: give the name of a new folder")
-    if dest.exists() and not force:
-        raise FileExistsError(f"{dest} already exists (pass --force to replace it)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-    try:
-        yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            dest.rename(old)
-            try:
-                tmp.rename(dest)
-            except BaseException:
-                old.rename(dest)  # put the good folder back
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-@contextlib.contextmanager
-def atomic_file(dest: str | Path):
-    """Yield a temporary path beside `dest`; on success it replaces `dest`, on failure it disappears,
-    so a good file is never left half-overwritten."""
-    dest = Path(dest).expanduser()
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.partial-", dir=dest.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def is_drafter(path: Path) -> bool:
@@ -121,14 +73,10 @@ def convert_target(source: str, dest: str | Path, dtype: Optional[str] = None, q
         if is_gguf(src):
             if not src.exists():
                 raise FileNotFoundError(f"no GGUF file at {source}")
-            from .gguf import convert_gguf
-
             if quantize:
                 raise ValueError("a GGUF target keeps its own quantization; use --dtype to dequantize it")
             convert_gguf(src, tmp, DTYPES[dtype] if dtype else None, progress)
         else:
-            from mlx_lm.convert import convert as mlx_lm_convert
-
             folder = resolve(source)
             config = read_config(folder)
             check_model_type(folder, config)

