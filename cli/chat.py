@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.errors import UserError
 from dflash_mlx.pairing import check_block_size
 
 HELP = """[bold]commands[/bold]
@@ -29,7 +30,7 @@ def check_utf8(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # bytes that are not UTF-8 arrive from stdin as lone surrogates
-        raise ValueError(f"{what} is not UTF-8 text (a stray byte at character {e.start}): convert it "
+        raise UserError(f"{what} is not UTF-8 text (a stray byte at character {e.start}): convert it "
                          "first, e.g. with iconv -f latin1 -t utf-8") from None
 
 
@@ -121,7 +122,7 @@ def run(session, console: Console, banner: str, hide_thinking: bool = False) -> 
             continue
         try:
             check_utf8(text, "the message")
-        except ValueError as e:
+        except UserError as e:
             console.print(f"[yellow]{e}[/yellow]")
             continue
         if text.startswith("/"):
@@ -154,7 +155,7 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
                 if is_thinking and hide_thinking:
                     continue
                 console.print(escape(part), end="", style="dim" if is_thinking else None, soft_wrap=True)
-    except ValueError as e:  # a full context (ContextFull) or settings the model refuses: the chat goes on
+    except UserError as e:  # a full context (ContextFull) or settings the model refuses: the chat goes on
         console.print(f"\n[yellow]{e}[/yellow]")
         return
     except KeyboardInterrupt:
@@ -205,10 +206,10 @@ def command(session, console: Console, line: str) -> Optional[str]:
                           f"{session.draft.block_size if session.block_size is None else session.block_size}[/dim]")
         elif name == "/save":
             if not arg:
-                raise ValueError("/save needs a file name")
+                raise UserError("/save needs a file name")
             console.print(f"[dim]saved to {session.save(arg)}[/dim]")
         else:
             console.print(f"[yellow]unknown command {name}: /help lists them[/yellow]")
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # a UserError, a number that does not parse, a file /save cannot write
         console.print(f"[yellow]{e}[/yellow]")
     return None

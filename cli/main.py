@@ -14,7 +14,10 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(help="DFlash speculative decoding for MLX.", no_args_is_help=True, add_completion=False)
+from dflash_mlx.errors import AlreadyExists, UserError
+
+app = typer.Typer(help="DFlash speculative decoding for MLX.", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_show_locals=False)
 
 
 @app.callback()
@@ -24,13 +27,14 @@ def main():
 
 @contextmanager
 def user_errors():
-    """Bad input ends the command with one clear line on stderr and exit code 1, not a traceback."""
+    """Bad input (a UserError) or a failed file, permission or network operation (an OSError) ends the command
+    with one clear line on stderr and exit code 1; any other exception is a bug, shown with its traceback."""
     try:
         yield
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         raise typer.Exit(141)
-    except (ValueError, OSError) as e:  # OSError covers missing files, permissions, the network
+    except (UserError, OSError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(1)
 
@@ -56,14 +60,14 @@ def convert(
 
     with user_errors():
         if dtype is not None and dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
         if export and (dtype is not None or quantize or q_bits is not None or q_group_size is not None):
-            raise ValueError("--export always writes bf16 weights, unquantized: leave out --dtype, -q and --q-*")
+            raise UserError("--export always writes bf16 weights, unquantized: leave out --dtype, -q and --q-*")
         if not quantize and (q_bits is not None or q_group_size is not None):
-            raise ValueError("--q-bits and --q-group-size take effect only with -q/--quantize: add it")
+            raise UserError("--q-bits and --q-group-size take effect only with -q/--quantize: add it")
         q_bits, q_group_size = 4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size
         if Path(output).expanduser().exists() and not force:  # before any download
-            raise FileExistsError(f"{output} already exists (pass --force to replace it)")
+            raise AlreadyExists(f"{output} already exists (pass --force to replace it)")
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=_stderr()) as bar:
             task = bar.add_task(f"converting {source}")
@@ -142,13 +146,13 @@ def generate_cmd(
     with user_errors():
         SamplingParams(temp, top_p, top_k, min_p)  # checked before loading, for both paths
         if max_tokens < 0:
-            raise ValueError(f"--max-tokens must be >= 0, got {max_tokens}")
+            raise UserError(f"--max-tokens must be >= 0, got {max_tokens}")
         if no_draft and (draft is not None or block_size is not None):
-            raise ValueError("--no-draft decodes without a drafter: drop --draft and --block-size")
+            raise UserError("--no-draft decodes without a drafter: drop --draft and --block-size")
         if block_size is not None:
             check_block_size(block_size)
         if (system is not None or think is not None) and not chat_template:
-            raise ValueError("--system and --think/--no-think need the chat template: drop --no-chat-template")
+            raise UserError("--system and --think/--no-think need the chat template: drop --no-chat-template")
         check_utf8(prompt, "the prompt")
         if no_draft:
             (target, tokenizer), drafter = load(model), None
@@ -246,7 +250,7 @@ def chat(
         if block_size is not None:
             check_block_size(block_size)
         if max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
+            raise UserError(f"--max-tokens must be >= 1, got {max_tokens}")
         with console.status(f"loading {model} ..."):
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
@@ -333,18 +337,18 @@ def bench(
             bs = [int(x) for x in block_sizes.split(",")]
             ts = [float(x) for x in temps.split(",")]
         except ValueError:
-            raise ValueError(f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
+            raise UserError(f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
                              f"got {block_sizes!r} and {temps!r}") from None
         if not all(0 <= t < math.inf for t in ts):
-            raise ValueError(f"temperatures must be numbers >= 0, got --temps {temps}")
+            raise UserError(f"temperatures must be numbers >= 0, got --temps {temps}")
         for b in bs:
             check_block_size(b)
         if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+            raise UserError(f"max_tokens must be at least 1, got {max_tokens}")
         bs, ts = list(dict.fromkeys(bs)), list(dict.fromkeys(ts))  # each setting once
         folder = Path(out).expanduser()
         if folder.exists() and not folder.is_dir():
-            raise ValueError(f"--out {out} is a file: give a folder for the results")
+            raise UserError(f"--out {out} is a file: give a folder for the results")
         made = not folder.exists()
         try:  # the folder must take files now, not after hours of benchmarking
             folder.mkdir(parents=True, exist_ok=True)
@@ -416,7 +420,7 @@ def train_data(
 
     with user_errors():
         if limit is not None and limit < 0:
-            raise ValueError(f"--limit must be >= 0, got {limit}")
+            raise UserError(f"--limit must be >= 0, got {limit}")
         prompts = prompt_source(source)
         total = min(limit or len(prompts), len(prompts))
         folder = Path(out).expanduser()
@@ -490,14 +494,14 @@ def train_run(
         if export_to:
             check_export_folder(export_to, out)  # before hours of training, not after
         if eval_prompts < 0:
-            raise ValueError(f"--eval-prompts must be >= 0, got {eval_prompts}")
+            raise UserError(f"--eval-prompts must be >= 0, got {eval_prompts}")
         if not feature_cache_gb >= 0:
-            raise ValueError(f"--feature-cache-gb must be >= 0, got {feature_cache_gb}")
+            raise UserError(f"--feature-cache-gb must be >= 0, got {feature_cache_gb}")
         seqs, folders = [], []
         for folder in data:
             found = load_shards(folder)
             if not found:
-                raise ValueError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")
+                raise UserError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")
             seqs += found
             folders.append((folder, found))
         out = Path(out).expanduser()
@@ -524,11 +528,11 @@ def train_run(
             arch = {"--layers": layers, "--intermediate-size": intermediate_size,
                     "--target-layer-ids": target_layer_ids, "--mask-token-id": mask_token_id}
             if init and any(v is not None for v in arch.values()):
-                raise ValueError(f"{', '.join(k for k, v in arch.items() if v is not None)}: the drafter's "
+                raise UserError(f"{', '.join(k for k, v in arch.items() if v is not None)}: the drafter's "
                                  f"architecture comes from --init; drop the option or start a new drafter")
             start = load_draft(init, dtype=mx.float32) if init else None
             if start is not None and any(k.endswith(".scales") for k, _ in tree_flatten(start.parameters())):
-                raise ValueError(f"{init} is quantized, so almost none of it could train: start from the "
+                raise UserError(f"{init} is quantized, so almost none of it could train: start from the "
                                  "unquantized drafter")
             if start is not None and block_size is None:
                 given["block_size"] = start.block_size
@@ -540,8 +544,8 @@ def train_run(
                            f"the learning rate never reaches its peak; a shorter --warmup fixes that", err=True)
         try:
             held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
-        except ValueError as e:  # the package is an extra
-            raise ValueError(f"{e} (it holds the held-out prompts), or pass --eval-prompts 0") from None
+        except UserError as e:  # the package is an extra
+            raise UserError(f"{e} (it holds the held-out prompts), or pass --eval-prompts 0") from None
         target_model, tokenizer = load(model)
         check_data_tokenizer(folders, tokenizer, Target(target_model).vocab_size, model)
         context = context_length(target_model)
@@ -627,7 +631,7 @@ def train_eval(
 
     with user_errors():
         if max_tokens < 1:
-            raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
+            raise UserError(f"--max-tokens must be at least 1, got {max_tokens}")
         ps = _first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
         with Progress(TextColumn("answering prompts"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -648,7 +652,7 @@ def _first_prompts(source: str, limit: Optional[int]) -> list:
     from dflash_mlx.data import prompt_source
 
     if limit is not None and limit < 0:
-        raise ValueError(f"--limit must be >= 0 (0: all prompts), got {limit}")
+        raise UserError(f"--limit must be >= 0 (0: all prompts), got {limit}")
     return prompt_source(source)[:limit or None]
 
 

@@ -20,6 +20,7 @@ from mlx_lm import stream_generate as plain_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from .chat import apply_chat_template
+from .errors import UserError
 from .files import atomic_file
 from .pairing import context_room, prepare
 from .platform import has_module, report
@@ -65,16 +66,16 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
     target = prepare(model, draft)
     encoded = [apply_chat_template(tokenizer, p, **(template_kwargs or {})) for p in prompts]
     if not encoded:
-        raise ValueError("no prompts to benchmark")
+        raise UserError("no prompts to benchmark")
     if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        raise UserError(f"max_tokens must be at least 1, got {max_tokens}")
     for k, ids in enumerate(encoded):
         try:
             room = context_room(target, len(ids))
-        except ValueError as e:
-            raise ValueError(f"prompt {k}: {e}") from None
+        except UserError as e:
+            raise UserError(f"prompt {k}: {e}") from None
         if room < max_tokens:
-            raise ValueError(f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
+            raise UserError(f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
                              f"model's context: lower --max-tokens")
     # each setting once (a repeated one would be run again and overwrite its own record)
     temperatures = list(dict.fromkeys(float(t) for t in temperatures))

@@ -15,6 +15,7 @@ from typing import Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from .errors import UserError
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
 from .pairing import prepare
@@ -49,7 +50,7 @@ class SpeculativeCache:
         todo = self.pending
         self.last_prefill = len(todo)
         if not todo:
-            raise ValueError("nothing to prefill: the prompt is empty")
+            raise UserError("nothing to prefill: the prompt is empty")
         self.broken = True
         logits = None
         for start in range(0, len(todo), step):

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
 
 from .cache import SpeculativeCache
+from .errors import UserError
 from .files import atomic_file
 from .pairing import check_block_size, context_length, prepare
 from .speculative import GenerationResponse, stream_generate
@@ -53,13 +54,13 @@ class ChatSession:
         if block_size is not None:
             check_block_size(block_size)
         if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+            raise UserError(f"temperature must be >= 0, got {temperature}")
         self.target = prepare(model, draft)
         self.draft, self.tokenizer = draft, tokenizer
         self.system, self.temperature, self.block_size, self.max_tokens = system, temperature, block_size, max_tokens
         self.max_context = max_context or context_length(self.target) or 4096
         if not 1 <= max_tokens < self.max_context:
-            raise ValueError(f"max tokens must be between 1 and {self.max_context - 1} (the model's context holds "
+            raise UserError(f"max tokens must be between 1 and {self.max_context - 1} (the model's context holds "
                              f"{self.max_context}), got {max_tokens}")
         self.template_kwargs = template_kwargs or {}
         self.messages: list[dict] = []
@@ -138,7 +139,7 @@ class ChatSession:
         return path
 
 
-class ContextFull(ValueError):
+class ContextFull(UserError):
     def __init__(self, used: int, limit: int, room: int, fresh: bool = False):
         what = "this message" if fresh else "the conversation"
         fix = ("/reset to start a new conversation" if not fresh else "a shorter message" if used >= limit

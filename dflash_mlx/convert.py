@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.convert import convert as mlx_lm_convert
 
+from .errors import NotFound, UserError
 from .files import atomic_folder
 from .gguf import convert_gguf
 from .loading import check_model_type, is_gguf, load_draft, read_config, resolve
@@ -34,7 +35,7 @@ def convert_draft(source: str, dest: str | Path, dtype: str = "bfloat16", quanti
     draft = load_draft(source, dtype=DTYPES[dtype])
     config = draft.config.to_dict()
     if quantize and any(k.endswith(".scales") for k, _ in tree_flatten(draft.parameters())):
-        raise ValueError(f"{source} is already quantized: quantize the float drafter it came from")
+        raise UserError(f"{source} is already quantized: quantize the float drafter it came from")
     if quantize:
         nn.quantize(draft, group_size=q_group_size, bits=q_bits)
         config["quantization"] = {"group_size": q_group_size, "bits": q_bits}
@@ -52,7 +53,7 @@ def export_draft(source: str, dest: str | Path, force: bool = False) -> Path:
     at a file that is not there."""
     draft = load_draft(source, dtype=None)
     if any(".scales" in k for k, _ in tree_flatten(draft.parameters())):
-        raise ValueError("cannot export a quantized drafter: export the float one it came from")
+        raise UserError("cannot export a quantized drafter: export the float one it came from")
     config = draft.config.to_dict()
     config.pop("quantization", None)
     config.pop("auto_map", None)
@@ -72,16 +73,16 @@ def convert_target(source: str, dest: str | Path, dtype: Optional[str] = None, q
     with atomic_folder(dest, force) as tmp:
         if is_gguf(src):
             if not src.exists():
-                raise FileNotFoundError(f"no GGUF file at {source}")
+                raise NotFound(f"no GGUF file at {source}")
             if quantize:
-                raise ValueError("a GGUF target keeps its own quantization; use --dtype to dequantize it")
+                raise UserError("a GGUF target keeps its own quantization; use --dtype to dequantize it")
             convert_gguf(src, tmp, DTYPES[dtype] if dtype else None, progress)
         else:
             folder = resolve(source)
             config = read_config(folder)
             check_model_type(folder, config)
             if quantize and "quantization" in config:
-                raise ValueError(f"{source} is already quantized ({config['quantization'].get('bits')}-bit): "
+                raise UserError(f"{source} is already quantized ({config['quantization'].get('bits')}-bit): "
                                  "quantize the float model it came from (for a GGUF-based target, add --dtype float32)")
             tmp.rmdir()  # mlx-lm's convert insists on creating the folder itself
             mlx_lm_convert(str(folder), str(tmp), quantize=quantize, q_group_size=q_group_size,

@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import SpeculativeCache
+from .errors import UserError
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
 from .pairing import check_block_size, context_room, prepare
@@ -155,9 +156,9 @@ def stream_generate(
     """
     params = SamplingParams(temperature, top_p, top_k, min_p)
     if max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        raise UserError(f"max_tokens must be >= 0, got {max_tokens}")
     if prefill_step_size < 1:
-        raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+        raise UserError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
     if block_size is None:
         block_size = draft.block_size if draft is not None else 1
     check_block_size(block_size)
@@ -165,16 +166,16 @@ def stream_generate(
     if tokenizer is not None and not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if tokenizer is None and isinstance(prompt, str):
-        raise ValueError("a string prompt needs a tokenizer")
+        raise UserError("a string prompt needs a tokenizer")
     prompt_ids = _encode(tokenizer, prompt)
     if not prompt_ids and (prompt_cache is None or not prompt_cache.pending):
-        raise ValueError("the prompt is empty: give at least one token")
+        raise UserError("the prompt is empty: give at least one token")
     target = prepare(model, draft)
     if prompt_cache is not None and (prompt_cache.target.model is not target.model
                                      or prompt_cache.draft is not draft):
-        raise ValueError("prompt_cache was made for another model pair")
+        raise UserError("prompt_cache was made for another model pair")
     if prompt_cache is not None and prompt_cache.broken:
-        raise ValueError("this prompt_cache was left half-updated by an interrupted call: make a new "
+        raise UserError("this prompt_cache was left half-updated by an interrupted call: make a new "
                          "SpeculativeCache (the prompt then holds the whole conversation again)")
     kept = len(prompt_cache.tokens) if prompt_cache is not None else 0
     max_tokens = min(max_tokens, context_room(target, kept + len(prompt_ids), kept))

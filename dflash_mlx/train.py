@@ -48,6 +48,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .chat import apply_chat_template
 from .convert import export_draft, is_drafter
+from .errors import AlreadyExists, UserError
 from .files import atomic_folder
 from .loading import read_config
 from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
@@ -83,12 +84,12 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("steps", "anchors", "checkpoint_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                raise UserError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup", "eval_every"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name.replace('_', '-')} cannot be negative, got {getattr(self, name)}")
+                raise UserError(f"{name.replace('_', '-')} cannot be negative, got {getattr(self, name)}")
         if not self.lr > 0:
-            raise ValueError(f"the learning rate must be positive, got {self.lr}")
+            raise UserError(f"the learning rate must be positive, got {self.lr}")
 
     def loss_gamma(self) -> float:
         return self.gamma or GAMMA.get(self.block_size, 0.44 * self.block_size)
@@ -99,7 +100,7 @@ def drafter_config(target: Target, tokenizer, cfg: TrainConfig) -> DFlashConfig:
     the target's attention geometry and RoPE; its depth and MLP width are the run's choice."""
     check_block_size(cfg.block_size, least=2)
     if cfg.num_layers < 1 or (cfg.intermediate_size is not None and cfg.intermediate_size < 1):
-        raise ValueError("the drafter needs at least 1 layer and an MLP width of at least 1")
+        raise UserError("the drafter needs at least 1 layer and an MLP width of at least 1")
     a = target.args
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tokenizer)
     return DFlashConfig(
@@ -123,7 +124,7 @@ def pick_mask_token(tokenizer) -> int:
     specials = [i for i, t in added.items() if getattr(t, "special", False)]
     specials = [i for i in specials + list(getattr(tokenizer, "all_special_ids", [])) if i not in taken]
     if not specials:
-        raise ValueError("the tokenizer has no spare special token to use as the mask: pass --mask-token-id")
+        raise UserError("the tokenizer has no spare special token to use as the mask: pass --mask-token-id")
     return max(specials)
 
 
@@ -346,7 +347,7 @@ def check_same_data(run: dict, now: dict) -> None:
     if saved is not None and now != saved:
         how = (f"{saved['sequences']} usable sequences, these have {now['sequences']}"
                if now["sequences"] != saved["sequences"] else "the same number of sequences, not the same ones")
-        raise ValueError(f"the run trained on other data ({how}): resume it with the same --data folders in "
+        raise UserError(f"the run trained on other data ({how}): resume it with the same --data folders in "
                          "the same order, or export it and start a new run from it with --init")
 
 
@@ -368,7 +369,7 @@ def check_same_target(run: dict, now: dict) -> None:
         def shape(t):
             return f"{t['family']}, {t['layers']} layers, vocabulary {t['vocab']}"
 
-        raise ValueError("the run trained against another target (" + (
+        raise UserError("the run trained against another target (" + (
             "other weights of the same shape" if same_shape else f"{shape(saved)}; this one: {shape(now)}") +
             "): resume it with the -m it was trained with, or export it and start a new run from it with --init")
 
@@ -394,11 +395,11 @@ def usable_sequences(seqs: list[tuple[list[int], int]], cfg: TrainConfig) -> lis
     has an anchor), or a clear error before any work."""
     seqs = [s for s in seqs if min(len(s[0]), cfg.max_seq_len) - max(s[1], 1) >= 2]
     if len(seqs) <= cfg.holdout:
-        raise ValueError(f"the dataset has {len(seqs)} usable sequences (2+ response tokens within the first "
+        raise UserError(f"the dataset has {len(seqs)} usable sequences (2+ response tokens within the first "
                          f"{cfg.max_seq_len}); need more than the {cfg.holdout} held out")
     check_block_size(cfg.block_size, least=2)
     if cfg.vocab not in ("full", "data"):
-        raise ValueError(f"vocab must be 'full' or 'data', got {cfg.vocab!r}")
+        raise UserError(f"vocab must be 'full' or 'data', got {cfg.vocab!r}")
     return seqs
 
 
@@ -435,7 +436,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
             mx.random.seed(cfg.seed)
             draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
         elif cfg.block_size != draft.config.block_size:  # a starting drafter brings its own architecture
-            raise ValueError(f"block size {cfg.block_size} does not match the starting drafter's "
+            raise UserError(f"block size {cfg.block_size} does not match the starting drafter's "
                              f"{draft.config.block_size}: train it at its own block size")
         c = draft.config  # the run records the architecture it got, defaults resolved
         cfg = replace(cfg, num_layers=c.num_hidden_layers, intermediate_size=c.intermediate_size,
@@ -554,14 +555,14 @@ def check_export_folder(dest: str | Path, run: Optional[str | Path] = None) -> N
     if run is not None:
         run = Path(run).expanduser().resolve()
         if dest == run or run in dest.parents or dest in run.parents:
-            raise ValueError(f"--export {dest} would overwrite the run folder {run}: export to a folder outside it")
+            raise UserError(f"--export {dest} would overwrite the run folder {run}: export to a folder outside it")
     if not dest.exists():
         return
     names = [p.name for p in dest.iterdir()] if dest.is_dir() else None
     only_a_drafter = names is not None and all(n == "config.json" or (n.startswith("model") and n.endswith(
         ".safetensors")) for n in names) and (not names or is_drafter(dest))
     if not only_a_drafter:
-        raise FileExistsError(f"{dest} exists and holds more than an exported drafter: give --export a new folder")
+        raise AlreadyExists(f"{dest} exists and holds more than an exported drafter: give --export a new folder")
 
 
 def export(checkpoint: str | Path, dest: str | Path) -> Path:

@@ -29,6 +29,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..errors import UserError
+
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The paper's default taps: one per draft layer, evenly spread over layers 1 .. L-3."""
@@ -72,16 +74,16 @@ class DFlashConfig:
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
+            raise UserError(
                 f"drafter config: layer_types has {len(self.layer_types)} entries "
                 f"for {self.num_hidden_layers} layers"
             )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ValueError("drafter config: sliding_attention layers need a sliding_window")
+            raise UserError("drafter config: sliding_attention layers need a sliding_window")
         if not self.target_layer_ids:
-            raise ValueError("drafter config: dflash_config.target_layer_ids is empty")
+            raise UserError("drafter config: dflash_config.target_layer_ids is empty")
         if self.block_size < 1:
-            raise ValueError(f"drafter config: block_size must be >= 1, got {self.block_size}")
+            raise UserError(f"drafter config: block_size must be >= 1, got {self.block_size}")
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DFlashConfig":
@@ -92,7 +94,7 @@ class DFlashConfig:
         if "mask_token_id" not in dflash and "mask_token_id" not in cfg:
             missing.append("dflash_config.mask_token_id")
         if missing:
-            raise ValueError(f"drafter config.json lacks {', '.join(missing)}: is this a DFlash drafter?")
+            raise UserError(f"drafter config.json lacks {', '.join(missing)}: is this a DFlash drafter?")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "target_layer_ids", "mask_token_id"}
         kwargs = {k: v for k, v in cfg.items() if k in known}
         rope = cfg.get("rope_parameters")  # transformers 5 keeps theta and scaling here
@@ -108,7 +110,7 @@ class DFlashConfig:
         layer_ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
         if layer_ids is None:
             if cfg.get("num_target_layers") is None:
-                raise ValueError("drafter config.json has neither target_layer_ids nor num_target_layers")
+                raise UserError("drafter config.json has neither target_layer_ids nor num_target_layers")
             layer_ids = default_target_layer_ids(cfg["num_target_layers"], cfg["num_hidden_layers"])
         kwargs["block_size"] = int(dflash.get("block_size", cfg.get("block_size", 16)))
         extra = {k: v for k, v in cfg.items() if k not in known and k != "dflash_config"}

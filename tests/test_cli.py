@@ -19,7 +19,7 @@ from tiny import CONFIGS, greedy_reference, make_draft, make_target, make_tokeni
 from typer.testing import CliRunner
 
 import dflash_mlx.speculative as speculative
-from dflash_mlx import apply_chat_template, generate, load_pair
+from dflash_mlx import UserError, apply_chat_template, generate, load_pair
 from dflash_mlx.cli.main import app
 from dflash_mlx.data import jsonl_prompts
 from dflash_mlx.loading import load as load_target
@@ -157,6 +157,29 @@ def test_think_and_no_think_reach_the_chat_template(pair, tmp_path):
     r = run("train", "eval", "-m", tmp_path / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
             "--limit", "1", "--max-tokens", "2", "--no-think")
     assert r.exit_code == 0 and "tau" in r.stdout, r.output
+
+
+def test_bad_input_is_one_line_and_a_bug_shows_its_traceback(pair, monkeypatch):
+    """A UserError (bad input) or an OSError (a file, the network) is the user's to fix: one red line, exit 1.
+    Any other exception is a bug in dflash-mlx, and its traceback shows where."""
+    import dflash_mlx.loading as loading
+
+    root, _ = pair
+    args = ["generate", "-m", root / "target", "-d", root / "draft", "-p", "w5"]
+    for error, theirs in ((UserError("bad input"), True), (FileNotFoundError("gone"), True),
+                          (ValueError("a bug"), False), (KeyError("a bug"), False)):
+        monkeypatch.setattr(loading, "load", lambda *a, **k: (_ for _ in ()).throw(error))
+        r = run(*args)
+        assert r.exit_code == 1, error
+        if theirs:
+            assert r.stderr == f"error: {error}\n" and isinstance(r.exception, SystemExit)
+        else:
+            assert r.exception is error and "error:" not in r.stderr
+    code = ("import sys, dflash_mlx.loading as loading\n"
+            "def load(*args, **kwargs):\n    raise KeyError('a bug')\n"
+            "loading.load = load\nfrom dflash_mlx.cli.main import app\napp()\n")
+    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "KeyError: 'a bug'" in r.stderr
 
 
 def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair):
