@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import signal
 import sys
+from dataclasses import replace
 from typing import Optional
 
 from rich.console import Console
 from rich.markup import escape
 
-from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.errors import UserError
-from dflash_mlx.pairing import check_block_size
 
 HELP = """[bold]commands[/bold]
   /help            this list
@@ -188,13 +187,11 @@ def command(session, console: Console, line: str) -> Optional[str]:
             session.system = arg or None
             console.print(f"[dim]system prompt {'set' if arg else 'cleared'}[/dim]")
         elif name == "/temp":
-            value = SamplingParams(float(arg)).temperature  # checked as every entry point checks it
-            session.temperature = value
-            console.print(f"[dim]temperature {value}[/dim]")
+            session.settings = replace(session.settings, temperature=float(arg))
+            console.print(f"[dim]temperature {session.settings.temperature}[/dim]")
         elif name == "/block":
-            value = check_block_size(int(arg))
-            session.block_size = value
-            console.print(f"[dim]block size {value}[/dim]")
+            session.settings = replace(session.settings, block_size=int(arg))
+            console.print(f"[dim]block size {session.settings.block_size}[/dim]")
         elif name == "/stats":
             turns = session.turns
             toks = sum(t["tokens"] for t in turns)
@@ -202,8 +199,8 @@ def command(session, console: Console, line: str) -> Optional[str]:
             tau = sum(t["mean_acceptance"] * t["cycles"] for t in turns if t["cycles"]) / cycles if cycles else None
             console.print(f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
                           f"{'-' if tau is None else f'{tau:.2f}'}, context {session.context_tokens()}"
-                          f"/{session.max_context} tokens, temperature {session.temperature}, block "
-                          f"{session.draft.block_size if session.block_size is None else session.block_size}[/dim]")
+                          f"/{session.max_context} tokens, temperature {session.settings.temperature}, block "
+                          f"{session.settings.block_size or session.draft.block_size}[/dim]")
         elif name == "/save":
             if not arg:
                 raise UserError("/save needs a file name")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
@@ -131,10 +130,11 @@ def generate_cmd(
     """Answer one prompt: the text on stdout, the statistics on stderr."""
     import time
 
+    from dataclasses import asdict
+
     import dflash_mlx
     from dflash_mlx.loading import load, load_pair, template_kwargs
-    from dflash_mlx.sampling import SamplingParams
-    from dflash_mlx.pairing import check_block_size
+    from dflash_mlx.settings import GenerationSettings
 
     from .chat import check_utf8
 
@@ -144,13 +144,10 @@ def generate_cmd(
             raise typer.Exit(2)
         prompt = sys.stdin.read().removesuffix("\n")  # the newline `echo` adds, as $(...) drops it
     with user_errors():
-        SamplingParams(temp, top_p, top_k, min_p)  # checked before loading, for both paths
-        if max_tokens < 0:
-            raise UserError(f"--max-tokens must be >= 0, got {max_tokens}")
+        settings = GenerationSettings(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
+                                      block_size=block_size, seed=seed)  # checked before loading, for both paths
         if no_draft and (draft is not None or block_size is not None):
             raise UserError("--no-draft decodes without a drafter: drop --draft and --block-size")
-        if block_size is not None:
-            check_block_size(block_size)
         if (system is not None or think is not None) and not chat_template:
             raise UserError("--system and --think/--no-think need the chat template: drop --no-chat-template")
         check_utf8(prompt, "the prompt")
@@ -160,13 +157,12 @@ def generate_cmd(
             target, drafter, tokenizer = load_pair(model, draft)
         ids = (dflash_mlx.apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think))
                if chat_template else tokenizer.encode(prompt, verbose=False))
-        kwargs = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         tic = time.perf_counter()
         if drafter is None:
-            text, tokens, last, acc = _plain(target, tokenizer, ids, as_json, **kwargs)
+            text, tokens, last, acc = _plain(target, tokenizer, ids, as_json, settings)
         else:
             text, tokens, last, acc = [], [], None, []
-            for last in dflash_mlx.stream_generate(target, drafter, tokenizer, ids, block_size=block_size, **kwargs):
+            for last in dflash_mlx.stream_generate(target, drafter, tokenizer, ids, **asdict(settings)):
                 if not as_json:
                     sys.stdout.write(last.text)
                     sys.stdout.flush()
@@ -196,7 +192,7 @@ def generate_cmd(
     typer.secho(stats, err=True, dim=True)
 
 
-def _plain(model, tokenizer, ids, quiet, max_tokens, temperature, top_p, top_k, min_p, seed):
+def _plain(model, tokenizer, ids, quiet, settings):
     """The baseline: mlx-lm's own decoding of the target."""
     import mlx.core as mx
     from mlx_lm import stream_generate
@@ -204,12 +200,13 @@ def _plain(model, tokenizer, ids, quiet, max_tokens, temperature, top_p, top_k, 
 
     from dflash_mlx.pairing import context_room
 
-    max_tokens = min(max_tokens, context_room(model, len(ids)))  # as stream_generate does
+    s = settings
+    max_tokens = min(s.max_tokens, context_room(model, len(ids)))  # as stream_generate does
     if max_tokens == 0:  # (mlx-lm would read 0 as an error)
         return "", [], None, []
-    if seed is not None:
-        mx.random.seed(seed)
-    sampler = make_sampler(temperature, top_p=top_p if top_p < 1 else 0.0, min_p=min_p, top_k=top_k)
+    if s.seed is not None:
+        mx.random.seed(s.seed)
+    sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0, min_p=s.min_p, top_k=s.top_k)
     text, tokens, last = [], [], None
     for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler):
         if not quiet:
@@ -239,18 +236,13 @@ def chat(
     from dflash_mlx.chat import ChatSession
     from dflash_mlx.loading import draft_for, load_pair, template_kwargs
     from dflash_mlx.platform import backend
-    from dflash_mlx.sampling import SamplingParams
-    from dflash_mlx.pairing import check_block_size
+    from dflash_mlx.settings import GenerationSettings
 
     from .chat import run
 
     console = Console(highlight=False)
     with user_errors():
-        SamplingParams(temp)  # checked before loading
-        if block_size is not None:
-            check_block_size(block_size)
-        if max_tokens < 1:
-            raise UserError(f"--max-tokens must be >= 1, got {max_tokens}")
+        GenerationSettings(temperature=temp, block_size=block_size, max_tokens=max_tokens).answering()  # before loading
         with console.status(f"loading {model} ..."):
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
@@ -328,9 +320,8 @@ def bench(
     from rich.markdown import Markdown
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from dflash_mlx.bench import has_matplotlib, markdown, run_bench, write
+    from dflash_mlx.bench import has_matplotlib, markdown, run_bench, settings_grid, write
     from dflash_mlx.loading import draft_for, load_pair, template_kwargs
-    from dflash_mlx.pairing import check_block_size
 
     with user_errors():
         try:
@@ -339,13 +330,7 @@ def bench(
         except ValueError:
             raise UserError(f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
                              f"got {block_sizes!r} and {temps!r}") from None
-        if not all(0 <= t < math.inf for t in ts):
-            raise UserError(f"temperatures must be numbers >= 0, got --temps {temps}")
-        for b in bs:
-            check_block_size(b)
-        if max_tokens < 1:
-            raise UserError(f"max_tokens must be at least 1, got {max_tokens}")
-        bs, ts = list(dict.fromkeys(bs)), list(dict.fromkeys(ts))  # each setting once
+        grid = settings_grid(bs, ts, max_tokens)
         folder = Path(out).expanduser()
         if folder.exists() and not folder.is_dir():
             raise UserError(f"--out {out} is a file: give a folder for the results")
@@ -364,7 +349,8 @@ def bench(
                            err=True)
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                           TimeRemainingColumn(), console=_stderr()) as bar:
-                task = bar.add_task("warming up (not counted)", total=len(ps) * (len(ts) + len(bs) * len(ts)))
+                runs = len({t for _, t in grid}) + len(grid)  # the plain baseline at each temperature, then DFlash
+                task = bar.add_task("warming up (not counted)", total=len(ps) * runs)
                 results = run_bench(target, drafter, tokenizer, ps, block_sizes=bs, temperatures=ts,
                                     max_tokens=max_tokens, template_kwargs=template_kwargs(model, think),
                                     progress=lambda d, _: bar.update(task, completed=d, description="benchmarking"))
@@ -487,6 +473,7 @@ def train_run(
     from dflash_mlx.loading import load, load_draft, template_kwargs
     from dflash_mlx.models.targets import Target
     from dflash_mlx.pairing import context_length
+    from dflash_mlx.settings import GenerationSettings
     from dflash_mlx.train import (TrainConfig, check_export_folder, check_same_data, data_fingerprint, export,
                                   resume_notes, saved_run, tau_on_prompts, train, trim_log, usable_sequences)
 
@@ -561,7 +548,8 @@ def train_run(
 
         def evaluate(draft):
             return {"tau": tau_on_prompts(Target(target_model, draft.config.target_layer_ids), draft, tokenizer,
-                                          held_out, max_tokens=96, template_kwargs=template_kwargs(model))["tau"]} \
+                                          held_out, GenerationSettings(max_tokens=96),
+                                          template_kwargs=template_kwargs(model))["tau"]} \
                 if held_out else {}
 
         stop, reached = [], [run["step"] if run else 0]  # the signal that asked for a stop; the last step done
@@ -627,18 +615,17 @@ def train_eval(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from dflash_mlx.loading import load_pair, template_kwargs
+    from dflash_mlx.settings import GenerationSettings
     from dflash_mlx.train import tau_on_prompts
 
     with user_errors():
-        if max_tokens < 1:
-            raise UserError(f"--max-tokens must be at least 1, got {max_tokens}")
+        settings = GenerationSettings(temperature=temp, block_size=block_size, max_tokens=max_tokens).answering()
         ps = _first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
         with Progress(TextColumn("answering prompts"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=_stderr()) as bar:
             task = bar.add_task("", total=len(ps))
-            r = tau_on_prompts(target, drafter, tokenizer, ps, max_tokens=max_tokens, block_size=block_size,
-                               temperature=temp, template_kwargs=template_kwargs(model, think),
+            r = tau_on_prompts(target, drafter, tokenizer, ps, settings, template_kwargs=template_kwargs(model, think),
                                progress=lambda k: bar.update(task, completed=k))
     r.update(prompts=prompts, n_prompts=len(ps), block_size=drafter.block_size if block_size is None else block_size,
              temperature=temp)

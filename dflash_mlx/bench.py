@@ -12,6 +12,7 @@ import json
 import time
 from collections import Counter
 from contextlib import ExitStack
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -24,6 +25,7 @@ from .errors import UserError
 from .files import atomic_file
 from .pairing import context_room, prepare
 from .platform import has_module, report
+from .settings import GenerationSettings
 from .speculative import stream_generate
 
 
@@ -38,11 +40,10 @@ def _plain(model, tokenizer, ids, max_tokens, temperature, seed):
     return _record(tokens, tic, first, end, [])
 
 
-def _dflash(target, draft, tokenizer, ids, max_tokens, block_size, temperature, seed):
+def _dflash(target, draft, tokenizer, ids, settings: GenerationSettings):
     mx.reset_peak_memory()
     tic, first, tokens, acc = time.perf_counter(), None, [], []
-    for r in stream_generate(target, draft, tokenizer, ids, max_tokens=max_tokens, block_size=block_size,
-                             temperature=temperature, seed=seed):
+    for r in stream_generate(target, draft, tokenizer, ids, **asdict(settings)):
         first = first or time.perf_counter()
         tokens += r.tokens
         if r.accepted is not None:
@@ -58,17 +59,24 @@ def _record(tokens, tic, first, end, acc):
             "e2e_tps": len(tokens) / (end - tic), "acceptance": acc, "peak_memory_gb": mx.get_peak_memory() / 1e9}
 
 
+def settings_grid(block_sizes, temperatures, max_tokens: int, seed: int = 0) -> dict:
+    """{(block size, temperature): its settings}, checked before anything runs; each setting once (a
+    repeated one would be run again and overwrite its own record)."""
+    return {(b, t): GenerationSettings(temperature=t, block_size=b, max_tokens=max_tokens, seed=seed).answering()
+            for t in dict.fromkeys(float(t) for t in temperatures) for b in dict.fromkeys(int(b) for b in block_sizes)}
+
+
 def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes=(16,), temperatures=(0.0,),
               max_tokens: int = 256, seed: int = 0, template_kwargs: Optional[dict] = None,
               progress: Optional[Callable[[int, int], None]] = None) -> dict:
     """-> results: per prompt and configuration, a summary per configuration, and the machine.
     `template_kwargs` reach the chat template (e.g. enable_thinking=False)."""
+    grid = settings_grid(block_sizes, temperatures, max_tokens, seed)
+    temperatures, configs = list(dict.fromkeys(t for _, t in grid)), list(grid)
     target = prepare(model, draft)
     encoded = [apply_chat_template(tokenizer, p, **(template_kwargs or {})) for p in prompts]
     if not encoded:
         raise UserError("no prompts to benchmark")
-    if max_tokens < 1:
-        raise UserError(f"max_tokens must be at least 1, got {max_tokens}")
     for k, ids in enumerate(encoded):
         try:
             room = context_room(target, len(ids))
@@ -77,10 +85,6 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
         if room < max_tokens:
             raise UserError(f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
                              f"model's context: lower --max-tokens")
-    # each setting once (a repeated one would be run again and overwrite its own record)
-    temperatures = list(dict.fromkeys(float(t) for t in temperatures))
-    block_sizes = list(dict.fromkeys(int(b) for b in block_sizes))
-    configs = [(b, t) for t in temperatures for b in block_sizes]
     per_prompt = []
     total = len(encoded) * (len(temperatures) + len(configs))
     done, interrupted = 0, False
@@ -101,7 +105,7 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
                 row["baseline"][str(t)] = _plain(model, tokenizer, ids, max_tokens, t, seed)
                 counted()
             for b, t in configs:
-                r = _dflash(target, draft, tokenizer, ids, max_tokens, b, t, seed)
+                r = _dflash(target, draft, tokenizer, ids, grid[b, t])
                 if t == 0:
                     r["identical"] = r["tokens"] == row["baseline"][str(t)]["tokens"]
                 row["dflash"][f"{b}@{t}"] = r

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
 
 from .cache import SpeculativeCache
 from .errors import UserError
 from .files import atomic_file
-from .pairing import check_block_size, context_length, prepare
+from .pairing import context_length, prepare
+from .settings import GenerationSettings
 from .speculative import GenerationResponse, stream_generate
 
 
@@ -46,18 +48,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class ChatSession:
     """A conversation with one model pair. Each turn renders the whole conversation with the chat
     template, keeps the part of both caches that still matches it, and prefills only the rest, so
-    the time to first token does not grow with the history."""
+    the time to first token does not grow with the history. `settings` may change between turns."""
 
     def __init__(self, model, draft, tokenizer, *, system: Optional[str] = None, temperature: float = 0.0,
                  block_size: Optional[int] = None, max_tokens: int = 1024, max_context: Optional[int] = None,
                  template_kwargs: Optional[dict] = None):
-        if block_size is not None:
-            check_block_size(block_size)
-        if temperature < 0:
-            raise UserError(f"temperature must be >= 0, got {temperature}")
+        self.settings = GenerationSettings(temperature=temperature, block_size=block_size, max_tokens=max_tokens)
         self.target = prepare(model, draft)
-        self.draft, self.tokenizer = draft, tokenizer
-        self.system, self.temperature, self.block_size, self.max_tokens = system, temperature, block_size, max_tokens
+        self.draft, self.tokenizer, self.system = draft, tokenizer, system
         self.max_context = max_context or context_length(self.target) or 4096
         if not 1 <= max_tokens < self.max_context:
             raise UserError(f"max tokens must be between 1 and {self.max_context - 1} (the model's context holds "
@@ -101,16 +99,15 @@ class ChatSession:
 
         try:
             ids = apply_chat_template(self.tokenizer, self.conversation(), **self.template_kwargs)
-            if len(ids) + self.max_tokens > self.max_context:
-                raise ContextFull(len(ids), self.max_context, self.max_tokens, fresh=len(self.messages) == 1)
+            if len(ids) + self.settings.max_tokens > self.max_context:
+                raise ContextFull(len(ids), self.max_context, self.settings.max_tokens, fresh=len(self.messages) == 1)
             # At least one token goes in: after a message dropped between two cycles, the cache can hold the
             # whole of `ids` (the message and a partial answer), and an empty prompt would be refused.
             keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
             if not self.cache.truncate(keep):
                 self.cache, keep = SpeculativeCache(self.target, self.draft), 0
             for last in stream_generate(self.target, self.draft, self.tokenizer, ids[keep:], prompt_cache=self.cache,
-                                        max_tokens=self.max_tokens, temperature=self.temperature,
-                                        block_size=self.block_size):
+                                        **asdict(self.settings)):
                 answer.append(last.text)
                 tokens += len(last.tokens)
                 if last.accepted is not None:

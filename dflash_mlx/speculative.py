@@ -27,8 +27,9 @@ from .cache import SpeculativeCache
 from .errors import UserError
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
-from .pairing import check_block_size, context_room, prepare
-from .sampling import SamplingParams, acceptance
+from .pairing import context_room, prepare
+from .sampling import acceptance
+from .settings import GenerationSettings
 
 
 @dataclass
@@ -154,14 +155,11 @@ def stream_generate(
     starts; the tokens of the cycle that hit it stay in `tokens` and in `prompt_cache`. A prompt that
     fills the target's context is an error; the answer stops ("length") where the context ends.
     """
-    params = SamplingParams(temperature, top_p, top_k, min_p)
-    if max_tokens < 0:
-        raise UserError(f"max_tokens must be >= 0, got {max_tokens}")
-    if prefill_step_size < 1:
-        raise UserError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
     if block_size is None:
         block_size = draft.block_size if draft is not None else 1
-    check_block_size(block_size)
+    settings = GenerationSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  max_tokens=max_tokens, block_size=block_size, seed=seed,
+                                  prefill_step_size=prefill_step_size)
     drafting = draft is not None and block_size > 1  # else plain decoding (the drafter's cache still follows)
     if tokenizer is not None and not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -185,9 +183,9 @@ def stream_generate(
         return
     if seed is not None:
         mx.random.seed(seed)
-    propose, accept = acceptance(params, sampler)
+    propose, accept = acceptance(settings, sampler)
     pick = (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))) \
-        if sampler is not None else params.sample
+        if sampler is not None else settings.sample
     cache = prompt_cache or SpeculativeCache(target, draft)
     eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
     detok = tokenizer.detokenizer if tokenizer is not None else _NoText()

@@ -54,6 +54,7 @@ from .loading import read_config
 from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from .models.targets import Target
 from .pairing import check_block_size, check_pair, prepare
+from .settings import GenerationSettings
 from .speculative import generate
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay per block size
@@ -571,16 +572,17 @@ def export(checkpoint: str | Path, dest: str | Path) -> Path:
     return export_draft(str(checkpoint), Path(dest).expanduser(), force=True)
 
 
-def tau_on_prompts(target: Target, draft, tokenizer, prompts, max_tokens=128, block_size=None,
-                   temperature=0.0, seed=0, template_kwargs: Optional[dict] = None,
-                   progress: Optional[Callable[[int], None]] = None) -> dict:
-    """Real acceptance length: stream_generate over chat prompts; also tokens generated.
-    `progress(k)` is called after each of them (k done)."""
+def tau_on_prompts(target: Target, draft, tokenizer, prompts, settings: Optional[GenerationSettings] = None,
+                   template_kwargs: Optional[dict] = None, progress: Optional[Callable[[int], None]] = None) -> dict:
+    """Real acceptance length: stream_generate over chat prompts (default settings: greedy, 128 tokens; a
+    sampled answer k is seeded with the settings' seed + k); also tokens generated. `progress(k)` is called
+    after each of them (k done)."""
+    settings = (settings or GenerationSettings(max_tokens=128)).answering()
     acc, n = [], 0
     for k, messages in enumerate(prompts):
+        seed = (settings.seed or 0) + k if settings.temperature else None
         r = generate(target, draft, tokenizer, apply_chat_template(tokenizer, messages, **(template_kwargs or {})),
-                     max_tokens=max_tokens,
-                     block_size=block_size, temperature=temperature, seed=seed + k if temperature else None)
+                     **asdict(replace(settings, seed=seed)))
         acc += r.acceptance_lengths
         n += len(r.tokens)
         if progress is not None:
