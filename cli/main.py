@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -465,138 +464,49 @@ def train_run(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from dflash_mlx.chat import apply_chat_template
-    from dflash_mlx.data import check_data_tokenizer, load_shards, sharegpt_prompts
-    from dflash_mlx.loading import load, load_draft, template_kwargs
-    from dflash_mlx.models.targets import Target
-    from dflash_mlx.pairing import context_length
-    from dflash_mlx.settings import GenerationSettings
-    from dflash_mlx.train import (TrainConfig, check_export_folder, check_same_data, data_fingerprint, export,
-                                  resume_notes, saved_run, tau_on_prompts, train, trim_log, usable_sequences)
+    from dflash_mlx.train_run import prepare_run
 
     with user_errors():
-        if export_to:
-            check_export_folder(export_to, out)  # before hours of training, not after
-        if eval_prompts < 0:
-            raise UserError(f"--eval-prompts must be >= 0, got {eval_prompts}")
-        if not feature_cache_gb >= 0:
-            raise UserError(f"--feature-cache-gb must be >= 0, got {feature_cache_gb}")
-        seqs, folders = [], []
-        for folder in data:
-            found = load_shards(folder)
-            if not found:
-                raise UserError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")
-            seqs += found
-            folders.append((folder, found))
-        out = Path(out).expanduser()
-        run = saved_run(out)
-        given = {"lr": lr, "warmup": warmup, "anchors": anchors, "vocab": vocab, "num_layers": layers,
-                 "intermediate_size": intermediate_size, "block_size": block_size, "mask_token_id": mask_token_id,
-                 "target_layer_ids": [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None}
-        control = {"steps": steps, "checkpoint_every": checkpoint_every, "eval_every": eval_every}
-        start, done = None, False
-        if run is not None:  # resume: the run's recipe, the new command's control options where given
-            control = {k: v if v is not None else run["train_config"].get(k, getattr(TrainConfig, k))
-                       for k, v in control.items()}
-            notes = [f"resuming {out} at step {run['step']} of {control['steps']}"] + resume_notes(run, given)
-            if init:
-                notes.append("--init is not used: the run goes on from its own checkpoint")
-            # Before loading the target (train() checks again, for callers from Python).
-            check_same_data(run, data_fingerprint(usable_sequences(seqs, TrainConfig(**run["train_config"]))))
-            done = run["step"] >= control["steps"]
-            if done:
-                notes.append("nothing to train: give a larger --steps to go on")
-            for note in notes:
-                typer.echo(note, err=True)
-        else:
-            arch = {"--layers": layers, "--intermediate-size": intermediate_size,
-                    "--target-layer-ids": target_layer_ids, "--mask-token-id": mask_token_id}
-            if init and any(v is not None for v in arch.values()):
-                raise UserError(f"{', '.join(k for k, v in arch.items() if v is not None)}: the drafter's "
-                                 f"architecture comes from --init; drop the option or start a new drafter")
-            start = load_draft(init, dtype=mx.float32) if init else None
-            if start is not None and any(k.endswith(".scales") for k, _ in tree_flatten(start.parameters())):
-                raise UserError(f"{init} is quantized, so almost none of it could train: start from the "
-                                 "unquantized drafter")
-            if start is not None and block_size is None:
-                given["block_size"] = start.block_size
-        cfg = TrainConfig(**{k: v for k, v in {**given, **control}.items() if v is not None})
-        if run is None:
-            usable_sequences(seqs, cfg)  # refused before a run folder or a progress bar appears
-            if cfg.warmup >= cfg.steps:
-                typer.echo(f"note: the warm-up ({cfg.warmup} steps) is not shorter than the run ({cfg.steps}), so "
-                           f"the learning rate never reaches its peak; a shorter --warmup fixes that", err=True)
-        try:
-            held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
-        except UserError as e:  # the package is an extra
-            raise UserError(f"{e} (it holds the held-out prompts), or pass --eval-prompts 0") from None
-        target_model, tokenizer = load(model)
-        check_data_tokenizer(folders, tokenizer, Target(target_model).vocab_size, model)
-        context = context_length(target_model)
-        fits = [m for m in held_out if context is None
-                or len(apply_chat_template(tokenizer, m, **template_kwargs(model))) < context]
-        if len(fits) < len(held_out):
-            typer.echo(f"note: {len(held_out) - len(fits)} of the {len(held_out)} held-out prompts do not fit the "
-                       f"target's context of {context} tokens; the tau check leaves them out", err=True)
-        held_out = fits
-        out.mkdir(parents=True, exist_ok=True)
-        trim_log(out / "log.jsonl", run["step"] if run else 0)  # steps after the checkpoint (a crash) are redone
-        log = open(out / "log.jsonl", "a")
+        recipe = {"lr": lr, "warmup": warmup, "anchors": anchors, "vocab": vocab, "num_layers": layers,
+                  "intermediate_size": intermediate_size, "block_size": block_size, "mask_token_id": mask_token_id,
+                  "target_layer_ids": _layer_ids(target_layer_ids) if target_layer_ids else None}
+        run = prepare_run(data, out, model, recipe, steps=steps, checkpoint_every=checkpoint_every,
+                          eval_every=eval_every, init=init, eval_prompts=eval_prompts,
+                          feature_cache_gb=feature_cache_gb, export_to=export_to,
+                          note=lambda line: typer.echo(line, err=True))
+        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                      TimeRemainingColumn(), console=_stderr(), disable=run.done) as bar:
+            task = bar.add_task("", total=run.cfg.steps, completed=run.step)
 
-        def evaluate(draft):
-            return {"tau": tau_on_prompts(Target(target_model, draft.config.target_layer_ids), draft, tokenizer,
-                                          held_out, GenerationSettings(max_tokens=96),
-                                          template_kwargs=template_kwargs(model))["tau"]} \
-                if held_out else {}
+            def on_step(r):
+                desc = f"loss {r['loss']:.3f}  {r['block_tokens'] / r['seconds']:.0f} block tokens/s"
+                if "offline_tau" in r:
+                    desc += f"  offline tau {r['offline_tau']:.2f}" + (f"  tau {r['tau']:.2f}" if "tau" in r else "")
+                    bar.console.print(f"step {r['step']}: {desc}")
+                if "eval_error" in r:
+                    bar.console.print(f"step {r['step']}: the held-out tau check failed ({r['eval_error']}); "
+                                      "training goes on")
+                bar.update(task, completed=r["step"], description=desc)
 
-        stop, reached = [], [run["step"] if run else 0]  # the signal that asked for a stop; the last step done
+            end = run.train(on_step, note=bar.console.print)
+    code = 128 + end.stopped_by if end.stopped_by else 130
+    if end.interrupted:
+        typer.secho(f"interrupted at step {end.step}: " + (f"the checkpoint of step {end.checkpoint} is kept; run "
+                    "the same command to go on from it" if end.checkpoint else "no checkpoint yet"), fg="red", err=True)
+        raise typer.Exit(code)
+    if end.stopped_by and end.step < end.steps:
+        typer.echo(f"stopped at step {end.step} of {end.steps} with a checkpoint: run the same command to go on",
+                   err=True)
+        raise typer.Exit(code)
+    if end.exported:
+        typer.echo(f"drafter written to {export_to}")
 
-        def on_signal(signum, frame):
-            if stop:
-                raise KeyboardInterrupt  # asked twice: at once, keeping the last checkpoint
-            stop.append(signum)
-            bar.console.print("stopping after this step, with a checkpoint (Ctrl-C again stops at once)")
 
-        handlers = {}
-        try:
-            with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                          TimeRemainingColumn(), console=_stderr(), disable=done) as bar:
-                task = bar.add_task("", total=cfg.steps, completed=reached[0])
-                handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-
-                def on_step(r):
-                    log.write(json.dumps(r) + "\n")
-                    log.flush()
-                    reached[0] = r["step"]
-                    desc = f"loss {r['loss']:.3f}  {r['block_tokens'] / r['seconds']:.0f} block tokens/s"
-                    if "offline_tau" in r:
-                        desc += f"  offline tau {r['offline_tau']:.2f}" + (f"  tau {r['tau']:.2f}" if "tau" in r else "")
-                        bar.console.print(f"step {r['step']}: {desc}")
-                    if "eval_error" in r:
-                        bar.console.print(f"step {r['step']}: the held-out tau check failed ({r['eval_error']}); "
-                                          "training goes on")
-                    bar.update(task, completed=r["step"], description=desc)
-
-                train(Target(target_model), tokenizer, seqs, out, cfg, draft=start, on_step=on_step,
-                      evaluate=evaluate, feature_cache_gb=feature_cache_gb, stop=lambda: bool(stop))
-        except KeyboardInterrupt:
-            kept = saved_run(out)
-            typer.secho(f"interrupted at step {reached[0]}: " + (f"the checkpoint of step {kept['step']} is kept; run "
-                        "the same command to go on from it" if kept else "no checkpoint yet"), fg="red", err=True)
-            raise typer.Exit(128 + stop[0] if stop else 130)
-        finally:
-            for s, h in handlers.items():
-                signal.signal(s, h)
-        if stop and reached[0] < cfg.steps:
-            typer.echo(f"stopped at step {reached[0]} of {cfg.steps} with a checkpoint: run the same command to "
-                       "go on", err=True)
-            raise typer.Exit(128 + stop[0])
-        if export_to:
-            export(out / "checkpoint", export_to)
-            typer.echo(f"drafter written to {export_to}")
+def _layer_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--target-layer-ids takes comma-separated layer numbers, e.g. 1,14,27; got {text!r}") from None
 
 
 @train_app.command("eval")
@@ -616,7 +526,7 @@ def train_eval(
 
     from dflash_mlx.loading import load_pair, template_kwargs
     from dflash_mlx.settings import GenerationSettings
-    from dflash_mlx.train import tau_on_prompts
+    from dflash_mlx.train_run import tau_on_prompts
 
     with user_errors():
         settings = GenerationSettings(temperature=temp, block_size=block_size, max_tokens=max_tokens).answering()

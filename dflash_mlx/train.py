@@ -46,16 +46,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .chat import apply_chat_template
-from .convert import export_draft, is_drafter
-from .errors import AlreadyExists, UserError
+from .errors import UserError
 from .files import atomic_folder
 from .loading import read_config
 from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from .models.targets import Target
 from .pairing import check_block_size, check_pair, prepare
-from .settings import GenerationSettings
-from .speculative import generate
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay per block size
 
@@ -316,8 +312,6 @@ def evaluate_blocks(draft, target, features_of, seqs, indices, cfg: TrainConfig,
 
 
 RUN_CONTROL = ("steps", "checkpoint_every", "eval_every")  # all a resumed run takes from the new command
-ARCHITECTURE = {"block_size": "block_size", "num_layers": "num_hidden_layers", "intermediate_size": "intermediate_size",
-                "target_layer_ids": "target_layer_ids", "mask_token_id": "mask_token_id"}  # -> the drafter's config
 
 
 def saved_run(out: str | Path) -> Optional[dict]:
@@ -373,22 +367,6 @@ def check_same_target(run: dict, now: dict) -> None:
         raise UserError("the run trained against another target (" + (
             "other weights of the same shape" if same_shape else f"{shape(saved)}; this one: {shape(now)}") +
             "): resume it with the -m it was trained with, or export it and start a new run from it with --init")
-
-
-def resume_notes(run: dict, given: dict) -> list[str]:
-    """A resumed run keeps its recipe and architecture, so that its curve continues: one note for each
-    option given on the new command (TrainConfig names; None: not given) that differs from the run's."""
-    notes = []
-    for key, mine in given.items():
-        if mine is None:
-            continue
-        theirs = getattr(run["config"], ARCHITECTURE[key]) if key in ARCHITECTURE else run["train_config"].get(key)
-        if mine != theirs:
-            flag = "--layers" if key == "num_layers" else "--" + key.replace("_", "-")
-            why = ("a run's architecture is fixed" if key in ARCHITECTURE else
-                   "to change it, export the run and start a new one from it with --init")
-            notes.append(f"{flag} {mine} is not used: the run keeps its {theirs} ({why})")
-    return notes
 
 
 def usable_sequences(seqs: list[tuple[list[int], int]], cfg: TrainConfig) -> list[tuple[list[int], int]]:
@@ -519,23 +497,6 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     return draft
 
 
-def trim_log(path: Path, step: int) -> None:
-    """Keep a run log's records up to `step`, the checkpoint a resumed run goes on from: steps done after
-    it (before a crash) are done again, and the log should read as one run, each step once."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):  # a line cut short by the crash
-            pass
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    tmp.replace(path)
-
-
 def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: TrainConfig, data: dict,
                     target: dict) -> None:
     with atomic_folder(folder, force=True) as tmp:
@@ -547,45 +508,3 @@ def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: 
                             {k: v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)})
         (tmp / "state.json").write_text(json.dumps({"step": step, "train_config": asdict(cfg), "data": data,
                                                     "target": target}))
-
-
-def check_export_folder(dest: str | Path, run: Optional[str | Path] = None) -> None:
-    """An export may replace an older exported drafter (config.json and weights only), never a folder
-    holding anything else, nor the run folder it comes from."""
-    dest = Path(dest).expanduser().resolve()
-    if run is not None:
-        run = Path(run).expanduser().resolve()
-        if dest == run or run in dest.parents or dest in run.parents:
-            raise UserError(f"--export {dest} would overwrite the run folder {run}: export to a folder outside it")
-    if not dest.exists():
-        return
-    names = [p.name for p in dest.iterdir()] if dest.is_dir() else None
-    only_a_drafter = names is not None and all(n == "config.json" or (n.startswith("model") and n.endswith(
-        ".safetensors")) for n in names) and (not names or is_drafter(dest))
-    if not only_a_drafter:
-        raise AlreadyExists(f"{dest} exists and holds more than an exported drafter: give --export a new folder")
-
-
-def export(checkpoint: str | Path, dest: str | Path) -> Path:
-    """The trained drafter in z-lab's layout (bf16), replacing an older drafter at `dest`."""
-    check_export_folder(dest, checkpoint)
-    return export_draft(str(checkpoint), Path(dest).expanduser(), force=True)
-
-
-def tau_on_prompts(target: Target, draft, tokenizer, prompts, settings: Optional[GenerationSettings] = None,
-                   template_kwargs: Optional[dict] = None, progress: Optional[Callable[[int], None]] = None) -> dict:
-    """Real acceptance length: stream_generate over chat prompts (default settings: greedy, 128 tokens; a
-    sampled answer k is seeded with the settings' seed + k); also tokens generated. `progress(k)` is called
-    after each of them (k done)."""
-    settings = (settings or GenerationSettings(max_tokens=128)).answering()
-    acc, n = [], 0
-    for k, messages in enumerate(prompts):
-        seed = (settings.seed or 0) + k if settings.temperature else None
-        r = generate(target, draft, tokenizer, apply_chat_template(tokenizer, messages, **(template_kwargs or {})),
-                     **asdict(replace(settings, seed=seed)))
-        acc += r.acceptance_lengths
-        n += len(r.tokens)
-        if progress is not None:
-            progress(k + 1)
-    return {"tau": sum(acc) / max(len(acc), 1), "cycles": len(acc), "tokens": n,
-            "histogram": {int(k): int(v) for k, v in zip(*np.unique(acc, return_counts=True))}}

@@ -97,6 +97,8 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
             "--max-tokens", "0")
     assert r.exit_code == 1 and "max_tokens must be >= 1" in r.stderr
+    r = run("train", "run", "--data", root / "nowhere", "-o", root / "run", "--target-layer-ids", "1,a")
+    assert r.exit_code == 1 and "--target-layer-ids takes comma-separated layer numbers" in r.stderr
     for args in (["--hidden", "32"], ["--cycles", "0"], ["--block-size", "1"]):
         r = run("profile", *args)
         assert r.exit_code == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.output, (args, r.output)
