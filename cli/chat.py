@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import signal
 import sys
+from dataclasses import replace
 from typing import Optional
 
 from rich.console import Console
 from rich.markup import escape
 
-from dflash_mlx.sampling import SamplingParams
-from dflash_mlx.speculative import check_block_size
+from dflash_mlx.errors import UserError
 
 HELP = """[bold]commands[/bold]
   /help            this list
@@ -29,7 +29,7 @@ def check_utf8(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # bytes that are not UTF-8 arrive from stdin as lone surrogates
-        raise ValueError(f"{what} is not UTF-8 text (a stray byte at character {e.start}): convert it "
+        raise UserError(f"{what} is not UTF-8 text (a stray byte at character {e.start}): convert it "
                          "first, e.g. with iconv -f latin1 -t utf-8") from None
 
 
@@ -121,7 +121,7 @@ def run(session, console: Console, banner: str, hide_thinking: bool = False) -> 
             continue
         try:
             check_utf8(text, "the message")
-        except ValueError as e:
+        except UserError as e:
             console.print(f"[yellow]{e}[/yellow]")
             continue
         if text.startswith("/"):
@@ -154,7 +154,7 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
                 if is_thinking and hide_thinking:
                     continue
                 console.print(escape(part), end="", style="dim" if is_thinking else None, soft_wrap=True)
-    except ValueError as e:  # a full context (ContextFull) or settings the model refuses: the chat goes on
+    except UserError as e:  # a full context (ContextFull) or settings the model refuses: the chat goes on
         console.print(f"\n[yellow]{e}[/yellow]")
         return
     except KeyboardInterrupt:
@@ -187,13 +187,11 @@ def command(session, console: Console, line: str) -> Optional[str]:
             session.system = arg or None
             console.print(f"[dim]system prompt {'set' if arg else 'cleared'}[/dim]")
         elif name == "/temp":
-            value = SamplingParams(float(arg)).temperature  # checked as every entry point checks it
-            session.temperature = value
-            console.print(f"[dim]temperature {value}[/dim]")
+            session.settings = replace(session.settings, temperature=float(arg))
+            console.print(f"[dim]temperature {session.settings.temperature}[/dim]")
         elif name == "/block":
-            value = check_block_size(int(arg))
-            session.block_size = value
-            console.print(f"[dim]block size {value}[/dim]")
+            session.settings = replace(session.settings, block_size=int(arg))
+            console.print(f"[dim]block size {session.settings.block_size}[/dim]")
         elif name == "/stats":
             turns = session.turns
             toks = sum(t["tokens"] for t in turns)
@@ -201,14 +199,14 @@ def command(session, console: Console, line: str) -> Optional[str]:
             tau = sum(t["mean_acceptance"] * t["cycles"] for t in turns if t["cycles"]) / cycles if cycles else None
             console.print(f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
                           f"{'-' if tau is None else f'{tau:.2f}'}, context {session.context_tokens()}"
-                          f"/{session.max_context} tokens, temperature {session.temperature}, block "
-                          f"{session.draft.block_size if session.block_size is None else session.block_size}[/dim]")
+                          f"/{session.max_context} tokens, temperature {session.settings.temperature}, block "
+                          f"{session.settings.block_size or session.draft.block_size}[/dim]")
         elif name == "/save":
             if not arg:
-                raise ValueError("/save needs a file name")
+                raise UserError("/save needs a file name")
             console.print(f"[dim]saved to {session.save(arg)}[/dim]")
         else:
             console.print(f"[yellow]unknown command {name}: /help lists them[/yellow]")
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # a UserError, a number that does not parse, a file /save cannot write
         console.print(f"[yellow]{e}[/yellow]")
     return None

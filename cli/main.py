@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import math
 import os
-import signal
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -14,7 +12,10 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(help="DFlash speculative decoding for MLX.", no_args_is_help=True, add_completion=False)
+from dflash_mlx.errors import AlreadyExists, UserError
+
+app = typer.Typer(help="DFlash speculative decoding for MLX.", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_show_locals=False)
 
 
 @app.callback()
@@ -24,13 +25,14 @@ def main():
 
 @contextmanager
 def user_errors():
-    """Bad input ends the command with one clear line on stderr and exit code 1, not a traceback."""
+    """Bad input (a UserError) or a failed file, permission or network operation (an OSError) ends the command
+    with one clear line on stderr and exit code 1; any other exception is a bug, shown with its traceback."""
     try:
         yield
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         raise typer.Exit(141)
-    except (ValueError, OSError) as e:  # OSError covers missing files, permissions, the network
+    except (UserError, OSError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(1)
 
@@ -56,14 +58,14 @@ def convert(
 
     with user_errors():
         if dtype is not None and dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
         if export and (dtype is not None or quantize or q_bits is not None or q_group_size is not None):
-            raise ValueError("--export always writes bf16 weights, unquantized: leave out --dtype, -q and --q-*")
+            raise UserError("--export always writes bf16 weights, unquantized: leave out --dtype, -q and --q-*")
         if not quantize and (q_bits is not None or q_group_size is not None):
-            raise ValueError("--q-bits and --q-group-size take effect only with -q/--quantize: add it")
+            raise UserError("--q-bits and --q-group-size take effect only with -q/--quantize: add it")
         q_bits, q_group_size = 4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size
         if Path(output).expanduser().exists() and not force:  # before any download
-            raise FileExistsError(f"{output} already exists (pass --force to replace it)")
+            raise AlreadyExists(f"{output} already exists (pass --force to replace it)")
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=_stderr()) as bar:
             task = bar.add_task(f"converting {source}")
@@ -127,10 +129,11 @@ def generate_cmd(
     """Answer one prompt: the text on stdout, the statistics on stderr."""
     import time
 
+    from dataclasses import asdict
+
     import dflash_mlx
     from dflash_mlx.loading import load, load_pair, template_kwargs
-    from dflash_mlx.sampling import SamplingParams
-    from dflash_mlx.speculative import check_block_size
+    from dflash_mlx.settings import GenerationSettings
 
     from .chat import check_utf8
 
@@ -140,15 +143,12 @@ def generate_cmd(
             raise typer.Exit(2)
         prompt = sys.stdin.read().removesuffix("\n")  # the newline `echo` adds, as $(...) drops it
     with user_errors():
-        SamplingParams(temp, top_p, top_k, min_p)  # checked before loading, for both paths
-        if max_tokens < 0:
-            raise ValueError(f"--max-tokens must be >= 0, got {max_tokens}")
+        settings = GenerationSettings(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
+                                      block_size=block_size, seed=seed)  # checked before loading, for both paths
         if no_draft and (draft is not None or block_size is not None):
-            raise ValueError("--no-draft decodes without a drafter: drop --draft and --block-size")
-        if block_size is not None:
-            check_block_size(block_size)
+            raise UserError("--no-draft decodes without a drafter: drop --draft and --block-size")
         if (system is not None or think is not None) and not chat_template:
-            raise ValueError("--system and --think/--no-think need the chat template: drop --no-chat-template")
+            raise UserError("--system and --think/--no-think need the chat template: drop --no-chat-template")
         check_utf8(prompt, "the prompt")
         if no_draft:
             (target, tokenizer), drafter = load(model), None
@@ -156,13 +156,12 @@ def generate_cmd(
             target, drafter, tokenizer = load_pair(model, draft)
         ids = (dflash_mlx.apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think))
                if chat_template else tokenizer.encode(prompt, verbose=False))
-        kwargs = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         tic = time.perf_counter()
         if drafter is None:
-            text, tokens, last, acc = _plain(target, tokenizer, ids, as_json, **kwargs)
+            text, tokens, last, acc = _plain(target, tokenizer, ids, as_json, settings)
         else:
             text, tokens, last, acc = [], [], None, []
-            for last in dflash_mlx.stream_generate(target, drafter, tokenizer, ids, block_size=block_size, **kwargs):
+            for last in dflash_mlx.stream_generate(target, drafter, tokenizer, ids, **asdict(settings)):
                 if not as_json:
                     sys.stdout.write(last.text)
                     sys.stdout.flush()
@@ -192,20 +191,21 @@ def generate_cmd(
     typer.secho(stats, err=True, dim=True)
 
 
-def _plain(model, tokenizer, ids, quiet, max_tokens, temperature, top_p, top_k, min_p, seed):
+def _plain(model, tokenizer, ids, quiet, settings):
     """The baseline: mlx-lm's own decoding of the target."""
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from dflash_mlx.speculative import context_room
+    from dflash_mlx.pairing import context_room
 
-    max_tokens = min(max_tokens, context_room(model, len(ids)))  # as stream_generate does
+    s = settings
+    max_tokens = min(s.max_tokens, context_room(model, len(ids)))  # as stream_generate does
     if max_tokens == 0:  # (mlx-lm would read 0 as an error)
         return "", [], None, []
-    if seed is not None:
-        mx.random.seed(seed)
-    sampler = make_sampler(temperature, top_p=top_p if top_p < 1 else 0.0, min_p=min_p, top_k=top_k)
+    if s.seed is not None:
+        mx.random.seed(s.seed)
+    sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0, min_p=s.min_p, top_k=s.top_k)
     text, tokens, last = [], [], None
     for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler):
         if not quiet:
@@ -235,18 +235,13 @@ def chat(
     from dflash_mlx.chat import ChatSession
     from dflash_mlx.loading import draft_for, load_pair, template_kwargs
     from dflash_mlx.platform import backend
-    from dflash_mlx.sampling import SamplingParams
-    from dflash_mlx.speculative import check_block_size
+    from dflash_mlx.settings import GenerationSettings
 
     from .chat import run
 
     console = Console(highlight=False)
     with user_errors():
-        SamplingParams(temp)  # checked before loading
-        if block_size is not None:
-            check_block_size(block_size)
-        if max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
+        GenerationSettings(temperature=temp, block_size=block_size, max_tokens=max_tokens).answering()  # before loading
         with console.status(f"loading {model} ..."):
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
@@ -324,27 +319,20 @@ def bench(
     from rich.markdown import Markdown
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from dflash_mlx.bench import has_matplotlib, markdown, run_bench, write
+    from dflash_mlx.bench import has_matplotlib, markdown, run_bench, settings_grid, write
     from dflash_mlx.loading import draft_for, load_pair, template_kwargs
-    from dflash_mlx.speculative import check_block_size
 
     with user_errors():
         try:
             bs = [int(x) for x in block_sizes.split(",")]
             ts = [float(x) for x in temps.split(",")]
         except ValueError:
-            raise ValueError(f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
+            raise UserError(f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
                              f"got {block_sizes!r} and {temps!r}") from None
-        if not all(0 <= t < math.inf for t in ts):
-            raise ValueError(f"temperatures must be numbers >= 0, got --temps {temps}")
-        for b in bs:
-            check_block_size(b)
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        bs, ts = list(dict.fromkeys(bs)), list(dict.fromkeys(ts))  # each setting once
+        grid = settings_grid(bs, ts, max_tokens)
         folder = Path(out).expanduser()
         if folder.exists() and not folder.is_dir():
-            raise ValueError(f"--out {out} is a file: give a folder for the results")
+            raise UserError(f"--out {out} is a file: give a folder for the results")
         made = not folder.exists()
         try:  # the folder must take files now, not after hours of benchmarking
             folder.mkdir(parents=True, exist_ok=True)
@@ -360,7 +348,8 @@ def bench(
                            err=True)
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                           TimeRemainingColumn(), console=_stderr()) as bar:
-                task = bar.add_task("warming up (not counted)", total=len(ps) * (len(ts) + len(bs) * len(ts)))
+                runs = len({t for _, t in grid}) + len(grid)  # the plain baseline at each temperature, then DFlash
+                task = bar.add_task("warming up (not counted)", total=len(ps) * runs)
                 results = run_bench(target, drafter, tokenizer, ps, block_sizes=bs, temperatures=ts,
                                     max_tokens=max_tokens, template_kwargs=template_kwargs(model, think),
                                     progress=lambda d, _: bar.update(task, completed=d, description="benchmarking"))
@@ -416,7 +405,7 @@ def train_data(
 
     with user_errors():
         if limit is not None and limit < 0:
-            raise ValueError(f"--limit must be >= 0, got {limit}")
+            raise UserError(f"--limit must be >= 0, got {limit}")
         prompts = prompt_source(source)
         total = min(limit or len(prompts), len(prompts))
         folder = Path(out).expanduser()
@@ -475,136 +464,49 @@ def train_run(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from dflash_mlx.chat import apply_chat_template
-    from dflash_mlx.data import check_data_tokenizer, load_shards, sharegpt_prompts
-    from dflash_mlx.loading import load, load_draft, template_kwargs
-    from dflash_mlx.models.targets import Target
-    from dflash_mlx.speculative import context_length
-    from dflash_mlx.train import (TrainConfig, check_export_folder, check_same_data, data_fingerprint, export,
-                                  resume_notes, saved_run, tau_on_prompts, train, trim_log, usable_sequences)
+    from dflash_mlx.train_run import prepare_run
 
     with user_errors():
-        if export_to:
-            check_export_folder(export_to, out)  # before hours of training, not after
-        if eval_prompts < 0:
-            raise ValueError(f"--eval-prompts must be >= 0, got {eval_prompts}")
-        if not feature_cache_gb >= 0:
-            raise ValueError(f"--feature-cache-gb must be >= 0, got {feature_cache_gb}")
-        seqs, folders = [], []
-        for folder in data:
-            found = load_shards(folder)
-            if not found:
-                raise ValueError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")
-            seqs += found
-            folders.append((folder, found))
-        out = Path(out).expanduser()
-        run = saved_run(out)
-        given = {"lr": lr, "warmup": warmup, "anchors": anchors, "vocab": vocab, "num_layers": layers,
-                 "intermediate_size": intermediate_size, "block_size": block_size, "mask_token_id": mask_token_id,
-                 "target_layer_ids": [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None}
-        control = {"steps": steps, "checkpoint_every": checkpoint_every, "eval_every": eval_every}
-        start, done = None, False
-        if run is not None:  # resume: the run's recipe, the new command's control options where given
-            control = {k: v if v is not None else run["train_config"].get(k, getattr(TrainConfig, k))
-                       for k, v in control.items()}
-            notes = [f"resuming {out} at step {run['step']} of {control['steps']}"] + resume_notes(run, given)
-            if init:
-                notes.append("--init is not used: the run goes on from its own checkpoint")
-            # Before loading the target (train() checks again, for callers from Python).
-            check_same_data(run, data_fingerprint(usable_sequences(seqs, TrainConfig(**run["train_config"]))))
-            done = run["step"] >= control["steps"]
-            if done:
-                notes.append("nothing to train: give a larger --steps to go on")
-            for note in notes:
-                typer.echo(note, err=True)
-        else:
-            arch = {"--layers": layers, "--intermediate-size": intermediate_size,
-                    "--target-layer-ids": target_layer_ids, "--mask-token-id": mask_token_id}
-            if init and any(v is not None for v in arch.values()):
-                raise ValueError(f"{', '.join(k for k, v in arch.items() if v is not None)}: the drafter's "
-                                 f"architecture comes from --init; drop the option or start a new drafter")
-            start = load_draft(init, dtype=mx.float32) if init else None
-            if start is not None and any(k.endswith(".scales") for k, _ in tree_flatten(start.parameters())):
-                raise ValueError(f"{init} is quantized, so almost none of it could train: start from the "
-                                 "unquantized drafter")
-            if start is not None and block_size is None:
-                given["block_size"] = start.block_size
-        cfg = TrainConfig(**{k: v for k, v in {**given, **control}.items() if v is not None})
-        if run is None:
-            usable_sequences(seqs, cfg)  # refused before a run folder or a progress bar appears
-            if cfg.warmup >= cfg.steps:
-                typer.echo(f"note: the warm-up ({cfg.warmup} steps) is not shorter than the run ({cfg.steps}), so "
-                           f"the learning rate never reaches its peak; a shorter --warmup fixes that", err=True)
-        try:
-            held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
-        except ValueError as e:  # the package is an extra
-            raise ValueError(f"{e} (it holds the held-out prompts), or pass --eval-prompts 0") from None
-        target_model, tokenizer = load(model)
-        check_data_tokenizer(folders, tokenizer, Target(target_model).vocab_size, model)
-        context = context_length(target_model)
-        fits = [m for m in held_out if context is None
-                or len(apply_chat_template(tokenizer, m, **template_kwargs(model))) < context]
-        if len(fits) < len(held_out):
-            typer.echo(f"note: {len(held_out) - len(fits)} of the {len(held_out)} held-out prompts do not fit the "
-                       f"target's context of {context} tokens; the tau check leaves them out", err=True)
-        held_out = fits
-        out.mkdir(parents=True, exist_ok=True)
-        trim_log(out / "log.jsonl", run["step"] if run else 0)  # steps after the checkpoint (a crash) are redone
-        log = open(out / "log.jsonl", "a")
+        recipe = {"lr": lr, "warmup": warmup, "anchors": anchors, "vocab": vocab, "num_layers": layers,
+                  "intermediate_size": intermediate_size, "block_size": block_size, "mask_token_id": mask_token_id,
+                  "target_layer_ids": _layer_ids(target_layer_ids) if target_layer_ids else None}
+        run = prepare_run(data, out, model, recipe, steps=steps, checkpoint_every=checkpoint_every,
+                          eval_every=eval_every, init=init, eval_prompts=eval_prompts,
+                          feature_cache_gb=feature_cache_gb, export_to=export_to,
+                          note=lambda line: typer.echo(line, err=True))
+        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                      TimeRemainingColumn(), console=_stderr(), disable=run.done) as bar:
+            task = bar.add_task("", total=run.cfg.steps, completed=run.step)
 
-        def evaluate(draft):
-            return {"tau": tau_on_prompts(Target(target_model, draft.config.target_layer_ids), draft, tokenizer,
-                                          held_out, max_tokens=96, template_kwargs=template_kwargs(model))["tau"]} \
-                if held_out else {}
+            def on_step(r):
+                desc = f"loss {r['loss']:.3f}  {r['block_tokens'] / r['seconds']:.0f} block tokens/s"
+                if "offline_tau" in r:
+                    desc += f"  offline tau {r['offline_tau']:.2f}" + (f"  tau {r['tau']:.2f}" if "tau" in r else "")
+                    bar.console.print(f"step {r['step']}: {desc}")
+                if "eval_error" in r:
+                    bar.console.print(f"step {r['step']}: the held-out tau check failed ({r['eval_error']}); "
+                                      "training goes on")
+                bar.update(task, completed=r["step"], description=desc)
 
-        stop, reached = [], [run["step"] if run else 0]  # the signal that asked for a stop; the last step done
+            end = run.train(on_step, note=bar.console.print)
+    code = 128 + end.stopped_by if end.stopped_by else 130
+    if end.interrupted:
+        typer.secho(f"interrupted at step {end.step}: " + (f"the checkpoint of step {end.checkpoint} is kept; run "
+                    "the same command to go on from it" if end.checkpoint else "no checkpoint yet"), fg="red", err=True)
+        raise typer.Exit(code)
+    if end.stopped_by and end.step < end.steps:
+        typer.echo(f"stopped at step {end.step} of {end.steps} with a checkpoint: run the same command to go on",
+                   err=True)
+        raise typer.Exit(code)
+    if end.exported:
+        typer.echo(f"drafter written to {export_to}")
 
-        def on_signal(signum, frame):
-            if stop:
-                raise KeyboardInterrupt  # asked twice: at once, keeping the last checkpoint
-            stop.append(signum)
-            bar.console.print("stopping after this step, with a checkpoint (Ctrl-C again stops at once)")
 
-        handlers = {}
-        try:
-            with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                          TimeRemainingColumn(), console=_stderr(), disable=done) as bar:
-                task = bar.add_task("", total=cfg.steps, completed=reached[0])
-                handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-
-                def on_step(r):
-                    log.write(json.dumps(r) + "\n")
-                    log.flush()
-                    reached[0] = r["step"]
-                    desc = f"loss {r['loss']:.3f}  {r['block_tokens'] / r['seconds']:.0f} block tokens/s"
-                    if "offline_tau" in r:
-                        desc += f"  offline tau {r['offline_tau']:.2f}" + (f"  tau {r['tau']:.2f}" if "tau" in r else "")
-                        bar.console.print(f"step {r['step']}: {desc}")
-                    if "eval_error" in r:
-                        bar.console.print(f"step {r['step']}: the held-out tau check failed ({r['eval_error']}); "
-                                          "training goes on")
-                    bar.update(task, completed=r["step"], description=desc)
-
-                train(Target(target_model), tokenizer, seqs, out, cfg, draft=start, on_step=on_step,
-                      evaluate=evaluate, feature_cache_gb=feature_cache_gb, stop=lambda: bool(stop))
-        except KeyboardInterrupt:
-            kept = saved_run(out)
-            typer.secho(f"interrupted at step {reached[0]}: " + (f"the checkpoint of step {kept['step']} is kept; run "
-                        "the same command to go on from it" if kept else "no checkpoint yet"), fg="red", err=True)
-            raise typer.Exit(128 + stop[0] if stop else 130)
-        finally:
-            for s, h in handlers.items():
-                signal.signal(s, h)
-        if stop and reached[0] < cfg.steps:
-            typer.echo(f"stopped at step {reached[0]} of {cfg.steps} with a checkpoint: run the same command to "
-                       "go on", err=True)
-            raise typer.Exit(128 + stop[0])
-        if export_to:
-            export(out / "checkpoint", export_to)
-            typer.echo(f"drafter written to {export_to}")
+def _layer_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--target-layer-ids takes comma-separated layer numbers, e.g. 1,14,27; got {text!r}") from None
 
 
 @train_app.command("eval")
@@ -623,18 +525,17 @@ def train_eval(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from dflash_mlx.loading import load_pair, template_kwargs
-    from dflash_mlx.train import tau_on_prompts
+    from dflash_mlx.settings import GenerationSettings
+    from dflash_mlx.train_run import tau_on_prompts
 
     with user_errors():
-        if max_tokens < 1:
-            raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
+        settings = GenerationSettings(temperature=temp, block_size=block_size, max_tokens=max_tokens).answering()
         ps = _first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
         with Progress(TextColumn("answering prompts"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=_stderr()) as bar:
             task = bar.add_task("", total=len(ps))
-            r = tau_on_prompts(target, drafter, tokenizer, ps, max_tokens=max_tokens, block_size=block_size,
-                               temperature=temp, template_kwargs=template_kwargs(model, think),
+            r = tau_on_prompts(target, drafter, tokenizer, ps, settings, template_kwargs=template_kwargs(model, think),
                                progress=lambda k: bar.update(task, completed=k))
     r.update(prompts=prompts, n_prompts=len(ps), block_size=drafter.block_size if block_size is None else block_size,
              temperature=temp)
@@ -648,7 +549,7 @@ def _first_prompts(source: str, limit: Optional[int]) -> list:
     from dflash_mlx.data import prompt_source
 
     if limit is not None and limit < 0:
-        raise ValueError(f"--limit must be >= 0 (0: all prompts), got {limit}")
+        raise UserError(f"--limit must be >= 0 (0: all prompts), got {limit}")
     return prompt_source(source)[:limit or None]
 
 

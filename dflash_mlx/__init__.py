@@ -7,6 +7,7 @@ preload_blas()
 
 from .cache import SpeculativeCache  # noqa: E402
 from .chat import apply_chat_template  # noqa: E402
+from .errors import UserError  # noqa: E402
 from .loading import load, load_draft, load_pair  # noqa: E402
 from .models.dflash import DFlashConfig, DFlashDraftModel  # noqa: E402
 from .models.targets import SUPPORTED_FAMILIES, Target  # noqa: E402
@@ -14,5 +15,5 @@ from .speculative import GenerationResponse, GenerationResult, generate, stream_
 
 __all__ = [
     "DFlashConfig", "DFlashDraftModel", "GenerationResponse", "GenerationResult", "SUPPORTED_FAMILIES",
-    "SpeculativeCache", "Target", "apply_chat_template", "generate", "load", "load_draft", "load_pair", "stream_generate",
+    "SpeculativeCache", "Target", "UserError", "apply_chat_template", "generate", "load", "load_draft", "load_pair", "stream_generate",
 ]

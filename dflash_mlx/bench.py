@@ -11,33 +11,39 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from contextlib import ExitStack
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
+from mlx_lm import stream_generate as plain_stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from .chat import apply_chat_template
+from .errors import UserError
+from .files import atomic_file
+from .pairing import context_room, prepare
+from .platform import has_module, report
+from .settings import GenerationSettings
+from .speculative import stream_generate
 
 
 def _plain(model, tokenizer, ids, max_tokens, temperature, seed):
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
     mx.random.seed(seed)
     mx.reset_peak_memory()  # each run's own peak, not loading's or an earlier run's
     tic, first, tokens = time.perf_counter(), None, []
-    for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(temperature)):
+    for r in plain_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(temperature)):
         first = first or time.perf_counter()
         tokens.append(r.token)
     end = time.perf_counter()
     return _record(tokens, tic, first, end, [])
 
 
-def _dflash(target, draft, tokenizer, ids, max_tokens, block_size, temperature, seed):
-    from .speculative import stream_generate
-
+def _dflash(target, draft, tokenizer, ids, settings: GenerationSettings):
     mx.reset_peak_memory()
     tic, first, tokens, acc = time.perf_counter(), None, [], []
-    for r in stream_generate(target, draft, tokenizer, ids, max_tokens=max_tokens, block_size=block_size,
-                             temperature=temperature, seed=seed):
+    for r in stream_generate(target, draft, tokenizer, ids, **asdict(settings)):
         first = first or time.perf_counter()
         tokens += r.tokens
         if r.accepted is not None:
@@ -53,33 +59,32 @@ def _record(tokens, tic, first, end, acc):
             "e2e_tps": len(tokens) / (end - tic), "acceptance": acc, "peak_memory_gb": mx.get_peak_memory() / 1e9}
 
 
+def settings_grid(block_sizes, temperatures, max_tokens: int, seed: int = 0) -> dict:
+    """{(block size, temperature): its settings}, checked before anything runs; each setting once (a
+    repeated one would be run again and overwrite its own record)."""
+    return {(b, t): GenerationSettings(temperature=t, block_size=b, max_tokens=max_tokens, seed=seed).answering()
+            for t in dict.fromkeys(float(t) for t in temperatures) for b in dict.fromkeys(int(b) for b in block_sizes)}
+
+
 def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes=(16,), temperatures=(0.0,),
               max_tokens: int = 256, seed: int = 0, template_kwargs: Optional[dict] = None,
               progress: Optional[Callable[[int, int], None]] = None) -> dict:
     """-> results: per prompt and configuration, a summary per configuration, and the machine.
     `template_kwargs` reach the chat template (e.g. enable_thinking=False)."""
-    from .chat import apply_chat_template
-    from .platform import report
-    from .speculative import context_room, prepare
-
+    grid = settings_grid(block_sizes, temperatures, max_tokens, seed)
+    temperatures, configs = list(dict.fromkeys(t for _, t in grid)), list(grid)
     target = prepare(model, draft)
     encoded = [apply_chat_template(tokenizer, p, **(template_kwargs or {})) for p in prompts]
     if not encoded:
-        raise ValueError("no prompts to benchmark")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        raise UserError("no prompts to benchmark")
     for k, ids in enumerate(encoded):
         try:
             room = context_room(target, len(ids))
-        except ValueError as e:
-            raise ValueError(f"prompt {k}: {e}") from None
+        except UserError as e:
+            raise UserError(f"prompt {k}: {e}") from None
         if room < max_tokens:
-            raise ValueError(f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
+            raise UserError(f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
                              f"model's context: lower --max-tokens")
-    # each setting once (a repeated one would be run again and overwrite its own record)
-    temperatures = list(dict.fromkeys(float(t) for t in temperatures))
-    block_sizes = list(dict.fromkeys(int(b) for b in block_sizes))
-    configs = [(b, t) for t in temperatures for b in block_sizes]
     per_prompt = []
     total = len(encoded) * (len(temperatures) + len(configs))
     done, interrupted = 0, False
@@ -100,7 +105,7 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
                 row["baseline"][str(t)] = _plain(model, tokenizer, ids, max_tokens, t, seed)
                 counted()
             for b, t in configs:
-                r = _dflash(target, draft, tokenizer, ids, max_tokens, b, t, seed)
+                r = _dflash(target, draft, tokenizer, ids, grid[b, t])
                 if t == 0:
                     r["identical"] = r["tokens"] == row["baseline"][str(t)]["tokens"]
                 row["dflash"][f"{b}@{t}"] = r
@@ -171,7 +176,7 @@ def markdown(results: dict, title: str) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # optional bench extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -203,10 +208,6 @@ def write(results: dict, out: Path, title: str) -> list[Path]:
     and only then swapped in, so a failure or Ctrl-C while writing (or plotting) leaves the earlier run's
     files as they were, never one run's results beside another run's plot; a plot of an earlier run is
     removed when there is no matplotlib to draw this one."""
-    from contextlib import ExitStack
-
-    from .convert import atomic_file
-
     out.mkdir(parents=True, exist_ok=True)
     slim = json.loads(json.dumps(results))
     for p in slim["prompts"]:  # keep files small: drop token lists, keep counts
@@ -227,6 +228,4 @@ def write(results: dict, out: Path, title: str) -> list[Path]:
 
 def has_matplotlib() -> bool:
     """The plot is optional: matplotlib comes with the `bench` extra, not the base install."""
-    from .platform import has_module
-
     return has_module("matplotlib")

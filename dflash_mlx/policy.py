@@ -27,6 +27,12 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .cache import SpeculativeCache
+from .files import atomic_file
+from .loading import cache_home
+from .pairing import context_length
+from .platform import backend, blas
+
 PLAIN, LOOKUP, DFLASH = "plain", "lookup", "dflash"
 
 # Each cycle of a source weighs its older evidence by DECAY, on top of prior odds PRIOR_HITS / PRIOR_TRIALS.
@@ -222,9 +228,6 @@ def measure_costs(target, draft, contexts=(64, 1024), widths=(1, 2, 4, 8, 16), p
                   repeats: int = 3) -> CostModel:
     """Time the target's passes by width and the drafter's by proposals, after random prompts of each
     context length (capped by the model's context)."""
-    from .cache import SpeculativeCache
-    from .speculative import context_length
-
     limit = context_length(target) or 1 << 30
     contexts = sorted({min(c, limit - max(widths) - 1) for c in contexts})
     vocab = target.vocab_size
@@ -254,8 +257,6 @@ def measure_costs(target, draft, contexts=(64, 1024), widths=(1, 2, 4, 8, 16), p
 
 def cost_key(target, draft) -> str:
     """What the costs depend on: the models' shapes and dtypes, this machine and its MLX build."""
-    from .platform import backend, blas
-
     def shape(args) -> dict:
         return {k: v for k, v in sorted(vars(args).items()) if isinstance(v, (int, float, str, bool))}
 
@@ -269,15 +270,11 @@ def cost_key(target, draft) -> str:
 
 
 def costs_path(target, draft) -> Path:
-    from .loading import cache_home
-
     return cache_home() / "costs" / f"{cost_key(target, draft)}.json"
 
 
 def costs_for(target, draft, refresh: bool = False) -> CostModel:
     """This pair's costs on this machine: measured at first use (a few seconds), then read from disk."""
-    from .convert import atomic_file
-
     path = costs_path(target, draft)
     if not refresh and path.exists():
         try:

@@ -18,16 +18,19 @@ import sys
 import time
 
 import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
 
+from .cache import SpeculativeCache
+from .errors import UserError
+from .models.dflash import DFlashConfig, DFlashDraftModel
+from .pairing import prepare
 from .platform import DISABLE_ENV, blas
+from .speculative import stream_generate
 
 
 def random_pair(hidden=1024, layers=8, vocab=32000, draft_layers=1, block_size=16, seed=0):
     """A random Llama-architecture target and a DFlash drafter that fits it (float32)."""
-    from mlx_lm.models import llama
-
-    from .models.dflash import DFlashConfig, DFlashDraftModel
-
     mx.random.seed(seed)
     heads = hidden // 64
     kv_heads = next(k for k in range(max(1, heads // 4), 0, -1) if heads % k == 0)  # must divide heads
@@ -54,8 +57,6 @@ def _median_ms(fn, repeats):
 
 
 def ar_tokens_per_s(model, prompt, n=48) -> float:
-    from mlx_lm.generate import generate_step
-
     steps = generate_step(mx.array(prompt), model, max_tokens=n + 4)
     for _ in range(4):  # warm-up
         next(steps)
@@ -66,15 +67,12 @@ def ar_tokens_per_s(model, prompt, n=48) -> float:
 
 
 def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt_len=128) -> dict:
-    from .cache import SpeculativeCache
-    from .speculative import prepare, stream_generate
-
     if hidden < 64 or hidden % 64:
-        raise ValueError(f"hidden must be a multiple of 64 (the head size), got {hidden}")
+        raise UserError(f"hidden must be a multiple of 64 (the head size), got {hidden}")
     for name, value, least in (("layers", layers, 1), ("vocab", vocab, 2), ("block size", block_size, 2),
                                ("cycles", cycles, 1)):
         if value < least:
-            raise ValueError(f"{name} must be at least {least}, got {value}")
+            raise UserError(f"{name} must be at least {least}, got {value}")
     model, draft = random_pair(hidden, layers, vocab, block_size=block_size)
     target = prepare(model, draft)
     prompt = mx.random.randint(0, vocab - 1, (prompt_len,)).tolist()

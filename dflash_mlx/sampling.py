@@ -18,6 +18,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from .errors import UserError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -28,13 +30,13 @@ class SamplingParams:
 
     def __post_init__(self):
         if not 0 <= self.temperature < math.inf:  # (NaN fails this too)
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature}")
+            raise UserError(f"temperature must be a number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:

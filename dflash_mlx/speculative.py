@@ -25,10 +25,13 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import SpeculativeCache
 from .drafters import DFlashDrafter, lookup_proposals
+from .errors import UserError
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
+from .pairing import context_room, prepare
 from .policy import DFLASH, LOOKUP, PLAIN, policy_for
-from .sampling import SamplingParams, acceptance
+from .sampling import acceptance
+from .settings import GenerationSettings
 
 
 @dataclass
@@ -81,71 +84,6 @@ class GenerationResult:
     def mix(self) -> dict[str, int]:
         """Cycles per source."""
         return dict(Counter(self.sources))
-
-
-def check_pair(target: Target, draft: DFlashDraftModel) -> None:
-    """Fail early, naming both values, when a drafter was not made for this target."""
-    cfg = draft.config
-    checks = [(cfg.hidden_size, target.hidden_size, "hidden size {d}, target hidden size {t}"),
-              (cfg.vocab_size, target.vocab_size, "vocab size {d}, target vocab size {t}")]
-    if cfg.num_target_layers is not None:
-        checks.append((cfg.num_target_layers, target.num_layers,
-                       "num_target_layers {d}, but the target has {t} layers"))
-    for d, t, what in checks:
-        if d != t:
-            raise ValueError(f"this drafter was not made for this target: drafter {what.format(d=d, t=t)} "
-                             f"(use the drafter trained for this target)")
-    if not 0 <= cfg.mask_token_id < target.vocab_size:
-        raise ValueError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
-                         f"(size {target.vocab_size})")
-
-
-def prepare(model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]) -> Target:
-    """Wrap an mlx-lm model as a Target tapping the drafter's layers, and bind the drafter to it."""
-    layer_ids = draft.config.target_layer_ids if draft is not None else []
-    if isinstance(model, Target):
-        if list(model.layer_ids) != list(layer_ids):
-            model = Target(model.model, layer_ids)
-    else:
-        model = Target(model, layer_ids)
-    if draft is not None:
-        check_pair(model, draft)
-        if getattr(draft, "_bound_to", None) is not model.model:
-            draft.bind(model.embed, model.lm_head, model.shared_state)
-            # Kept outside the module's own tree (an nn.Module stores modules as its items), so the
-            # target's weights are neither part of the drafter's state nor inputs of its compiled step.
-            object.__setattr__(draft, "_bound_to", model.model)
-    return model
-
-
-# A block is one drafter pass and one target pass over that many positions. Drafters are trained at
-# about 16; far past that the later positions are guesses that cost time, and a block of 100,000 made
-# MLX ask for 360 GB and crash: refused rather than attempted.
-MAX_BLOCK_SIZE = 256
-
-
-def check_block_size(block_size: int) -> int:
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size} (drafters are "
-                         "trained at about 16)")
-    return block_size
-
-
-def context_length(model: Union[nn.Module, Target]) -> Optional[int]:
-    """The context the model was trained for (any mlx-lm model, or a Target), if its config says."""
-    args = model.args if isinstance(model, Target) else getattr(model, "language_model", model).args
-    return getattr(args, "max_position_embeddings", None)
-
-
-def context_room(model: Union[nn.Module, Target], used: int, kept: int = 0) -> int:
-    """How many tokens fit in the context of `model` after a prompt of `used` tokens, `kept` of them
-    from an earlier call; a clear error if none do."""
-    context = context_length(model) or 1 << 62
-    if used >= context:
-        raise ValueError(f"the conversation (this prompt and {kept} kept tokens) is {used} tokens and fills the "
-                         f"model's context of {context}: start a new cache" if kept else
-                         f"the prompt is {used} tokens and the model's context holds {context}: shorten the prompt")
-    return context - used
 
 
 def _encode(tokenizer: TokenizerWrapper, prompt) -> list[int]:
@@ -233,26 +171,22 @@ def stream_generate(
     starts; the tokens of the cycle that hit it stay in `tokens` and in `prompt_cache`. A prompt that
     fills the target's context is an error; the answer stops ("length") where the context ends.
     """
-    params = SamplingParams(temperature, top_p, top_k, min_p)
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if prefill_step_size < 1:
-        raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
-    if block_size is not None:
-        check_block_size(block_size)
+    settings = GenerationSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  max_tokens=max_tokens, block_size=block_size, lookup=lookup, seed=seed,
+                                  prefill_step_size=prefill_step_size)
     if tokenizer is not None and not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if tokenizer is None and isinstance(prompt, str):
-        raise ValueError("a string prompt needs a tokenizer")
+        raise UserError("a string prompt needs a tokenizer")
     prompt_ids = _encode(tokenizer, prompt)
     if not prompt_ids and (prompt_cache is None or not prompt_cache.pending):
-        raise ValueError("the prompt is empty: give at least one token")
+        raise UserError("the prompt is empty: give at least one token")
     target = prepare(model, draft)
     if prompt_cache is not None and (prompt_cache.target.model is not target.model
                                      or prompt_cache.draft is not draft):
-        raise ValueError("prompt_cache was made for another model pair")
+        raise UserError("prompt_cache was made for another model pair")
     if prompt_cache is not None and prompt_cache.broken:
-        raise ValueError("this prompt_cache was left half-updated by an interrupted call: make a new "
+        raise UserError("this prompt_cache was left half-updated by an interrupted call: make a new "
                          "SpeculativeCache (the prompt then holds the whole conversation again)")
     kept = len(prompt_cache.tokens) if prompt_cache is not None else 0
     max_tokens = min(max_tokens, context_room(target, kept + len(prompt_ids), kept))
@@ -262,12 +196,12 @@ def stream_generate(
         return
     if seed is not None:
         mx.random.seed(seed)
-    draw, accept = acceptance(params, sampler)
+    draw, accept = acceptance(settings, sampler)
     policy = policy_for(target, draft, block_size=block_size, lookup=lookup)
     dflash = DFlashDrafter(draft, block_size or draft.block_size, compile) if draft is not None else None
-    sampled = sampler is None and not params.greedy  # rejection sampling: proposals need their q
+    sampled = sampler is None and not settings.greedy  # rejection sampling: proposals need their q
     pick = (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))) \
-        if sampler is not None else params.sample
+        if sampler is not None else settings.sample
     cache = prompt_cache or SpeculativeCache(target, draft)
     eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
     detok = tokenizer.detokenizer if tokenizer is not None else _NoText()

@@ -46,10 +46,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .convert import atomic_folder
+from .errors import UserError
+from .files import atomic_folder
 from .loading import read_config
 from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from .models.targets import Target
+from .pairing import check_block_size, check_pair, prepare
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay per block size
 
@@ -79,31 +81,23 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("steps", "anchors", "checkpoint_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                raise UserError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup", "eval_every"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name.replace('_', '-')} cannot be negative, got {getattr(self, name)}")
+                raise UserError(f"{name.replace('_', '-')} cannot be negative, got {getattr(self, name)}")
         if not self.lr > 0:
-            raise ValueError(f"the learning rate must be positive, got {self.lr}")
+            raise UserError(f"the learning rate must be positive, got {self.lr}")
 
     def loss_gamma(self) -> float:
         return self.gamma or GAMMA.get(self.block_size, 0.44 * self.block_size)
 
 
-def check_block_size(block_size: int) -> None:
-    """2 (one proposal) up to what decoding accepts."""
-    from .speculative import MAX_BLOCK_SIZE
-
-    if not 2 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block size must be between 2 and {MAX_BLOCK_SIZE} to train a drafter, got {block_size}")
-
-
 def drafter_config(target: Target, tokenizer, cfg: TrainConfig) -> DFlashConfig:
     """A drafter as wide as the target (it reads the target's embeddings and feeds its lm_head), with
     the target's attention geometry and RoPE; its depth and MLP width are the run's choice."""
-    check_block_size(cfg.block_size)
+    check_block_size(cfg.block_size, least=2)
     if cfg.num_layers < 1 or (cfg.intermediate_size is not None and cfg.intermediate_size < 1):
-        raise ValueError("the drafter needs at least 1 layer and an MLP width of at least 1")
+        raise UserError("the drafter needs at least 1 layer and an MLP width of at least 1")
     a = target.args
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tokenizer)
     return DFlashConfig(
@@ -127,7 +121,7 @@ def pick_mask_token(tokenizer) -> int:
     specials = [i for i, t in added.items() if getattr(t, "special", False)]
     specials = [i for i in specials + list(getattr(tokenizer, "all_special_ids", [])) if i not in taken]
     if not specials:
-        raise ValueError("the tokenizer has no spare special token to use as the mask: pass --mask-token-id")
+        raise UserError("the tokenizer has no spare special token to use as the mask: pass --mask-token-id")
     return max(specials)
 
 
@@ -318,8 +312,6 @@ def evaluate_blocks(draft, target, features_of, seqs, indices, cfg: TrainConfig,
 
 
 RUN_CONTROL = ("steps", "checkpoint_every", "eval_every")  # all a resumed run takes from the new command
-ARCHITECTURE = {"block_size": "block_size", "num_layers": "num_hidden_layers", "intermediate_size": "intermediate_size",
-                "target_layer_ids": "target_layer_ids", "mask_token_id": "mask_token_id"}  # -> the drafter's config
 
 
 def saved_run(out: str | Path) -> Optional[dict]:
@@ -350,7 +342,7 @@ def check_same_data(run: dict, now: dict) -> None:
     if saved is not None and now != saved:
         how = (f"{saved['sequences']} usable sequences, these have {now['sequences']}"
                if now["sequences"] != saved["sequences"] else "the same number of sequences, not the same ones")
-        raise ValueError(f"the run trained on other data ({how}): resume it with the same --data folders in "
+        raise UserError(f"the run trained on other data ({how}): resume it with the same --data folders in "
                          "the same order, or export it and start a new run from it with --init")
 
 
@@ -372,25 +364,9 @@ def check_same_target(run: dict, now: dict) -> None:
         def shape(t):
             return f"{t['family']}, {t['layers']} layers, vocabulary {t['vocab']}"
 
-        raise ValueError("the run trained against another target (" + (
+        raise UserError("the run trained against another target (" + (
             "other weights of the same shape" if same_shape else f"{shape(saved)}; this one: {shape(now)}") +
             "): resume it with the -m it was trained with, or export it and start a new run from it with --init")
-
-
-def resume_notes(run: dict, given: dict) -> list[str]:
-    """A resumed run keeps its recipe and architecture, so that its curve continues: one note for each
-    option given on the new command (TrainConfig names; None: not given) that differs from the run's."""
-    notes = []
-    for key, mine in given.items():
-        if mine is None:
-            continue
-        theirs = getattr(run["config"], ARCHITECTURE[key]) if key in ARCHITECTURE else run["train_config"].get(key)
-        if mine != theirs:
-            flag = "--layers" if key == "num_layers" else "--" + key.replace("_", "-")
-            why = ("a run's architecture is fixed" if key in ARCHITECTURE else
-                   "to change it, export the run and start a new one from it with --init")
-            notes.append(f"{flag} {mine} is not used: the run keeps its {theirs} ({why})")
-    return notes
 
 
 def usable_sequences(seqs: list[tuple[list[int], int]], cfg: TrainConfig) -> list[tuple[list[int], int]]:
@@ -398,11 +374,11 @@ def usable_sequences(seqs: list[tuple[list[int], int]], cfg: TrainConfig) -> lis
     has an anchor), or a clear error before any work."""
     seqs = [s for s in seqs if min(len(s[0]), cfg.max_seq_len) - max(s[1], 1) >= 2]
     if len(seqs) <= cfg.holdout:
-        raise ValueError(f"the dataset has {len(seqs)} usable sequences (2+ response tokens within the first "
+        raise UserError(f"the dataset has {len(seqs)} usable sequences (2+ response tokens within the first "
                          f"{cfg.max_seq_len}); need more than the {cfg.holdout} held out")
-    check_block_size(cfg.block_size)
+    check_block_size(cfg.block_size, least=2)
     if cfg.vocab not in ("full", "data"):
-        raise ValueError(f"vocab must be 'full' or 'data', got {cfg.vocab!r}")
+        raise UserError(f"vocab must be 'full' or 'data', got {cfg.vocab!r}")
     return seqs
 
 
@@ -439,14 +415,12 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
             mx.random.seed(cfg.seed)
             draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
         elif cfg.block_size != draft.config.block_size:  # a starting drafter brings its own architecture
-            raise ValueError(f"block size {cfg.block_size} does not match the starting drafter's "
+            raise UserError(f"block size {cfg.block_size} does not match the starting drafter's "
                              f"{draft.config.block_size}: train it at its own block size")
         c = draft.config  # the run records the architecture it got, defaults resolved
         cfg = replace(cfg, num_layers=c.num_hidden_layers, intermediate_size=c.intermediate_size,
                       target_layer_ids=list(c.target_layer_ids), mask_token_id=c.mask_token_id)
     target = Target(target.model, draft.config.target_layer_ids)
-    from .speculative import check_pair, prepare
-
     check_pair(target, draft)
     features_of = FeatureCache(target, feature_cache_gb * 2**30)
     train_idx = np.arange(cfg.holdout, len(seqs))
@@ -458,7 +432,7 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         scale = mx.load(str(saved))["scale"] if saved.exists() else None
     if scale is not None:
         draft.fc = StandardisedFC(draft.fc, scale.astype(draft.fc.weight.dtype))
-        object.__setattr__(draft, "_bound_to", None)  # a drafter bound before: compile its step around this fc
+        draft.unbind()  # a drafter bound before: compile its step around this fc
     prepare(target, draft)  # binds the shared embedding and lm_head
     mx.eval(draft.parameters())
 
@@ -519,25 +493,8 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
             break
     if isinstance(draft.fc, StandardisedFC):  # the caller gets the drafter as saved: fc a plain Linear
         draft.fc = draft.fc.plain()
-        object.__setattr__(draft, "_bound_to", None)
+        draft.unbind()
     return draft
-
-
-def trim_log(path: Path, step: int) -> None:
-    """Keep a run log's records up to `step`, the checkpoint a resumed run goes on from: steps done after
-    it (before a crash) are done again, and the log should read as one run, each step once."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):  # a line cut short by the crash
-            pass
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    tmp.replace(path)
 
 
 def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: TrainConfig, data: dict,
@@ -551,51 +508,3 @@ def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: 
                             {k: v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)})
         (tmp / "state.json").write_text(json.dumps({"step": step, "train_config": asdict(cfg), "data": data,
                                                     "target": target}))
-
-
-def check_export_folder(dest: str | Path, run: Optional[str | Path] = None) -> None:
-    """An export may replace an older exported drafter (config.json and weights only), never a folder
-    holding anything else, nor the run folder it comes from."""
-    from .convert import is_drafter
-
-    dest = Path(dest).expanduser().resolve()
-    if run is not None:
-        run = Path(run).expanduser().resolve()
-        if dest == run or run in dest.parents or dest in run.parents:
-            raise ValueError(f"--export {dest} would overwrite the run folder {run}: export to a folder outside it")
-    if not dest.exists():
-        return
-    names = [p.name for p in dest.iterdir()] if dest.is_dir() else None
-    only_a_drafter = names is not None and all(n == "config.json" or (n.startswith("model") and n.endswith(
-        ".safetensors")) for n in names) and (not names or is_drafter(dest))
-    if not only_a_drafter:
-        raise FileExistsError(f"{dest} exists and holds more than an exported drafter: give --export a new folder")
-
-
-def export(checkpoint: str | Path, dest: str | Path) -> Path:
-    """The trained drafter in z-lab's layout (bf16), replacing an older drafter at `dest`."""
-    from .convert import export_draft
-
-    check_export_folder(dest, checkpoint)
-    return export_draft(str(checkpoint), Path(dest).expanduser(), force=True)
-
-
-def tau_on_prompts(target: Target, draft, tokenizer, prompts, max_tokens=128, block_size=None,
-                   temperature=0.0, seed=0, template_kwargs: Optional[dict] = None,
-                   progress: Optional[Callable[[int], None]] = None) -> dict:
-    """Real acceptance length: stream_generate over chat prompts; also tokens generated.
-    `progress(k)` is called after each of them (k done)."""
-    from .chat import apply_chat_template
-    from .speculative import generate
-
-    acc, n = [], 0
-    for k, messages in enumerate(prompts):
-        r = generate(target, draft, tokenizer, apply_chat_template(tokenizer, messages, **(template_kwargs or {})),
-                     max_tokens=max_tokens,
-                     block_size=block_size, temperature=temperature, seed=seed + k if temperature else None)
-        acc += r.acceptance_lengths
-        n += len(r.tokens)
-        if progress is not None:
-            progress(k + 1)
-    return {"tau": sum(acc) / max(len(acc), 1), "cycles": len(acc), "tokens": n,
-            "histogram": {int(k): int(v) for k, v in zip(*np.unique(acc, return_counts=True))}}

@@ -22,13 +22,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
+
+from ..errors import UserError
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -73,16 +75,16 @@ class DFlashConfig:
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
+            raise UserError(
                 f"drafter config: layer_types has {len(self.layer_types)} entries "
                 f"for {self.num_hidden_layers} layers"
             )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ValueError("drafter config: sliding_attention layers need a sliding_window")
+            raise UserError("drafter config: sliding_attention layers need a sliding_window")
         if not self.target_layer_ids:
-            raise ValueError("drafter config: dflash_config.target_layer_ids is empty")
+            raise UserError("drafter config: dflash_config.target_layer_ids is empty")
         if self.block_size < 1:
-            raise ValueError(f"drafter config: block_size must be >= 1, got {self.block_size}")
+            raise UserError(f"drafter config: block_size must be >= 1, got {self.block_size}")
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DFlashConfig":
@@ -93,7 +95,7 @@ class DFlashConfig:
         if "mask_token_id" not in dflash and "mask_token_id" not in cfg:
             missing.append("dflash_config.mask_token_id")
         if missing:
-            raise ValueError(f"drafter config.json lacks {', '.join(missing)}: is this a DFlash drafter?")
+            raise UserError(f"drafter config.json lacks {', '.join(missing)}: is this a DFlash drafter?")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "target_layer_ids", "mask_token_id"}
         kwargs = {k: v for k, v in cfg.items() if k in known}
         rope = cfg.get("rope_parameters")  # transformers 5 keeps theta and scaling here
@@ -109,7 +111,7 @@ class DFlashConfig:
         layer_ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
         if layer_ids is None:
             if cfg.get("num_target_layers") is None:
-                raise ValueError("drafter config.json has neither target_layer_ids nor num_target_layers")
+                raise UserError("drafter config.json has neither target_layer_ids nor num_target_layers")
             layer_ids = default_target_layer_ids(cfg["num_target_layers"], cfg["num_hidden_layers"])
         kwargs["block_size"] = int(dflash.get("block_size", cfg.get("block_size", 16)))
         extra = {k: v for k, v in cfg.items() if k not in known and k != "dflash_config"}
@@ -207,7 +209,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = [DFlashLayer(config, t == "sliding_attention") for t in config.layer_types]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.traces = 0  # how often the compiled draft step was traced (a recompile counter)
-        self._compiled_step = None
+        self.unbind()
 
     @property
     def block_size(self) -> int:
@@ -251,12 +253,14 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, k, v, masks[layer.self_attn.window], ctx_len)
         return self.norm(h)
 
-    def bind(self, embed: Callable, lm_head: Callable, shared_state: Any) -> None:
-        """Share the target's embedding and lm_head, and compile the draft step around them.
+    def bind(self, target) -> None:
+        """Share the target's embedding and lm_head (`target`: a models.targets.Target), and compile the
+        draft step around them.
 
-        `shared_state` is the tree of arrays behind `embed` and `lm_head`; passing it (and our own
+        The target's `shared_state` is the tree of arrays behind them; passing it (and our own
         parameters) as compile inputs keeps the compiled step correct if weights change later.
         """
+        embed, lm_head = target.embed, target.lm_head
 
         def step(block_tokens, ctx_keys, ctx_values, ctx_len, heads):
             h = self.denoise(embed(block_tokens).astype(self.dtype), ctx_keys, ctx_values, ctx_len)
@@ -267,10 +271,23 @@ class DFlashDraftModel(nn.Module):
                 self.traces += 1  # runs only while mx.compile traces, never on a cached call
                 return step(*args, heads)
 
-            return mx.compile(traced_step, inputs=[self.state, shared_state])
+            return mx.compile(traced_step, inputs=[self.state, target.shared_state])
 
         self._eager_step = step
-        self._compiled_step = functools.cache(compiled)  # one compiled step per head count
+        self._compiled_step = functools.cache(compiled)  # one compiled step per number of heads
+        # Set past nn.Module's __setattr__, which would make the target's model one of our submodules:
+        # its weights must be neither our state nor inputs of the compiled step.
+        object.__setattr__(self, "_bound_to", target.model)
+
+    def unbind(self) -> None:
+        """Forget the target (after swapping a layer, so that the next `bind` compiles around it)."""
+        self._compiled_step = self._eager_step = None
+        object.__setattr__(self, "_bound_to", None)
+
+    @property
+    def bound_to(self):
+        """The mlx-lm model whose embedding and lm_head the draft step uses, or None."""
+        return self._bound_to
 
     def propose_logits(self, last_token: int, cache: list[KVCache], block_size: int, compiled: bool = True,
                        heads: Optional[int] = None):

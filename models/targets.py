@@ -21,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from ..errors import UserError
+
 SUPPORTED_FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss")
 
 
@@ -55,7 +57,7 @@ class Target:
     def __init__(self, model: nn.Module, layer_ids=()):
         self.family = family_of(model)
         if self.family not in SUPPORTED_FAMILIES:
-            raise ValueError(
+            raise UserError(
                 f"target model family '{self.family}' is not supported by dflash-mlx; "
                 f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
             )
@@ -70,7 +72,7 @@ class Target:
         self.layer_ids = list(layer_ids)
         for i in self.layer_ids:
             if not 0 <= i < self.num_layers:
-                raise ValueError(
+                raise UserError(
                     f"target_layer_ids contains {i}, but the target has {self.num_layers} layers "
                     f"(valid ids: 0..{self.num_layers - 1})"
                 )

@@ -7,7 +7,7 @@ from tiny import FAMILIES, OracleDraft, draft_config, greedy_reference, make_tar
 
 from dflash_mlx import SpeculativeCache, generate, stream_generate
 from dflash_mlx.models.targets import Target
-from dflash_mlx.speculative import prepare
+from dflash_mlx.pairing import prepare
 
 
 def arrays_of(cache_entry):

@@ -19,11 +19,11 @@ from tiny import CONFIGS, greedy_reference, make_draft, make_target, make_tokeni
 from typer.testing import CliRunner
 
 import dflash_mlx.speculative as speculative
-from dflash_mlx import apply_chat_template, generate, load_pair
+from dflash_mlx import UserError, apply_chat_template, generate, load_pair
 from dflash_mlx.cli.main import app
 from dflash_mlx.data import jsonl_prompts
 from dflash_mlx.loading import load as load_target
-from dflash_mlx.speculative import context_length
+from dflash_mlx.pairing import context_length, prepare
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +88,17 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     r = run(*gen, "--top-p", "2")
     assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.stderr
     r = run(*gen, "--max-tokens", "-1")  # mlx-lm reads -1 as "no limit"
-    assert r.exit_code == 1 and "--max-tokens must be >= 0" in r.stderr
+    assert r.exit_code == 1 and "max_tokens must be >= 0" in r.stderr
     r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl", "--limit", "-1")
     assert r.exit_code == 1 and "--limit must be >= 0" in r.stderr
     r = run("train", "eval", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
             "--max-tokens", "0")  # would report "tau 0.00 over 0 cycles"
-    assert r.exit_code == 1 and "--max-tokens must be at least 1, got 0" in r.stderr
+    assert r.exit_code == 1 and "max_tokens must be >= 1, got 0" in r.stderr
     r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
             "--max-tokens", "0")
-    assert r.exit_code == 1 and "max_tokens must be at least 1" in r.stderr
+    assert r.exit_code == 1 and "max_tokens must be >= 1" in r.stderr
+    r = run("train", "run", "--data", root / "nowhere", "-o", root / "run", "--target-layer-ids", "1,a")
+    assert r.exit_code == 1 and "--target-layer-ids takes comma-separated layer numbers" in r.stderr
     for args in (["--hidden", "32"], ["--cycles", "0"], ["--block-size", "1"]):
         r = run("profile", *args)
         assert r.exit_code == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.output, (args, r.output)
@@ -159,6 +161,29 @@ def test_think_and_no_think_reach_the_chat_template(pair, tmp_path):
     assert r.exit_code == 0 and "tau" in r.stdout, r.output
 
 
+def test_bad_input_is_one_line_and_a_bug_shows_its_traceback(pair, monkeypatch):
+    """A UserError (bad input) or an OSError (a file, the network) is the user's to fix: one red line, exit 1.
+    Any other exception is a bug in dflash-mlx, and its traceback shows where."""
+    import dflash_mlx.loading as loading
+
+    root, _ = pair
+    args = ["generate", "-m", root / "target", "-d", root / "draft", "-p", "w5"]
+    for error, theirs in ((UserError("bad input"), True), (FileNotFoundError("gone"), True),
+                          (ValueError("a bug"), False), (KeyError("a bug"), False)):
+        monkeypatch.setattr(loading, "load", lambda *a, **k: (_ for _ in ()).throw(error))
+        r = run(*args)
+        assert r.exit_code == 1, error
+        if theirs:
+            assert r.stderr == f"error: {error}\n" and isinstance(r.exception, SystemExit)
+        else:
+            assert r.exception is error and "error:" not in r.stderr
+    code = ("import sys, dflash_mlx.loading as loading\n"
+            "def load(*args, **kwargs):\n    raise KeyError('a bug')\n"
+            "loading.load = load\nfrom dflash_mlx.cli.main import app\napp()\n")
+    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "KeyError: 'a bug'" in r.stderr
+
+
 def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair):
     root, _ = pair
     cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "generate", "-m", str(root / "target"), "-d",
@@ -201,14 +226,14 @@ def test_the_plain_baseline_runs_any_mlx_lm_model():
     from mlx_lm.models import qwen2
 
     from dflash_mlx.cli.main import _plain
+    from dflash_mlx.settings import GenerationSettings
 
     args = {k: v for k, v in CONFIGS["llama"].items() if k not in ("model_type", "head_dim")}
     model = qwen2.Model(qwen2.ModelArgs(**dict(args, model_type="qwen2")))
-    _, tokens, last, _ = _plain(model, make_tokenizer(eos=95), [5, 6], True, max_tokens=6, temperature=0.0,
-                                top_p=1.0, top_k=0, min_p=0.0, seed=None)
+    _, tokens, last, _ = _plain(model, make_tokenizer(eos=95), [5, 6], True, GenerationSettings(max_tokens=6))
     assert tokens == greedy_reference(model, [5, 6], 6, eos={95})
     with pytest.raises(ValueError, match="family 'qwen2' is not supported by dflash-mlx"):
-        speculative.prepare(model, make_draft())  # while drafting needs a supported family
+        prepare(model, make_draft())  # while drafting needs a supported family
 
 
 def test_a_truncated_target_is_one_line(pair, tmp_path):
@@ -269,8 +294,8 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
     (tmp_path / "afile").write_text("")
     with monkeypatch.context() as m:
         m.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
-        for args, message in ((["-o", tmp_path / "afile"], "--out"), (["--temps", "nan"], "temperatures must be numbers >= 0"),
-                              (["--max-tokens", "0"], "max_tokens must be at least 1"),
+        for args, message in ((["-o", tmp_path / "afile"], "--out"), (["--temps", "nan"], "temperature must be a number >= 0, got nan"),
+                              (["--max-tokens", "0"], "max_tokens must be >= 1, got 0"),
                               (["-o", tmp_path / "afile" / "sub"], f"cannot write the results to --out {tmp_path}")):
             r = run("bench", "-m", root / "target", "-d", root / "draft", *args)
             assert r.exit_code == 1 and message in r.stderr, (args, r.output)

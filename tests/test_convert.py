@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import generate, load_draft
 from dflash_mlx.cli.main import app
-from dflash_mlx.speculative import prepare
+from dflash_mlx.pairing import prepare
 
 runner = CliRunner()
 
@@ -358,7 +358,7 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
 def test_a_failed_replace_keeps_the_old_folder(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from dflash_mlx.convert import atomic_folder
+    from dflash_mlx.files import atomic_folder
 
     dest = tmp_path / "model"
     dest.mkdir()

@@ -9,7 +9,7 @@ import pytest
 from tiny import FAMILIES, VOCAB, flat_params, greedy_reference, make_draft, make_target, no_eos_tokenizer, prompt_of
 
 from dflash_mlx import DFlashConfig, SpeculativeCache, generate, load_draft
-from dflash_mlx.speculative import prepare
+from dflash_mlx.pairing import prepare
 
 
 # ---- an independent float64 NumPy version of the drafter's math ---------------------------------

@@ -17,7 +17,8 @@ from dflash_mlx.data import (check_data_tokenizer, generate_data, jsonl_prompts,
                              prompt_source)
 from dflash_mlx.models.dflash import block_mask
 from dflash_mlx.models.targets import Target
-from dflash_mlx.speculative import generate, prepare
+from dflash_mlx.pairing import prepare
+from dflash_mlx.speculative import generate
 from dflash_mlx.train import (FeatureCache, TrainConfig, acceptance_from_blocks, block_labels, block_logits, block_loss,
                               cross_entropy, loss_weights, pick_mask_token, saved_run, train, usable_sequences)
 
@@ -411,7 +412,7 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     with pytest.raises(ValueError, match="usable sequences"):
         train(Target(model), make_tokenizer(), [(s[:9], 8) for s, _ in seqs], tmp_path / "x", TrainConfig(holdout=2))
     for size in (1, 257):  # one proposal at least, and no more than decoding accepts
-        with pytest.raises(ValueError, match=f"block size must be between 2 and 256 to train a drafter, got {size}"):
+        with pytest.raises(ValueError, match=f"block size must be between 2 and 256, got {size}"):
             train(Target(model), make_tokenizer(), seqs, tmp_path / "y", TrainConfig(block_size=size, mask_token_id=95))
     with pytest.raises(ValueError, match="vocab must be 'full' or 'data'"):
         train(Target(model), make_tokenizer(), seqs, tmp_path / "v", TrainConfig(vocab="small", mask_token_id=95))

@@ -1,0 +1,20 @@
+"""The project's own error for bad input.
+
+Whatever dflash-mlx refuses on purpose (a setting out of range, a drafter made for another target, a
+missing or broken model folder, a full context, ...) raises a UserError that says what to do. Front
+ends show it as it is: the command line as one line and exit code 1, a server as a 4xx answer. Any
+other exception is a bug. A UserError is a ValueError, and the two kinds about files are also the
+OSError that callers may already catch.
+"""
+
+
+class UserError(ValueError):
+    """Bad input: the message says what is wrong and what to do."""
+
+
+class NotFound(UserError, FileNotFoundError):
+    """A file or folder the user named is not there (or is not what it should be)."""
+
+
+class AlreadyExists(UserError, FileExistsError):
+    """An output the user named is there already."""

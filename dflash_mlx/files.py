@@ -1,0 +1,61 @@
+"""Folders and files written whole or not at all.
+
+Each is made under a temporary name beside its destination and moved into place only when complete,
+so a failed or interrupted write never leaves a half model folder that would later load, nor a good
+file half-overwritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import AlreadyExists, UserError
+
+
+@contextlib.contextmanager
+def atomic_folder(dest: str | Path, force: bool = False):
+    """Yield a temporary folder; on success it replaces `dest`, on failure it disappears."""
+    dest = Path(dest).expanduser()
+    if Path.cwd().resolve().is_relative_to(dest.resolve()):
+        raise UserError(f"{dest} is the current folder or holds it: give the name of a new folder")
+    if dest.exists() and not force:
+        raise AlreadyExists(f"{dest} already exists (pass --force to replace it)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            dest.rename(old)
+            try:
+                tmp.rename(dest)
+            except BaseException:
+                old.rename(dest)  # put the good folder back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(dest: str | Path):
+    """Yield a temporary path beside `dest`; on success it replaces `dest`, on failure it disappears."""
+    dest = Path(dest).expanduser()
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.partial-", dir=dest.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

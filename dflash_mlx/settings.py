@@ -1,0 +1,43 @@
+"""The settings of one generation, checked in one place.
+
+Every entry point (stream_generate, the chat, bench, the command line, and a server to come) builds a
+GenerationSettings from what it was given; a value out of range is refused there, before anything is
+loaded, with an error that names the setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import UserError
+from .pairing import check_block_size
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationSettings(SamplingParams):
+    """SamplingParams (temperature, top_p, top_k, min_p), and how much to generate and how. Its fields are
+    `stream_generate`'s keyword arguments: `stream_generate(..., **dataclasses.asdict(settings))`."""
+
+    max_tokens: int = 256
+    block_size: Optional[int] = None  # None: chosen cycle by cycle (policy.py); N: a fixed DFlash block
+    lookup: bool = True  # prompt lookup among the choices (with block_size None)
+    seed: Optional[int] = None
+    prefill_step_size: int = 2048
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_tokens < 0:
+            raise UserError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.block_size is not None:
+            check_block_size(self.block_size)
+        if self.prefill_step_size < 1:
+            raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
+
+    def answering(self) -> GenerationSettings:
+        """These settings where the answer is the point (a chat turn, a benchmark, an acceptance
+        measurement): at least one token."""
+        if self.max_tokens < 1:
+            raise UserError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        return self
