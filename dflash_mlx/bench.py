@@ -1,7 +1,8 @@
 """`dflash-mlx bench`: DFlash against plain decoding of the same target, in one process.
 
 For every prompt, in turn: plain autoregressive decoding through mlx-lm (`mlx_lm.stream_generate`,
-what a user would otherwise run), then DFlash at each block size and temperature. The first prompt is
+what a user would otherwise run), then DFlash at each fixed block size and with the adaptive policy
+(block size None), at each temperature. The first prompt is
 run once more beforehand as a warm-up and not counted. At temperature 0 every DFlash output must be
 token for token the baseline's; a difference is reported as a failure, never averaged away.
 """
@@ -42,14 +43,15 @@ def _plain(model, tokenizer, ids, max_tokens, temperature, seed):
 
 def _dflash(target, draft, tokenizer, ids, settings: GenerationSettings):
     mx.reset_peak_memory()
-    tic, first, tokens, acc = time.perf_counter(), None, [], []
+    tic, first, tokens, acc, mix = time.perf_counter(), None, [], [], Counter()
     for r in stream_generate(target, draft, tokenizer, ids, **asdict(settings)):
         first = first or time.perf_counter()
         tokens += r.tokens
         if r.accepted is not None:
             acc.append(r.accepted)
+            mix[r.source] += 1
     end = time.perf_counter()
-    return _record(tokens, tic, first, end, acc)
+    return dict(_record(tokens, tic, first, end, acc), mix=dict(mix))
 
 
 def _record(tokens, tic, first, end, acc):
@@ -60,13 +62,14 @@ def _record(tokens, tic, first, end, acc):
 
 
 def settings_grid(block_sizes, temperatures, max_tokens: int, seed: int = 0) -> dict:
-    """{(block size, temperature): its settings}, checked before anything runs; each setting once (a
-    repeated one would be run again and overwrite its own record)."""
+    """{(block size or None for the adaptive policy, temperature): its settings}, checked before anything
+    runs; each setting once (a repeated one would be run again and overwrite its own record)."""
+    sizes = dict.fromkeys(None if b is None else int(b) for b in block_sizes)
     return {(b, t): GenerationSettings(temperature=t, block_size=b, max_tokens=max_tokens, seed=seed).answering()
-            for t in dict.fromkeys(float(t) for t in temperatures) for b in dict.fromkeys(int(b) for b in block_sizes)}
+            for t in dict.fromkeys(float(t) for t in temperatures) for b in sizes}
 
 
-def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes=(16,), temperatures=(0.0,),
+def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes=(16, None), temperatures=(0.0,),
               max_tokens: int = 256, seed: int = 0, template_kwargs: Optional[dict] = None,
               progress: Optional[Callable[[int, int], None]] = None) -> dict:
     """-> results: per prompt and configuration, a summary per configuration, and the machine.
@@ -108,7 +111,7 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
                 r = _dflash(target, draft, tokenizer, ids, grid[b, t])
                 if t == 0:
                     r["identical"] = r["tokens"] == row["baseline"][str(t)]["tokens"]
-                row["dflash"][f"{b}@{t}"] = r
+                row["dflash"][f"{b or 'adaptive'}@{t}"] = r
                 counted()
             if k > 0:
                 per_prompt.append(row)
@@ -119,7 +122,7 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
     summary = []
     for b, t in configs:
         base = [p["baseline"][str(t)] for p in per_prompt]
-        ours = [p["dflash"][f"{b}@{t}"] for p in per_prompt]
+        ours = [p["dflash"][f"{b or 'adaptive'}@{t}"] for p in per_prompt]
         acc = [a for r in ours for a in r["acceptance"]]
         summary.append({
             "block_size": b, "temperature": t, "prompts": len(ours),
@@ -134,6 +137,7 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
             "peak_memory_gb": max(r["peak_memory_gb"] for r in ours),
             "identical": all(r.get("identical", True) for r in ours) if t == 0 else None,
             "mismatched_prompts": [p["prompt"] for p, r in zip(per_prompt, ours) if r.get("identical") is False],
+            "mix": dict(sum((Counter(r["mix"]) for r in ours), Counter())),
         })
     return {"machine": report()["facts"], "max_tokens": max_tokens, "summary": summary, "prompts": per_prompt,
             "interrupted": interrupted}
@@ -158,20 +162,26 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def policy_name(block_size: Optional[int]) -> str:
+    return "adaptive" if block_size is None else f"block {block_size}"
+
+
 def markdown(results: dict, title: str) -> str:
     m = results["machine"]
     lines = [f"# {title}", "", f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
              f"BLAS: {m.get('blas preload')}. {_count(results['summary'][0]['prompts'], 'prompt')}, up to "
              f"{results['max_tokens']} tokens each; warm-up excluded"
              f"{' (stopped early with Ctrl-C: the prompts finished by then)' if results.get('interrupted') else ''}.", "",
-             "| block | temp | tau | baseline tok/s | DFlash tok/s | speedup (decode) | speedup (end to end) "
-             "| TTFT base / DFlash (s) | identical |", "|---|---|---|---|---|---|---|---|---|"]
+             "| policy | temp | tau | plain tok/s | ours tok/s | speedup (decode) | speedup (end to end) "
+             "| TTFT plain / ours (s) | cycles: dflash / lookup / plain | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in results["summary"]:
         same = {True: "yes", False: f"**NO** ({_count(len(s['mismatched_prompts']), 'prompt')})", None: "n/a (sampling)"}
-        lines.append(f"| {s['block_size']} | {s['temperature']} | {_fmt(s['tau'], '.2f')} | "
+        mix = " / ".join(str(s["mix"].get(k, 0)) for k in ("dflash", "lookup", "plain"))
+        lines.append(f"| {policy_name(s['block_size'])} | {s['temperature']} | {_fmt(s['tau'], '.2f')} | "
                      f"{s['baseline_decode_tps']:.1f} | {s['dflash_decode_tps']:.1f} | "
                      f"{_fmt(s['speedup_decode'], '.2f', 'x')} | {_fmt(s['speedup_e2e'], '.2f', 'x')} | "
-                     f"{s['baseline_ttft_s']:.2f} / {s['ttft_s']:.2f} | {same[s['identical']]} |")
+                     f"{s['baseline_ttft_s']:.2f} / {s['ttft_s']:.2f} | {mix} | {same[s['identical']]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -183,7 +193,7 @@ def plot(results: dict, path: Path) -> None:
 
     s = results["summary"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    labels = [f"B={x['block_size']}\nT={x['temperature']}" for x in s]
+    labels = [f"{policy_name(x['block_size'])}\nT={x['temperature']}" for x in s]
     axes[0].bar(labels, [x["speedup_decode"] or 0 for x in s], color="tab:blue")
     axes[0].axhline(1.0, color="gray", lw=0.8)
     axes[0].set_title("speedup over plain decoding (decode)")
@@ -194,7 +204,7 @@ def plot(results: dict, path: Path) -> None:
         h = {int(a): n for a, n in x["tau_histogram"].items()}
         total = sum(h.values()) or 1
         axes[2].bar([a + (k - (len(s) - 1) / 2) * width for a in h], [n / total for n in h.values()], width,
-                    label=f"B={x['block_size']} T={x['temperature']}")
+                    label=f"{policy_name(x['block_size'])} T={x['temperature']}")
     axes[2].set_title("tokens per cycle (share of cycles)")
     axes[2].set_xlabel("tokens committed in one cycle")
     axes[2].legend(fontsize=7)
@@ -211,7 +221,7 @@ def write(results: dict, out: Path, title: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     slim = json.loads(json.dumps(results))
     for p in slim["prompts"]:  # keep files small: drop token lists, keep counts
-        for group in (p["baseline"], p["dflash"]):
+        for group in (p["baseline"], p["dflash"]):  # ("dflash": every policy's runs, fixed or adaptive)
             for r in group.values():
                 r.pop("tokens", None)
     paths = [out / "results.json", out / "summary.md"] + ([out / "plot.png"] if has_matplotlib() else [])

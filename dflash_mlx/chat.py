@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
@@ -86,7 +87,7 @@ class ChatSession:
         a model pass, the caches it left half-updated are dropped too (the next message prefills the
         conversation again)."""
         self.messages.append({"role": "user", "content": text})
-        answer, accepted, tokens, drafted, last = [], [], 0, 0, None
+        answer, accepted, tokens, drafted, last, mix = [], [], 0, 0, None, Counter()
 
         def record(stopped: bool) -> None:
             self.messages.append({"role": "assistant", "content": "".join(answer)})
@@ -94,7 +95,7 @@ class ChatSession:
                 "prefill_tokens": self.cache.last_prefill, "tokens": tokens,
                 "tokens_per_s": last.generation_tps if last else 0.0,
                 "mean_acceptance": sum(accepted) / len(accepted) if accepted else None, "cycles": len(accepted),
-                "drafted_share": drafted / tokens if tokens else 0.0,
+                "drafted_share": drafted / tokens if tokens else 0.0, "mix": dict(mix),
                 "interrupted": stopped, "context_tokens": self.context_tokens()})
 
         try:
@@ -113,6 +114,7 @@ class ChatSession:
                 if last.accepted is not None:
                     accepted.append(last.accepted)
                     drafted += min(last.accepted - 1, len(last.tokens))  # a cut at EOS/max drops drafted ones
+                    mix[last.source] += 1
                 try:
                     yield last
                 except GeneratorExit:  # the caller stopped reading, between two cycles: a clean stop

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
+from .benchsets import SETS, bench_set
 from .chat import apply_chat_template
 from .errors import NotFound, UserError
 
@@ -186,8 +187,8 @@ def hf_prompts(spec: str) -> list[list[dict]]:
 
 
 def prompt_source(source: str) -> list[list[dict]]:
-    """'sharegpt' (train split), 'sharegpt-followup', 'sharegpt-heldout', 'humaneval', 'python-stdlib', a .jsonl
-    file, or 'hf:org/name[/config][:split[:field]]'."""
+    """'sharegpt' (train split), 'sharegpt-followup', 'sharegpt-heldout', 'humaneval', 'python-stdlib', one of
+    benchsets.SETS, a .jsonl file, or 'hf:org/name[/config][:split[:field]]'."""
     if source == "sharegpt":
         return sharegpt_prompts("train")
     if source in ("sharegpt-heldout", "sharegpt-followup"):
@@ -196,6 +197,8 @@ def prompt_source(source: str) -> list[list[dict]]:
         return humaneval_prompts()
     if source == "python-stdlib":
         return python_stdlib_prompts()
+    if source in SETS:
+        return bench_set(source)
     if source.startswith("hf:"):
         return hf_prompts(source[3:])
     if Path(source).suffix == ".jsonl" or Path(source).exists():
@@ -203,7 +206,7 @@ def prompt_source(source: str) -> list[list[dict]]:
             raise NotFound(f"no prompt file at {source}")
         return jsonl_prompts(source)
     raise UserError(f"unknown prompt source {source!r}: use sharegpt, sharegpt-followup, sharegpt-heldout, humaneval, "
-                     "python-stdlib, a .jsonl file or hf:org/name")
+                     f"python-stdlib, {', '.join(SETS)}, a .jsonl file or hf:org/name")
 
 
 def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:

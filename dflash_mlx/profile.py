@@ -1,4 +1,5 @@
-"""`dflash-mlx profile`: what one speculative cycle costs against its two model passes.
+"""`dflash-mlx profile`: what one speculative cycle costs against its two model passes; for a model pair,
+its cost model (measured again) and the adaptive policy's own overhead.
 
 On a random float32 Llama-style target (no download needed), it times
   * a whole cycle inside `stream_generate` (draft, verify, accept, commit; no text),
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -22,10 +24,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 
 from .cache import SpeculativeCache
+from .drafters import NgramIndex
 from .errors import UserError
 from .models.dflash import DFlashConfig, DFlashDraftModel
 from .pairing import prepare
 from .platform import DISABLE_ENV, blas
+from .policy import DFLASH, AdaptivePolicy, CostModel, costs_for, costs_path
 from .speculative import stream_generate
 
 
@@ -124,3 +128,36 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
             raise OSError(f"the run without the BLAS preload failed: {last}")
         result["ar_tokens_per_s_without_blas_preload"] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
+
+
+def policy_overhead_s(costs: CostModel, max_dflash: int, context: int = 1000, cycles: int = 2000) -> float:
+    """Seconds the adaptive policy itself spends per cycle (lookup match, choice, width, learning), on a
+    text with frequent matches and a drafter whose odds make it draft."""
+    rng = random.Random(0)
+    index = NgramIndex()
+    index.extend(rng.randrange(50) for _ in range(context))
+    policy = AdaptivePolicy(costs, max_dflash, lookup=True)
+    confidence = mx.array([0.9] * max_dflash)
+    mx.eval(confidence)
+    tic = time.perf_counter()
+    for _ in range(cycles):
+        found = index.match()
+        choice = policy.choose(context, found)
+        k, conf = choice.k, []
+        if choice.source == DFLASH:
+            k, conf = policy.narrow(choice, confidence[:k], context)
+        policy.observe(choice, k, rng.randrange(k + 1), conf, found[1])
+        index.extend([rng.randrange(50)])
+    return (time.perf_counter() - tic) / cycles
+
+
+def profile_pair(model, draft) -> dict:
+    """Measure this pair's cost model again (and keep it for the adaptive policy), and the policy's own
+    overhead against the cheapest cycle, a plain step."""
+    target = prepare(model, draft)
+    costs = costs_for(target, draft, refresh=True)
+    context = costs.contexts[0]
+    overhead = policy_overhead_s(costs, draft.block_size - 1 if draft is not None else 0, context)
+    step = costs.target_time(1, context)
+    return {"costs": costs.to_dict(), "costs_file": str(costs_path(target, draft)), "policy_s": overhead,
+            "plain_step_s": step, "policy_share_of_a_step": overhead / step}

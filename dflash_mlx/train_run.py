@@ -109,8 +109,11 @@ def tau_on_prompts(target: Target, draft, tokenizer, prompts, settings: Optional
                    template_kwargs: Optional[dict] = None, progress: Optional[Callable[[int], None]] = None) -> dict:
     """Real acceptance length: stream_generate over chat prompts (default settings: greedy, 128 tokens; a
     sampled answer k is seeded with the settings' seed + k); also tokens generated. `progress(k)` is called
-    after each of them (k done)."""
+    after each of them (k done). τ is the drafter's own: a fixed block, its block size unless the settings
+    name one."""
     settings = (settings or GenerationSettings(max_tokens=128)).answering()
+    if settings.block_size is None:
+        settings = replace(settings, block_size=draft.block_size)
     acc, n = [], 0
     for k, messages in enumerate(prompts):
         seed = (settings.seed or 0) + k if settings.temperature else None
