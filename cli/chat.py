@@ -7,10 +7,17 @@ import sys
 from dataclasses import replace
 from typing import Optional
 
+import typer
 from rich.console import Console
 from rich.markup import escape
 
+from dflash_mlx.chat import ChatSession
 from dflash_mlx.errors import UserError
+from dflash_mlx.loading import draft_for, load_pair, template_kwargs
+from dflash_mlx.platform import backend
+from dflash_mlx.settings import GenerationSettings
+
+from .options import DEMO, BlockSize, Draft, MaxTokens, Model, Temp, Think, check_utf8, user_errors
 
 HELP = """[bold]commands[/bold]
   /help            this list
@@ -25,12 +32,26 @@ Ctrl-C stops an answer and keeps what was written (before the answer starts, or 
 drops the message). End a line with \\ to continue it, or wrap several lines in \"\"\"."""
 
 
-def check_utf8(text: str, what: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # bytes that are not UTF-8 arrive from stdin as lone surrogates
-        raise UserError(f"{what} is not UTF-8 text (a stray byte at character {e.start}): convert it "
-                         "first, e.g. with iconv -f latin1 -t utf-8") from None
+def chat(
+    model: Model = DEMO,
+    draft: Draft = None,
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    temp: Temp = 0.0,
+    block_size: BlockSize = None,
+    max_tokens: MaxTokens = 1024,
+    think: Think = None,
+    hide_thinking: bool = typer.Option(False, help="Do not show thinking text (it is shown dimmed)."),
+):
+    """Talk to a model in the terminal; answers stream as the target accepts them."""
+    console = Console(highlight=False)
+    with user_errors():
+        GenerationSettings(temperature=temp, block_size=block_size, max_tokens=max_tokens).answering()  # before loading
+        with console.status(f"loading {model} ..."):
+            target, drafter, tokenizer = load_pair(model, draft)
+            name = draft_for(model, draft)
+        session = ChatSession(target, drafter, tokenizer, system=system, temperature=temp, block_size=block_size,
+                              max_tokens=max_tokens, template_kwargs=template_kwargs(model, think))
+    run(session, console, f"[bold]dflash-mlx chat[/bold] · {model} + {name} · {backend()}", hide_thinking)
 
 
 def ask(console: Console, label: str, colour: str = "") -> str:

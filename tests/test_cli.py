@@ -191,7 +191,7 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     r = subprocess.run(cmd, input=b"caf\xe9 w5", capture_output=True, timeout=120)
     assert r.returncode == 1 and r.stderr.decode().startswith("error: the prompt is not UTF-8 text")
     assert r.stderr.count(b"\n") == 1
-    code = ("import sys, typer\nfrom dflash_mlx.cli.main import user_errors\ntry:\n    with user_errors():\n"
+    code = ("import sys, typer\nfrom dflash_mlx.cli.options import user_errors\ntry:\n    with user_errors():\n"
             "        raise BrokenPipeError(32, 'Broken pipe')\nexcept typer.Exit as e:\n    sys.exit(e.exit_code)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert r.returncode == 141 and r.stderr == b""
@@ -225,7 +225,7 @@ def test_the_plain_baseline_runs_any_mlx_lm_model():
     """--no-draft is mlx-lm's own decoding, so it runs a family dflash-mlx cannot draft for (qwen2)."""
     from mlx_lm.models import qwen2
 
-    from dflash_mlx.cli.main import _plain
+    from dflash_mlx.cli.generate import _plain
     from dflash_mlx.settings import GenerationSettings
 
     args = {k: v for k, v in CONFIGS["llama"].items() if k not in ("model_type", "head_dim")}
@@ -272,10 +272,8 @@ def test_wrong_folders_and_missing_drafters_are_named_before_any_loading(pair, t
 
 
 def test_bench_without_matplotlib_still_writes_its_results(pair, tmp_path, monkeypatch):
-    import dflash_mlx.bench
-
     root, _ = pair
-    monkeypatch.setattr(dflash_mlx.bench, "has_matplotlib", lambda: False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "plot.png").write_bytes(b"an earlier run's plot")
     r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
