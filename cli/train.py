@@ -78,8 +78,8 @@ def run(
     anchors: Optional[int] = typer.Option(None, help="Blocks per sequence and step (default 64)."),
     vocab: Optional[str] = typer.Option(None, help="The loss's softmax over the 'full' vocabulary (the paper's, "
                                                    "default) or only the tokens the training answers use, 'data' "
-                                                   "(~1.5x faster with a large vocabulary; drafting still uses "
-                                                   "all of it)."),
+                                                   "(faster with a large vocabulary; drafting still uses all "
+                                                   "of it)."),
     checkpoint_every: Optional[int] = typer.Option(None, help="Steps between checkpoints (default 100)."),
     eval_every: Optional[int] = typer.Option(None, help="Steps between evaluations (default 0: at the end only)."),
     eval_prompts: int = typer.Option(8, help="Held-out ShareGPT prompts for the real acceptance length."),

@@ -72,8 +72,8 @@ def greedy(logits: mx.array) -> mx.array:
     logits' own dtype. In bfloat16 or float16 that is not always argmax(logits): subtracting the
     logsumexp can round two close logits to one value, and the tie goes to the lower token id. In
     float32 such a tie needs logits within about one rounding step, below the noise between a verify
-    pass's kernels and a one-token step's, so there the logsumexp (~10 ms a verify pass on a CPU) is
-    skipped."""
+    pass's kernels and a one-token step's, so there the logsumexp, a pass over the whole vocabulary at
+    every position, is skipped."""
     if logits.dtype == mx.float32:
         return mx.argmax(logits, axis=-1)
     return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)

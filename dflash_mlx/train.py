@@ -14,13 +14,13 @@
   the weight sum; AdamW, linear warm-up then cosine decay, gradient clipping.
 * `vocab="data"` (not the paper's; EAGLE-3 drafts over a reduced vocabulary too) takes the loss's
   softmax over only the tokens the training answers contain instead of the whole vocabulary: every
-  label is among them, and with a 49k vocabulary of which ~15k occur, a step is ~1.5x faster. The
-  drafter still drafts over the whole vocabulary, and the held-out estimate scores it that way.
+  label is among them, and a large vocabulary is mostly tokens that never occur. The drafter still
+  drafts over the whole vocabulary, and the held-out estimate scores it that way.
 
 * Target features are standardised for `fc` (not in the paper; a reparameterisation, so the drafter
-  is unchanged): a target's tapped layers differ in scale by orders of magnitude (SmolLM2: median
-  RMS 1.2 at layer 1, 15 at layer 27, single dimensions near 470), and with Adam a weight's effect on
-  the output grows with its input's scale, so the large dimensions drown the small ones' learning.
+  is unchanged): a target's tapped layers and dimensions differ in scale by orders of magnitude, and
+  with Adam a weight's effect on the output grows with its input's scale, so the large dimensions
+  drown the small ones' learning.
   Training keeps fc as W' = W * s over features / s (s: each dimension's RMS); checkpoints hold W.
 
 Checkpoints (weights, optimizer state, step) are written atomically every `checkpoint_every` steps
@@ -167,9 +167,9 @@ def _softmax_parts(x: np.ndarray):
 
 @mx.custom_function
 def _cpu_cross_entropy(logits, labels):
-    """Per-row cross-entropy computed in NumPy (hand-written: on MLX's CPU backend `mx.exp` is
-    scalar code, and the vocabulary-wide softmax took ~45% of a training step; NumPy's vectorised
-    exp makes the loss and its gradient ~4x cheaper). Same values as nn.losses.cross_entropy."""
+    """Per-row cross-entropy computed in NumPy (hand-written: on MLX's CPU backend `mx.exp` is scalar
+    code, NumPy's is vectorised, and the vocabulary-wide softmax is a large part of a training step).
+    Same values as nn.losses.cross_entropy."""
     x = np.array(logits, copy=False)
     _, s, m = _softmax_parts(x)
     lse = np.log(s[:, 0]) + m[:, 0]
@@ -211,9 +211,9 @@ def acceptance_from_blocks(logits, labels, valid) -> tuple[float, np.ndarray]:
 
 class FeatureCache:
     """Target hidden features per sequence, computed once and kept as float16 in RAM while they fit in
-    `max_bytes` (a whole data set's can outgrow RAM: ~3.5 KB a token for SmolLM2's 3 taps); past
-    that, a sequence's features are recomputed each time it comes round. Features past float16's
-    range (the massive activations of some targets), or a bfloat16 target's, are kept as bfloat16."""
+    `max_bytes` (a whole data set's can outgrow RAM); past that, a sequence's features are recomputed
+    each time it comes round. Features past float16's range (the massive activations of some targets),
+    or a bfloat16 target's, are kept as bfloat16."""
 
     def __init__(self, target: Target, max_bytes: float = float("inf")):
         self.target, self.max_bytes, self.store, self.nbytes = target, max_bytes, {}, 0

@@ -65,8 +65,8 @@ def test_quantized_drafter_loads_and_stays_lossless(zlab, tmp_path):
     loaded = load_draft(str(tmp_path / "q"))
     assert "layers.0.self_attn.q_proj.scales" in flat_params(loaded)
     model = make_target("llama")
-    # 4-bit rounding moves the logits ~10% here; a drafter whose activations were cast to the packed
-    # weights' uint32 (a bug this caught) or another drafter of the same shape moves them ~100%.
+    # 4-bit rounding moves the logits ~10% here; activations cast to the packed weights' uint32, or
+    # another drafter of the same shape, move them ~100%.
     assert rel_l2(draft_logits(loaded, model), draft_logits(load_draft(str(zlab)), model)) < 0.25
     prompt = prompt_of(6)
     ref = greedy_reference(model, prompt, 16)
