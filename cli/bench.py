@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -20,13 +19,18 @@ from .options import DEMO, Draft, MaxTokens, Model, Think, first_prompts, progre
 def bench(
     model: Model = DEMO,
     draft: Draft = None,
-    prompts: str = typer.Option("humaneval", help="humaneval, sharegpt-heldout, a .jsonl file, or hf:org/name "
-                                                  "(e.g. hf:openai/gsm8k/main:test:question)."),
-    limit: Optional[int] = typer.Option(20, help="Use the first N prompts (0: all)."),
+    prompts: str = typer.Option(
+        "humaneval",
+        help="humaneval, sharegpt-heldout, a .jsonl file, or hf:org/name "
+        "(e.g. hf:openai/gsm8k/main:test:question).",
+    ),
+    limit: int | None = typer.Option(20, help="Use the first N prompts (0: all)."),
     block_sizes: str = typer.Option("16", help="Comma-separated block sizes."),
     temps: str = typer.Option("0", help="Comma-separated temperatures (identity is checked at 0)."),
     max_tokens: MaxTokens = 256,
-    out: str = typer.Option("bench-results", "--out", "-o", help="Folder for results.json, summary.md, plot.png."),
+    out: str = typer.Option(
+        "bench-results", "--out", "-o", help="Folder for results.json, summary.md, plot.png."
+    ),
     think: Think = None,
 ):
     """DFlash against plain mlx-lm decoding of the same target, prompt by prompt, in one process."""
@@ -35,8 +39,10 @@ def bench(
             bs = [int(x) for x in block_sizes.split(",")]
             ts = [float(x) for x in temps.split(",")]
         except ValueError:
-            raise UserError(f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
-                            f"got {block_sizes!r} and {temps!r}") from None
+            raise UserError(
+                f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
+                f"got {block_sizes!r} and {temps!r}"
+            ) from None
         grid = settings_grid(bs, ts, max_tokens)
         folder = Path(out).expanduser()
         if folder.exists() and not folder.is_dir():
@@ -46,20 +52,34 @@ def bench(
             folder.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=folder).close()
         except OSError as e:
-            raise OSError(f"cannot write the results to --out {out} ({e.strerror or e}): give another folder") from None
+            raise OSError(
+                f"cannot write the results to --out {out} ({e.strerror or e}): give another folder"
+            ) from None
         try:
             ps = first_prompts(prompts, limit)
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
             if not has_matplotlib():
-                typer.echo("note: matplotlib is not installed, so no plot.png (pip install 'dflash-mlx[bench]')",
-                           err=True)
+                typer.echo(
+                    "note: matplotlib is not installed, so no plot.png (pip install 'dflash-mlx[bench]')",
+                    err=True,
+                )
             with progress_bar("{task.description}") as bar:
-                runs = len({t for _, t in grid}) + len(grid)  # the plain baseline at each temperature, then DFlash
+                runs = len({t for _, t in grid}) + len(
+                    grid
+                )  # the plain baseline at each temperature, then DFlash
                 task = bar.add_task("warming up (not counted)", total=len(ps) * runs)
-                results = run_bench(target, drafter, tokenizer, ps, block_sizes=bs, temperatures=ts,
-                                    max_tokens=max_tokens, template_kwargs=template_kwargs(model, think),
-                                    progress=lambda d, _: bar.update(task, completed=d, description="benchmarking"))
+                results = run_bench(
+                    target,
+                    drafter,
+                    tokenizer,
+                    ps,
+                    block_sizes=bs,
+                    temperatures=ts,
+                    max_tokens=max_tokens,
+                    template_kwargs=template_kwargs(model, think),
+                    progress=lambda d, _: bar.update(task, completed=d, description="benchmarking"),
+                )
         except BaseException:  # nothing to show: do not leave behind an empty folder this run made
             if made and not any(folder.iterdir()):
                 folder.rmdir()
@@ -75,12 +95,19 @@ def bench(
     typer.echo("wrote " + ", ".join(str(p) for p in paths))
     bad = [s for s in results["summary"] if s["identical"] is False]
     if bad:
-        typer.secho(f"error: DFlash output differed from plain greedy decoding on prompts "
-                    f"{sorted({p for s in bad for p in s['mismatched_prompts']})}: speculative decoding must be "
-                    "lossless, so this is a bug", fg="red", err=True)
+        typer.secho(
+            f"error: DFlash output differed from plain greedy decoding on prompts "
+            f"{sorted({p for s in bad for p in s['mismatched_prompts']})}: speculative decoding must be "
+            "lossless, so this is a bug",
+            fg="red",
+            err=True,
+        )
     if results["interrupted"]:
-        typer.secho(f"stopped with Ctrl-C: the results cover the {len(results['prompts'])} prompts finished by then",
-                    fg="yellow", err=True)
+        typer.secho(
+            f"stopped with Ctrl-C: the results cover the {len(results['prompts'])} prompts finished by then",
+            fg="yellow",
+            err=True,
+        )
         raise typer.Exit(130)
     if bad:
         raise typer.Exit(1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import sys
 from dataclasses import replace
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -35,7 +34,7 @@ drops the message). End a line with \\ to continue it, or wrap several lines in 
 def chat(
     model: Model = DEMO,
     draft: Draft = None,
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    system: str | None = typer.Option(None, "--system", help="System prompt."),
     temp: Temp = 0.0,
     block_size: BlockSize = None,
     max_tokens: MaxTokens = 1024,
@@ -45,12 +44,22 @@ def chat(
     """Talk to a model in the terminal; answers stream as the target accepts them."""
     console = Console(highlight=False)
     with user_errors():
-        GenerationSettings(temperature=temp, block_size=block_size, max_tokens=max_tokens).answering()  # before loading
+        GenerationSettings(
+            temperature=temp, block_size=block_size, max_tokens=max_tokens
+        ).answering()  # before loading
         with console.status(f"loading {model} ..."):
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
-        session = ChatSession(target, drafter, tokenizer, system=system, temperature=temp, block_size=block_size,
-                              max_tokens=max_tokens, template_kwargs=template_kwargs(model, think))
+        session = ChatSession(
+            target,
+            drafter,
+            tokenizer,
+            system=system,
+            temperature=temp,
+            block_size=block_size,
+            max_tokens=max_tokens,
+            template_kwargs=template_kwargs(model, think),
+        )
     run(session, console, f"[bold]dflash-mlx chat[/bold] · {model} + {name} · {backend()}", hide_thinking)
 
 
@@ -102,10 +111,10 @@ class ThinkingFilter:
                 out.append((text, self.thinking))
                 break
             if self.thinking:
-                out.append((text[:i + len(tag)], True))
+                out.append((text[: i + len(tag)], True))
             else:
                 out += [(text[:i], False), (tag, True)]
-            text = text[i + len(tag):]
+            text = text[i + len(tag) :]
             self.thinking = not self.thinking
         return [(t, k) for t, k in out if t]
 
@@ -182,8 +191,10 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
         pieces.close()  # if it came between two cycles, the answer so far is kept as after one Ctrl-C
         stop = True
         if len(session.messages) == messages:
-            console.print("\n[yellow]interrupted: the message was dropped (the next one reads the "
-                          "conversation again)[/yellow]")
+            console.print(
+                "\n[yellow]interrupted: the message was dropped (the next one reads the "
+                "conversation again)[/yellow]"
+            )
             return
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -193,7 +204,7 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
     console.print(f"[dim]{status_line(session.turns[-1])}[/dim]")
 
 
-def command(session, console: Console, line: str) -> Optional[str]:
+def command(session, console: Console, line: str) -> str | None:
     name, _, arg = line.partition(" ")
     arg = arg.strip()
     try:
@@ -217,11 +228,17 @@ def command(session, console: Console, line: str) -> Optional[str]:
             turns = session.turns
             toks = sum(t["tokens"] for t in turns)
             cycles = sum(t["cycles"] for t in turns)  # tau over every verify pass, not a mean of answers
-            tau = sum(t["mean_acceptance"] * t["cycles"] for t in turns if t["cycles"]) / cycles if cycles else None
-            console.print(f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
-                          f"{'-' if tau is None else f'{tau:.2f}'}, context {session.context_tokens()}"
-                          f"/{session.max_context} tokens, temperature {session.settings.temperature}, block "
-                          f"{session.settings.block_size or session.draft.block_size}[/dim]")
+            tau = (
+                sum(t["mean_acceptance"] * t["cycles"] for t in turns if t["cycles"]) / cycles
+                if cycles
+                else None
+            )
+            console.print(
+                f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
+                f"{'-' if tau is None else f'{tau:.2f}'}, context {session.context_tokens()}"
+                f"/{session.max_context} tokens, temperature {session.settings.temperature}, block "
+                f"{session.settings.block_size or session.draft.block_size}[/dim]"
+            )
         elif name == "/save":
             if not arg:
                 raise UserError("/save needs a file name")

@@ -6,7 +6,6 @@ import json
 import sys
 import time
 from dataclasses import asdict
-from typing import Optional
 
 import mlx.core as mx
 import typer
@@ -20,12 +19,26 @@ from dflash_mlx.pairing import context_room
 from dflash_mlx.settings import GenerationSettings
 from dflash_mlx.speculative import stream_generate
 
-from .options import (DEMO, BlockSize, Draft, Json, MaxTokens, MinP, Model, Seed, Temp, Think, TopK, TopP, check_utf8,
-                      user_errors)
+from .options import (
+    DEMO,
+    BlockSize,
+    Draft,
+    Json,
+    MaxTokens,
+    MinP,
+    Model,
+    Seed,
+    Temp,
+    Think,
+    TopK,
+    TopP,
+    check_utf8,
+    user_errors,
+)
 
 
 def generate(
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt (default: read stdin)."),
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="The prompt (default: read stdin)."),
     model: Model = DEMO,
     draft: Draft = None,
     max_tokens: MaxTokens = 256,
@@ -35,10 +48,13 @@ def generate(
     min_p: MinP = 0.0,
     seed: Seed = None,
     block_size: BlockSize = None,
-    no_draft: bool = typer.Option(False, "--no-draft", help="Plain mlx-lm decoding of the target (baseline)."),
-    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template",
-                                       help="Wrap the prompt in the model's chat template."),
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt (with the chat template)."),
+    no_draft: bool = typer.Option(
+        False, "--no-draft", help="Plain mlx-lm decoding of the target (baseline)."
+    ),
+    chat_template: bool = typer.Option(
+        True, "--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template."
+    ),
+    system: str | None = typer.Option(None, "--system", help="System prompt (with the chat template)."),
     think: Think = None,
     as_json: Json = False,
 ):
@@ -49,8 +65,15 @@ def generate(
             raise typer.Exit(2)
         prompt = sys.stdin.read().removesuffix("\n")  # the newline `echo` adds, as $(...) drops it
     with user_errors():
-        settings = GenerationSettings(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
-                                      block_size=block_size, seed=seed)  # checked before loading, for both paths
+        settings = GenerationSettings(
+            temperature=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            max_tokens=max_tokens,
+            block_size=block_size,
+            seed=seed,
+        )  # checked before loading, for both paths
         if no_draft and (draft is not None or block_size is not None):
             raise UserError("--no-draft decodes without a drafter: drop --draft and --block-size")
         if (system is not None or think is not None) and not chat_template:
@@ -60,8 +83,11 @@ def generate(
             (target, tokenizer), drafter = load(model), None
         else:
             target, drafter, tokenizer = load_pair(model, draft)
-        ids = (apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think))
-               if chat_template else tokenizer.encode(prompt, verbose=False))
+        ids = (
+            apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think))
+            if chat_template
+            else tokenizer.encode(prompt, verbose=False)
+        )
         tic = time.perf_counter()
         if drafter is None:
             text, tokens, last, acc = _plain(target, tokenizer, ids, as_json, settings)
@@ -78,12 +104,21 @@ def generate(
             text = "".join(text)
         wall = time.perf_counter() - tic
         tau = sum(acc) / len(acc) if acc else None
-        record = {"text": text, "tokens": tokens, "prompt_tokens": len(ids), "generation_tokens": len(tokens),
-                  "mean_acceptance": tau, "cycles": len(acc), "prompt_tps": last.prompt_tps if last else 0.0,
-                  "generation_tps": last.generation_tps if last else 0.0, "wall_s": wall,
-                  "peak_memory_gb": last.peak_memory if last else 0.0,
-                  "finish_reason": last.finish_reason if last else "length",  # (--max-tokens 0, as generate())
-                  "model": model, "draft": None if drafter is None else (draft or "registry")}
+        record = {
+            "text": text,
+            "tokens": tokens,
+            "prompt_tokens": len(ids),
+            "generation_tokens": len(tokens),
+            "mean_acceptance": tau,
+            "cycles": len(acc),
+            "prompt_tps": last.prompt_tps if last else 0.0,
+            "generation_tps": last.generation_tps if last else 0.0,
+            "wall_s": wall,
+            "peak_memory_gb": last.peak_memory if last else 0.0,
+            "finish_reason": last.finish_reason if last else "length",  # (--max-tokens 0, as generate())
+            "model": model,
+            "draft": None if drafter is None else (draft or "registry"),
+        }
         if as_json:  # (inside user_errors: a reader gone away ends it quietly, as for the text)
             typer.echo(json.dumps(record))
             return

@@ -8,8 +8,12 @@ import typer
 
 from . import bench, chat, convert, doctor, generate, models, profile, train
 
-app = typer.Typer(help="DFlash speculative decoding for MLX.", no_args_is_help=True, add_completion=False,
-                  pretty_exceptions_show_locals=False)
+app = typer.Typer(
+    help="DFlash speculative decoding for MLX.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
 
 
 @app.callback()
@@ -22,8 +26,16 @@ def version():
     typer.echo(f"dflash-mlx {installed('dflash-mlx')}")
 
 
-for command in (convert.convert, generate.generate, chat.chat, models.models, doctor.doctor, bench.bench, version,
-                profile.profile):
+for command in (
+    convert.convert,
+    generate.generate,
+    chat.chat,
+    models.models,
+    doctor.doctor,
+    bench.bench,
+    version,
+    profile.profile,
+):
     app.command()(command)
 app.add_typer(train.app, name="train")
 

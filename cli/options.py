@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -18,18 +18,27 @@ from dflash_mlx.errors import UserError
 DEMO = "smollm2-135m-instruct"
 
 Model = Annotated[str, typer.Option("--model", "-m", help="Target: registry name, HF id, folder or .gguf.")]
-Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="Drafter (default: the registry's for --model).")]
+Draft = Annotated[
+    str | None, typer.Option("--draft", "-d", help="Drafter (default: the registry's for --model).")
+]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", help="Most tokens per answer.")]
 Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature (0 = greedy).")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")]
 TopK = Annotated[int, typer.Option("--top-k", help="Sample from the k most likely tokens (0 = off).")]
 MinP = Annotated[float, typer.Option("--min-p", help="Min-p sampling threshold (0 = off).")]
-Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed.")]
-BlockSize = Annotated[Optional[int], typer.Option("--block-size", help="Tokens per drafted block (default: the "
-                                                                       "drafter's).")]
-Think = Annotated[Optional[bool], typer.Option("--think/--no-think", help="Qwen3-style thinking on or off (where the "
-                                               "template has it; default: the registry pair's setting, else the "
-                                               "template's).")]
+Seed = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
+BlockSize = Annotated[
+    int | None, typer.Option("--block-size", help="Tokens per drafted block (default: the drafter's).")
+]
+Think = Annotated[
+    bool | None,
+    typer.Option(
+        "--think/--no-think",
+        help="Qwen3-style thinking on or off (where the "
+        "template has it; default: the registry pair's setting, else the "
+        "template's).",
+    ),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
 
@@ -41,8 +50,9 @@ def stderr() -> Console:
 def progress_bar(label: str, *, detail: bool = False, disable: bool = False) -> Progress:
     """A progress bar on stderr: `label` ("{task.description}" for one that changes), the bar, done/total,
     the task's description if `detail`, and the time left."""
-    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn()] + ([TextColumn("{task.description}")] if detail
-                                                                       else [])
+    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn()] + (
+        [TextColumn("{task.description}")] if detail else []
+    )
     return Progress(*columns, TimeRemainingColumn(), console=stderr(), disable=disable)
 
 
@@ -64,12 +74,14 @@ def check_utf8(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # bytes that are not UTF-8 arrive from stdin as lone surrogates
-        raise UserError(f"{what} is not UTF-8 text (a stray byte at character {e.start}): convert it "
-                        "first, e.g. with iconv -f latin1 -t utf-8") from None
+        raise UserError(
+            f"{what} is not UTF-8 text (a stray byte at character {e.start}): convert it "
+            "first, e.g. with iconv -f latin1 -t utf-8"
+        ) from None
 
 
-def first_prompts(source: str, limit: Optional[int]) -> list:
+def first_prompts(source: str, limit: int | None) -> list:
     """The first `limit` prompts of a prompt set (None or 0: all of them), for bench and train eval."""
     if limit is not None and limit < 0:
         raise UserError(f"--limit must be >= 0 (0: all prompts), got {limit}")
-    return prompt_source(source)[:limit or None]
+    return prompt_source(source)[: limit or None]

