@@ -5,12 +5,18 @@ from __future__ import annotations
 import signal
 import sys
 from dataclasses import replace
-from typing import Optional
 
+import typer
 from rich.console import Console
 from rich.markup import escape
 
+from dflash_mlx.chat import ChatSession
 from dflash_mlx.errors import UserError
+from dflash_mlx.loading import draft_for, load_pair, template_kwargs
+from dflash_mlx.platform import backend
+from dflash_mlx.settings import GenerationSettings
+
+from .options import DEMO, BlockSize, Draft, MaxTokens, Model, Temp, Think, check_utf8, user_errors
 
 HELP = """[bold]commands[/bold]
   /help            this list
@@ -25,12 +31,36 @@ Ctrl-C stops an answer and keeps what was written (before the answer starts, or 
 drops the message). End a line with \\ to continue it, or wrap several lines in \"\"\"."""
 
 
-def check_utf8(text: str, what: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # bytes that are not UTF-8 arrive from stdin as lone surrogates
-        raise UserError(f"{what} is not UTF-8 text (a stray byte at character {e.start}): convert it "
-                         "first, e.g. with iconv -f latin1 -t utf-8") from None
+def chat(
+    model: Model = DEMO,
+    draft: Draft = None,
+    system: str | None = typer.Option(None, "--system", help="System prompt."),
+    temp: Temp = 0.0,
+    block_size: BlockSize = None,
+    max_tokens: MaxTokens = 1024,
+    think: Think = None,
+    hide_thinking: bool = typer.Option(False, help="Do not show thinking text (it is shown dimmed)."),
+):
+    """Talk to a model in the terminal; answers stream as the target accepts them."""
+    console = Console(highlight=False)
+    with user_errors():
+        GenerationSettings(
+            temperature=temp, block_size=block_size, max_tokens=max_tokens
+        ).answering()  # before loading
+        with console.status(f"loading {model} ..."):
+            target, drafter, tokenizer = load_pair(model, draft)
+            name = draft_for(model, draft)
+        session = ChatSession(
+            target,
+            drafter,
+            tokenizer,
+            system=system,
+            temperature=temp,
+            block_size=block_size,
+            max_tokens=max_tokens,
+            template_kwargs=template_kwargs(model, think),
+        )
+    run(session, console, f"[bold]dflash-mlx chat[/bold] · {model} + {name} · {backend()}", hide_thinking)
 
 
 def ask(console: Console, label: str, colour: str = "") -> str:
@@ -81,10 +111,10 @@ class ThinkingFilter:
                 out.append((text, self.thinking))
                 break
             if self.thinking:
-                out.append((text[:i + len(tag)], True))
+                out.append((text[: i + len(tag)], True))
             else:
                 out += [(text[:i], False), (tag, True)]
-            text = text[i + len(tag):]
+            text = text[i + len(tag) :]
             self.thinking = not self.thinking
         return [(t, k) for t, k in out if t]
 
@@ -161,8 +191,10 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
         pieces.close()  # if it came between two cycles, the answer so far is kept as after one Ctrl-C
         stop = True
         if len(session.messages) == messages:
-            console.print("\n[yellow]interrupted: the message was dropped (the next one reads the "
-                          "conversation again)[/yellow]")
+            console.print(
+                "\n[yellow]interrupted: the message was dropped (the next one reads the "
+                "conversation again)[/yellow]"
+            )
             return
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -172,7 +204,7 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
     console.print(f"[dim]{status_line(session.turns[-1])}[/dim]")
 
 
-def command(session, console: Console, line: str) -> Optional[str]:
+def command(session, console: Console, line: str) -> str | None:
     name, _, arg = line.partition(" ")
     arg = arg.strip()
     try:
@@ -196,11 +228,17 @@ def command(session, console: Console, line: str) -> Optional[str]:
             turns = session.turns
             toks = sum(t["tokens"] for t in turns)
             cycles = sum(t["cycles"] for t in turns)  # tau over every verify pass, not a mean of answers
-            tau = sum(t["mean_acceptance"] * t["cycles"] for t in turns if t["cycles"]) / cycles if cycles else None
-            console.print(f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
-                          f"{'-' if tau is None else f'{tau:.2f}'}, context {session.context_tokens()}"
-                          f"/{session.max_context} tokens, temperature {session.settings.temperature}, block "
-                          f"{session.settings.block_size or session.draft.block_size}[/dim]")
+            tau = (
+                sum(t["mean_acceptance"] * t["cycles"] for t in turns if t["cycles"]) / cycles
+                if cycles
+                else None
+            )
+            console.print(
+                f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
+                f"{'-' if tau is None else f'{tau:.2f}'}, context {session.context_tokens()}"
+                f"/{session.max_context} tokens, temperature {session.settings.temperature}, block "
+                f"{session.settings.block_size or session.draft.block_size}[/dim]"
+            )
         elif name == "/save":
             if not arg:
                 raise UserError("/save needs a file name")

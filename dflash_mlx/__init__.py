@@ -14,6 +14,18 @@ from .models.targets import SUPPORTED_FAMILIES, Target  # noqa: E402
 from .speculative import GenerationResponse, GenerationResult, generate, stream_generate  # noqa: E402
 
 __all__ = [
-    "DFlashConfig", "DFlashDraftModel", "GenerationResponse", "GenerationResult", "SUPPORTED_FAMILIES",
-    "SpeculativeCache", "Target", "UserError", "apply_chat_template", "generate", "load", "load_draft", "load_pair", "stream_generate",
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "GenerationResponse",
+    "GenerationResult",
+    "SUPPORTED_FAMILIES",
+    "SpeculativeCache",
+    "Target",
+    "UserError",
+    "apply_chat_template",
+    "generate",
+    "load",
+    "load_draft",
+    "load_pair",
+    "stream_generate",
 ]

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx_lm import stream_generate as plain_stream_generate
@@ -34,7 +34,9 @@ def _plain(model, tokenizer, ids, max_tokens, temperature, seed):
     mx.random.seed(seed)
     mx.reset_peak_memory()  # each run's own peak, not loading's or an earlier run's
     tic, first, tokens = time.perf_counter(), None, []
-    for r in plain_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(temperature)):
+    for r in plain_stream_generate(
+        model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(temperature)
+    ):
         first = first or time.perf_counter()
         tokens.append(r.token)
     end = time.perf_counter()
@@ -56,22 +58,42 @@ def _dflash(target, draft, tokenizer, ids, settings: GenerationSettings):
 
 def _record(tokens, tic, first, end, acc):
     decode = end - first
-    return {"tokens": tokens, "n": len(tokens), "ttft_s": first - tic, "total_s": end - tic,
-            "decode_tps": (len(tokens) - 1) / decode if decode > 0 and len(tokens) > 1 else 0.0,
-            "e2e_tps": len(tokens) / (end - tic), "acceptance": acc, "peak_memory_gb": mx.get_peak_memory() / 1e9}
+    return {
+        "tokens": tokens,
+        "n": len(tokens),
+        "ttft_s": first - tic,
+        "total_s": end - tic,
+        "decode_tps": (len(tokens) - 1) / decode if decode > 0 and len(tokens) > 1 else 0.0,
+        "e2e_tps": len(tokens) / (end - tic),
+        "acceptance": acc,
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+    }
 
 
 def settings_grid(block_sizes, temperatures, max_tokens: int, seed: int = 0) -> dict:
     """{(block size or None for the adaptive policy, temperature): its settings}, checked before anything
     runs; each setting once (a repeated one would be run again and overwrite its own record)."""
     sizes = dict.fromkeys(None if b is None else int(b) for b in block_sizes)
-    return {(b, t): GenerationSettings(temperature=t, block_size=b, max_tokens=max_tokens, seed=seed).answering()
-            for t in dict.fromkeys(float(t) for t in temperatures) for b in sizes}
+    return {
+        (b, t): GenerationSettings(temperature=t, block_size=b, max_tokens=max_tokens, seed=seed).answering()
+        for t in dict.fromkeys(float(t) for t in temperatures)
+        for b in sizes
+    }
 
 
-def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes=(16, None), temperatures=(0.0,),
-              max_tokens: int = 256, seed: int = 0, template_kwargs: Optional[dict] = None,
-              progress: Optional[Callable[[int, int], None]] = None) -> dict:
+def run_bench(
+    model,
+    draft,
+    tokenizer,
+    prompts: list[list[dict]],
+    *,
+    block_sizes=(16, None),
+    temperatures=(0.0,),
+    max_tokens: int = 256,
+    seed: int = 0,
+    template_kwargs: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
     """-> results: per prompt and configuration, a summary per configuration, and the machine.
     `template_kwargs` reach the chat template (e.g. enable_thinking=False)."""
     grid = settings_grid(block_sizes, temperatures, max_tokens, seed)
@@ -86,8 +108,10 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
         except UserError as e:
             raise UserError(f"prompt {k}: {e}") from None
         if room < max_tokens:
-            raise UserError(f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
-                             f"model's context: lower --max-tokens")
+            raise UserError(
+                f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
+                f"model's context: lower --max-tokens"
+            )
     per_prompt = []
     total = len(encoded) * (len(temperatures) + len(configs))
     done, interrupted = 0, False
@@ -124,23 +148,39 @@ def run_bench(model, draft, tokenizer, prompts: list[list[dict]], *, block_sizes
         base = [p["baseline"][str(t)] for p in per_prompt]
         ours = [p["dflash"][f"{b or 'adaptive'}@{t}"] for p in per_prompt]
         acc = [a for r in ours for a in r["acceptance"]]
-        summary.append({
-            "block_size": b, "temperature": t, "prompts": len(ours),
-            "tokens": sum(r["n"] for r in ours), "baseline_tokens": sum(r["n"] for r in base),
-            "baseline_decode_tps": _rate(base, "decode"), "dflash_decode_tps": _rate(ours, "decode"),
-            "baseline_e2e_tps": _rate(base, "e2e"), "dflash_e2e_tps": _rate(ours, "e2e"),
-            # None when there was nothing to compare: no decode phase (answers of one token), no cycle
-            "speedup_decode": _ratio(_rate(ours, "decode"), _rate(base, "decode")),
-            "speedup_e2e": _ratio(_rate(ours, "e2e"), _rate(base, "e2e")),
-            "tau": sum(acc) / len(acc) if acc else None, "tau_histogram": dict(sorted(Counter(acc).items())),
-            "ttft_s": sum(r["ttft_s"] for r in ours) / len(ours), "baseline_ttft_s": sum(r["ttft_s"] for r in base) / len(base),
-            "peak_memory_gb": max(r["peak_memory_gb"] for r in ours),
-            "identical": all(r.get("identical", True) for r in ours) if t == 0 else None,
-            "mismatched_prompts": [p["prompt"] for p, r in zip(per_prompt, ours) if r.get("identical") is False],
-            "mix": dict(sum((Counter(r["mix"]) for r in ours), Counter())),
-        })
-    return {"machine": report()["facts"], "max_tokens": max_tokens, "summary": summary, "prompts": per_prompt,
-            "interrupted": interrupted}
+        summary.append(
+            {
+                "block_size": b,
+                "temperature": t,
+                "prompts": len(ours),
+                "tokens": sum(r["n"] for r in ours),
+                "baseline_tokens": sum(r["n"] for r in base),
+                "baseline_decode_tps": _rate(base, "decode"),
+                "dflash_decode_tps": _rate(ours, "decode"),
+                "baseline_e2e_tps": _rate(base, "e2e"),
+                "dflash_e2e_tps": _rate(ours, "e2e"),
+                # None when there was nothing to compare: no decode phase (answers of one token), no cycle
+                "speedup_decode": _ratio(_rate(ours, "decode"), _rate(base, "decode")),
+                "speedup_e2e": _ratio(_rate(ours, "e2e"), _rate(base, "e2e")),
+                "tau": sum(acc) / len(acc) if acc else None,
+                "tau_histogram": dict(sorted(Counter(acc).items())),
+                "ttft_s": sum(r["ttft_s"] for r in ours) / len(ours),
+                "baseline_ttft_s": sum(r["ttft_s"] for r in base) / len(base),
+                "peak_memory_gb": max(r["peak_memory_gb"] for r in ours),
+                "identical": all(r.get("identical", True) for r in ours) if t == 0 else None,
+                "mismatched_prompts": [
+                    p["prompt"] for p, r in zip(per_prompt, ours) if r.get("identical") is False
+                ],
+                "mix": dict(sum((Counter(r["mix"]) for r in ours), Counter())),
+            }
+        )
+    return {
+        "machine": report()["facts"],
+        "max_tokens": max_tokens,
+        "summary": summary,
+        "prompts": per_prompt,
+        "interrupted": interrupted,
+    }
 
 
 def _rate(records, kind):
@@ -150,11 +190,11 @@ def _rate(records, kind):
     return sum(r["n"] for r in records) / max(sum(r["total_s"] for r in records), 1e-9)
 
 
-def _ratio(a: float, b: float) -> Optional[float]:
+def _ratio(a: float, b: float) -> float | None:
     return a / b if a > 0 and b > 0 else None
 
 
-def _fmt(x: Optional[float], spec: str, unit: str = "") -> str:
+def _fmt(x: float | None, spec: str, unit: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{unit}"
 
 
@@ -162,26 +202,39 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def policy_name(block_size: Optional[int]) -> str:
+def policy_name(block_size: int | None) -> str:
     return "adaptive" if block_size is None else f"block {block_size}"
 
 
 def markdown(results: dict, title: str) -> str:
     m = results["machine"]
-    lines = [f"# {title}", "", f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
-             f"BLAS: {m.get('blas preload')}. {_count(results['summary'][0]['prompts'], 'prompt')}, up to "
-             f"{results['max_tokens']} tokens each; warm-up excluded"
-             f"{' (stopped early with Ctrl-C: the prompts finished by then)' if results.get('interrupted') else ''}.", "",
-             "| policy | temp | tau | plain tok/s | ours tok/s | speedup (decode) | speedup (end to end) "
-             "| TTFT plain / ours (s) | cycles: dflash / lookup / plain | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    stopped = (
+        " (stopped early with Ctrl-C: the prompts finished by then)" if results.get("interrupted") else ""
+    )
+    lines = [
+        f"# {title}",
+        "",
+        f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
+        f"BLAS: {m.get('blas preload')}. {_count(results['summary'][0]['prompts'], 'prompt')}, up to "
+        f"{results['max_tokens']} tokens each; warm-up excluded{stopped}.",
+        "",
+        "| policy | temp | tau | plain tok/s | ours tok/s | speedup (decode) | speedup (end to end) "
+        "| TTFT plain / ours (s) | cycles: dflash / lookup / plain | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in results["summary"]:
-        same = {True: "yes", False: f"**NO** ({_count(len(s['mismatched_prompts']), 'prompt')})", None: "n/a (sampling)"}
+        same = {
+            True: "yes",
+            False: f"**NO** ({_count(len(s['mismatched_prompts']), 'prompt')})",
+            None: "n/a (sampling)",
+        }
         mix = " / ".join(str(s["mix"].get(k, 0)) for k in ("dflash", "lookup", "plain"))
-        lines.append(f"| {policy_name(s['block_size'])} | {s['temperature']} | {_fmt(s['tau'], '.2f')} | "
-                     f"{s['baseline_decode_tps']:.1f} | {s['dflash_decode_tps']:.1f} | "
-                     f"{_fmt(s['speedup_decode'], '.2f', 'x')} | {_fmt(s['speedup_e2e'], '.2f', 'x')} | "
-                     f"{s['baseline_ttft_s']:.2f} / {s['ttft_s']:.2f} | {mix} | {same[s['identical']]} |")
+        lines.append(
+            f"| {policy_name(s['block_size'])} | {s['temperature']} | {_fmt(s['tau'], '.2f')} | "
+            f"{s['baseline_decode_tps']:.1f} | {s['dflash_decode_tps']:.1f} | "
+            f"{_fmt(s['speedup_decode'], '.2f', 'x')} | {_fmt(s['speedup_e2e'], '.2f', 'x')} | "
+            f"{s['baseline_ttft_s']:.2f} / {s['ttft_s']:.2f} | {mix} | {same[s['identical']]} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -203,8 +256,12 @@ def plot(results: dict, path: Path) -> None:
     for k, x in enumerate(s):
         h = {int(a): n for a, n in x["tau_histogram"].items()}
         total = sum(h.values()) or 1
-        axes[2].bar([a + (k - (len(s) - 1) / 2) * width for a in h], [n / total for n in h.values()], width,
-                    label=f"{policy_name(x['block_size'])} T={x['temperature']}")
+        axes[2].bar(
+            [a + (k - (len(s) - 1) / 2) * width for a in h],
+            [n / total for n in h.values()],
+            width,
+            label=f"{policy_name(x['block_size'])} T={x['temperature']}",
+        )
     axes[2].set_title("tokens per cycle (share of cycles)")
     axes[2].set_xlabel("tokens committed in one cycle")
     axes[2].legend(fontsize=7)

@@ -36,8 +36,11 @@ def _functions(min_lines: int = 12, max_lines: int = 40) -> list[str]:
             continue
         lines = source.splitlines()
         for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
-                out.append(textwrap.dedent("\n".join(lines[node.lineno - 1:node.end_lineno])))
+            if (
+                isinstance(node, ast.FunctionDef)
+                and min_lines <= node.end_lineno - node.lineno + 1 <= max_lines
+            ):
+                out.append(textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno])))
     return out
 
 
@@ -52,14 +55,14 @@ def edit_prompts(n: int = 40) -> list[list[dict]]:
     for code in _functions():
         task = len(prompts) % 4
         if task == 0:
-            text = f"Add type hints to every parameter and to the return value of this function. {_WHOLE}"
+            text = f"Add type hints to every parameter and the return value of this function. {_WHOLE}"
         elif task == 1:
             names = _local_names(code)
             if not names:
                 continue
-            text = f"Rename the variable `{names[0]}` to `{names[0]}_value` everywhere in this function. {_WHOLE}"
+            text = f"Rename the variable `{names[0]}` to `{names[0]}_value` everywhere. {_WHOLE}"
         elif task == 2:
-            text = f"Reformat this function with double quotes for every string and a blank line after the docstring. {_WHOLE}"
+            text = f"Reformat this function: double quotes, a blank line after the docstring. {_WHOLE}"
         else:
             if " < " not in code:
                 continue
@@ -80,7 +83,9 @@ def adversarial_prompts(n: int = 20) -> list[list[dict]]:
         if k % 4 == 0:
             text = "Write 60 random seven-digit numbers, separated by commas, with no pattern between them."
         elif k % 4 == 1:
-            text = "Write 50 unrelated English words in a random order, separated by spaces, never repeating one."
+            text = (
+                "Write 50 unrelated English words in random order, separated by spaces, never repeating one."
+            )
         elif k % 4 == 2:
             seq = ", ".join(str(rng.randrange(10**6)) for _ in range(12))
             text = f"Continue this list of random numbers with 40 more random numbers: {seq},"
@@ -98,8 +103,11 @@ def long_prompts(tokens: int, n: int = 4) -> list[list[dict]]:
     prompts = []
     for k, path in enumerate(files[:: max(1, len(files) // n)][:n]):
         source = path.read_text(encoding="utf-8", errors="replace")[:budget]
-        task = ("Summarise what this code does, function by function." if k % 2 == 0 else
-                "Rewrite the first function of this code with a docstring added, and nothing else changed.")
+        task = (
+            "Summarise what this code does, function by function."
+            if k % 2 == 0
+            else "Rewrite the first function of this code with a docstring added, and nothing else changed."
+        )
         prompts.append([{"role": "user", "content": f"{task}\n\n```python\n{source}\n```"}])
     return prompts
 

@@ -10,8 +10,6 @@ prefilling it again.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -23,7 +21,7 @@ from .pairing import prepare
 
 
 class SpeculativeCache:
-    def __init__(self, model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]):
+    def __init__(self, model: nn.Module | Target, draft: DFlashDraftModel | None):
         """`model`: the mlx-lm target as `load` returns it (or a Target); `draft`: its drafter, or None."""
         self.target = target = prepare(model, draft)
         self.draft = draft
@@ -40,7 +38,7 @@ class SpeculativeCache:
 
     @property
     def pending(self) -> list[int]:
-        return self.tokens[self.processed:]
+        return self.tokens[self.processed :]
 
     def add(self, tokens: list[int]) -> None:
         """Commit tokens without processing them (they become pending)."""
@@ -61,17 +59,19 @@ class SpeculativeCache:
         self.broken = True
         logits = None
         for start in range(0, len(todo), step):
-            chunk = mx.array([todo[start:start + step]])
+            chunk = mx.array([todo[start : start + step]])
             logits, features = self.target(chunk, self.target_cache, last_logits_only=True)
             if self.draft_cache is not None:
                 self.draft.absorb(features, self.draft_cache)
-            mx.eval(logits, [c.state for c in self.target_cache],
-                    [c.state for c in self.draft_cache or []])
+            mx.eval(logits, [c.state for c in self.target_cache], [c.state for c in self.draft_cache or []])
             self.processed += chunk.shape[1]
         if not all(c.is_trimmable() for c in self.target_cache):
             # Recurrent state cannot be trimmed: keep it as it stands at the end of this prompt (the
             # arrays are immutable, so this copies nothing), so a conversation can go back there.
-            self.snapshot = (self.processed, [None if c.is_trimmable() else list(c.cache) for c in self.target_cache])
+            self.snapshot = (
+                self.processed,
+                [None if c.is_trimmable() else list(c.cache) for c in self.target_cache],
+            )
         self.broken = False
         return logits[:, -1]
 
@@ -80,7 +80,7 @@ class SpeculativeCache:
         self.broken = True  # until commit
         return self.target(block, self.target_cache)
 
-    def commit(self, features: Optional[mx.array], new_tokens: list[int]) -> None:
+    def commit(self, features: mx.array | None, new_tokens: list[int]) -> None:
         """After a verify pass: keep its first len(new_tokens) positions, and commit new_tokens.
 
         The block was [pending, x_1, ...]; the emitted tokens are x_1 .. x_{m-1} (accepted) and one

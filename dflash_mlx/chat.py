@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
 
 from .cache import SpeculativeCache
 from .errors import UserError
@@ -16,8 +16,14 @@ from .settings import GenerationSettings
 from .speculative import GenerationResponse, stream_generate
 
 
-def apply_chat_template(tokenizer, messages: Union[str, list[dict]], *, system: Optional[str] = None,
-                        add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+def apply_chat_template(
+    tokenizer,
+    messages: str | list[dict],
+    *,
+    system: str | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs,
+) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template, ready for a reply.
 
     `messages` is a user message or a list of {"role", "content"} dicts; extra keyword arguments
@@ -30,8 +36,9 @@ def apply_chat_template(tokenizer, messages: Union[str, list[dict]], *, system: 
         messages = [{"role": "system", "content": system}, *messages]
     if getattr(tokenizer, "chat_template", None) is None:
         return tokenizer.encode("\n".join(m["content"] for m in messages))
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                         **template_kwargs)
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+    )
     # The template already writes any BOS token it wants. verbose=False: transformers would warn that a
     # long conversation "will result in indexing errors"; the context check says the real limit.
     return tokenizer.encode(text, add_special_tokens=False, verbose=False)
@@ -51,16 +58,30 @@ class ChatSession:
     template, keeps the part of both caches that still matches it, and prefills only the rest, so
     the time to first token does not grow with the history. `settings` may change between turns."""
 
-    def __init__(self, model, draft, tokenizer, *, system: Optional[str] = None, temperature: float = 0.0,
-                 block_size: Optional[int] = None, max_tokens: int = 1024, max_context: Optional[int] = None,
-                 template_kwargs: Optional[dict] = None):
-        self.settings = GenerationSettings(temperature=temperature, block_size=block_size, max_tokens=max_tokens)
+    def __init__(
+        self,
+        model,
+        draft,
+        tokenizer,
+        *,
+        system: str | None = None,
+        temperature: float = 0.0,
+        block_size: int | None = None,
+        max_tokens: int = 1024,
+        max_context: int | None = None,
+        template_kwargs: dict | None = None,
+    ):
+        self.settings = GenerationSettings(
+            temperature=temperature, block_size=block_size, max_tokens=max_tokens
+        )
         self.target = prepare(model, draft)
         self.draft, self.tokenizer, self.system = draft, tokenizer, system
         self.max_context = max_context or context_length(self.target) or 4096
         if not 1 <= max_tokens < self.max_context:
-            raise UserError(f"max tokens must be between 1 and {self.max_context - 1} (the model's context holds "
-                             f"{self.max_context}), got {max_tokens}")
+            raise UserError(
+                f"max tokens must be between 1 and {self.max_context - 1} (the model's context holds "
+                f"{self.max_context}), got {max_tokens}"
+            )
         self.template_kwargs = template_kwargs or {}
         self.messages: list[dict] = []
         self.cache = SpeculativeCache(self.target, draft)
@@ -74,13 +95,19 @@ class ChatSession:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
 
     def context_tokens(self) -> int:
-        """Tokens the conversation takes: the cache's, or after a dropped cache the rendered conversation's."""
+        """Tokens the conversation takes: the cache's, or after a dropped cache, the rendered conversation's
+        own."""
         if self.cache.tokens or not self.messages:
             return len(self.cache.tokens)
-        return len(apply_chat_template(self.tokenizer, self.conversation(), add_generation_prompt=False,
-                                       **self.template_kwargs))
+        return len(
+            apply_chat_template(
+                self.tokenizer, self.conversation(), add_generation_prompt=False, **self.template_kwargs
+            )
+        )
 
-    def reply(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> Iterator[GenerationResponse]:
+    def reply(
+        self, text: str, should_stop: Callable[[], bool] = lambda: False
+    ) -> Iterator[GenerationResponse]:
         """Stream the answer to a user message. `should_stop()` is checked after every piece; when it
         turns true (or the caller stops reading) the answer ends there, and the partial answer stays in
         the conversation. On an error or a KeyboardInterrupt the message is dropped; if that came inside
@@ -91,24 +118,39 @@ class ChatSession:
 
         def record(stopped: bool) -> None:
             self.messages.append({"role": "assistant", "content": "".join(answer)})
-            self.turns.append({
-                "prefill_tokens": self.cache.last_prefill, "tokens": tokens,
-                "tokens_per_s": last.generation_tps if last else 0.0,
-                "mean_acceptance": sum(accepted) / len(accepted) if accepted else None, "cycles": len(accepted),
-                "drafted_share": drafted / tokens if tokens else 0.0, "mix": dict(mix),
-                "interrupted": stopped, "context_tokens": self.context_tokens()})
+            self.turns.append(
+                {
+                    "prefill_tokens": self.cache.last_prefill,
+                    "tokens": tokens,
+                    "tokens_per_s": last.generation_tps if last else 0.0,
+                    "mean_acceptance": sum(accepted) / len(accepted) if accepted else None,
+                    "cycles": len(accepted),
+                    "drafted_share": drafted / tokens if tokens else 0.0,
+                    "mix": dict(mix),
+                    "interrupted": stopped,
+                    "context_tokens": self.context_tokens(),
+                }
+            )
 
         try:
             ids = apply_chat_template(self.tokenizer, self.conversation(), **self.template_kwargs)
             if len(ids) + self.settings.max_tokens > self.max_context:
-                raise ContextFull(len(ids), self.max_context, self.settings.max_tokens, fresh=len(self.messages) == 1)
+                raise ContextFull(
+                    len(ids), self.max_context, self.settings.max_tokens, fresh=len(self.messages) == 1
+                )
             # At least one token goes in: after a message dropped between two cycles, the cache can hold the
             # whole of `ids` (the message and a partial answer), and an empty prompt would be refused.
             keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
             if not self.cache.truncate(keep):
                 self.cache, keep = SpeculativeCache(self.target, self.draft), 0
-            for last in stream_generate(self.target, self.draft, self.tokenizer, ids[keep:], prompt_cache=self.cache,
-                                        **asdict(self.settings)):
+            for last in stream_generate(
+                self.target,
+                self.draft,
+                self.tokenizer,
+                ids[keep:],
+                prompt_cache=self.cache,
+                **asdict(self.settings),
+            ):
                 answer.append(last.text)
                 tokens += len(last.tokens)
                 if last.accepted is not None:
@@ -124,7 +166,7 @@ class ChatSession:
                     record(stopped=True)
                     return
         except (Exception, KeyboardInterrupt):  # no answer: the message goes, and so does a cache
-            self.messages.pop()                  # that an interrupted pass left half-updated
+            self.messages.pop()  # that an interrupted pass left half-updated
             if self.cache.broken:
                 self.cache = SpeculativeCache(self.target, self.draft)
             raise
@@ -141,7 +183,14 @@ class ChatSession:
 class ContextFull(UserError):
     def __init__(self, used: int, limit: int, room: int, fresh: bool = False):
         what = "this message" if fresh else "the conversation"
-        fix = ("/reset to start a new conversation" if not fresh else "a shorter message" if used >= limit
-               else "a shorter message or a lower --max-tokens")
-        super().__init__(f"{what} needs {used} tokens plus {room} for the answer, and the model's context holds "
-                         f"{limit}: {fix}")
+        fix = (
+            "/reset to start a new conversation"
+            if not fresh
+            else "a shorter message"
+            if used >= limit
+            else "a shorter message or a lower --max-tokens"
+        )
+        super().__init__(
+            f"{what} needs {used} tokens plus {room} for the answer, and the model's context holds "
+            f"{limit}: {fix}"
+        )

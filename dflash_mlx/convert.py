@@ -7,8 +7,8 @@ interrupted run never leaves a half folder that would later load.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,8 +29,15 @@ def is_drafter(path: Path) -> bool:
     return cfg.exists() and is_drafter_config(read_config(path))
 
 
-def convert_draft(source: str, dest: str | Path, dtype: str = "bfloat16", quantize: bool = False,
-                  q_bits: int = 4, q_group_size: int = 64, force: bool = False) -> Path:
+def convert_draft(
+    source: str,
+    dest: str | Path,
+    dtype: str = "bfloat16",
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    force: bool = False,
+) -> Path:
     """A z-lab drafter (HF id or folder) -> MLX folder in `dtype`, optionally quantized."""
     draft = load_draft(source, dtype=DTYPES[dtype])
     config = draft.config.to_dict()
@@ -40,8 +47,9 @@ def convert_draft(source: str, dest: str | Path, dtype: str = "bfloat16", quanti
         nn.quantize(draft, group_size=q_group_size, bits=q_bits)
         config["quantization"] = {"group_size": q_group_size, "bits": q_bits}
     with atomic_folder(dest, force) as tmp:
-        mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(draft.parameters())),
-                            metadata={"format": "mlx"})
+        mx.save_safetensors(
+            str(tmp / "model.safetensors"), dict(tree_flatten(draft.parameters())), metadata={"format": "mlx"}
+        )
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     return Path(dest)
 
@@ -65,9 +73,16 @@ def export_draft(source: str, dest: str | Path, force: bool = False) -> Path:
     return Path(dest)
 
 
-def convert_target(source: str, dest: str | Path, dtype: Optional[str] = None, quantize: bool = False,
-                   q_bits: int = 4, q_group_size: int = 64, force: bool = False,
-                   progress: Optional[Callable[[str], None]] = None) -> Path:
+def convert_target(
+    source: str,
+    dest: str | Path,
+    dtype: str | None = None,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    force: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
     """A target (HF id, folder or .gguf file) -> MLX folder that mlx_lm.load and our load read."""
     src = Path(source).expanduser()
     with atomic_folder(dest, force) as tmp:
@@ -82,9 +97,17 @@ def convert_target(source: str, dest: str | Path, dtype: Optional[str] = None, q
             config = read_config(folder)
             check_model_type(folder, config)
             if quantize and "quantization" in config:
-                raise UserError(f"{source} is already quantized ({config['quantization'].get('bits')}-bit): "
-                                 "quantize the float model it came from (for a GGUF-based target, add --dtype float32)")
+                raise UserError(
+                    f"{source} is already quantized ({config['quantization'].get('bits')}-bit): "
+                    "quantize the float model it came from (for a GGUF-based target, add --dtype float32)"
+                )
             tmp.rmdir()  # mlx-lm's convert insists on creating the folder itself
-            mlx_lm_convert(str(folder), str(tmp), quantize=quantize, q_group_size=q_group_size,
-                           q_bits=q_bits, dtype=dtype)
+            mlx_lm_convert(
+                str(folder),
+                str(tmp),
+                quantize=quantize,
+                q_group_size=q_group_size,
+                q_bits=q_bits,
+                dtype=dtype,
+            )
     return Path(dest)

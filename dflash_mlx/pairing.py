@@ -8,8 +8,6 @@ through it.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import mlx.nn as nn
 
 from .errors import UserError
@@ -24,29 +22,38 @@ MAX_BLOCK_SIZE = 256
 def check_block_size(block_size: int, least: int = 1) -> int:
     """`least` is 2 for training: a block of one position proposes nothing to learn from."""
     if not least <= block_size <= MAX_BLOCK_SIZE:
-        raise UserError(f"block size must be between {least} and {MAX_BLOCK_SIZE}, got {block_size} (drafters "
-                        "are trained at about 16)")
+        raise UserError(
+            f"block size must be between {least} and {MAX_BLOCK_SIZE}, got {block_size} (drafters "
+            "are trained at about 16)"
+        )
     return block_size
 
 
 def check_pair(target: Target, draft: DFlashDraftModel) -> None:
     """Fail early, naming both values, when a drafter was not made for this target."""
     cfg = draft.config
-    checks = [(cfg.hidden_size, target.hidden_size, "hidden size {d}, target hidden size {t}"),
-              (cfg.vocab_size, target.vocab_size, "vocab size {d}, target vocab size {t}")]
+    checks = [
+        (cfg.hidden_size, target.hidden_size, "hidden size {d}, target hidden size {t}"),
+        (cfg.vocab_size, target.vocab_size, "vocab size {d}, target vocab size {t}"),
+    ]
     if cfg.num_target_layers is not None:
-        checks.append((cfg.num_target_layers, target.num_layers,
-                       "num_target_layers {d}, but the target has {t} layers"))
+        checks.append(
+            (cfg.num_target_layers, target.num_layers, "num_target_layers {d}, but the target has {t} layers")
+        )
     for d, t, what in checks:
         if d != t:
-            raise UserError(f"this drafter was not made for this target: drafter {what.format(d=d, t=t)} "
-                            f"(use the drafter trained for this target)")
+            raise UserError(
+                f"this drafter was not made for this target: drafter {what.format(d=d, t=t)} "
+                f"(use the drafter trained for this target)"
+            )
     if not 0 <= cfg.mask_token_id < target.vocab_size:
-        raise UserError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
-                        f"(size {target.vocab_size})")
+        raise UserError(
+            f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
+            f"(size {target.vocab_size})"
+        )
 
 
-def prepare(model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]) -> Target:
+def prepare(model: nn.Module | Target, draft: DFlashDraftModel | None) -> Target:
     """Wrap an mlx-lm model as a Target tapping the drafter's layers, and bind the drafter to it."""
     layer_ids = draft.config.target_layer_ids if draft is not None else []
     if isinstance(model, Target):
@@ -61,18 +68,21 @@ def prepare(model: Union[nn.Module, Target], draft: Optional[DFlashDraftModel]) 
     return model
 
 
-def context_length(model: Union[nn.Module, Target]) -> Optional[int]:
+def context_length(model: nn.Module | Target) -> int | None:
     """The context the model was trained for (any mlx-lm model, or a Target), if its config says."""
     args = model.args if isinstance(model, Target) else getattr(model, "language_model", model).args
     return getattr(args, "max_position_embeddings", None)
 
 
-def context_room(model: Union[nn.Module, Target], used: int, kept: int = 0) -> int:
+def context_room(model: nn.Module | Target, used: int, kept: int = 0) -> int:
     """How many tokens fit in the context of `model` after a prompt of `used` tokens, `kept` of them
     from an earlier call; a clear error if none do."""
     context = context_length(model) or 1 << 62
     if used >= context:
-        raise UserError(f"the conversation (this prompt and {kept} kept tokens) is {used} tokens and fills the "
-                        f"model's context of {context}: start a new cache" if kept else
-                        f"the prompt is {used} tokens and the model's context holds {context}: shorten the prompt")
+        raise UserError(
+            f"the conversation (this prompt and {kept} kept tokens) is {used} tokens and fills the "
+            f"model's context of {context}: start a new cache"
+            if kept
+            else f"the prompt is {used} tokens and the model's context holds {context}: shorten the prompt"
+        )
     return context - used

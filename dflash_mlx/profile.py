@@ -38,15 +38,33 @@ def random_pair(hidden=1024, layers=8, vocab=32000, draft_layers=1, block_size=1
     mx.random.seed(seed)
     heads = hidden // 64
     kv_heads = next(k for k in range(max(1, heads // 4), 0, -1) if heads % k == 0)  # must divide heads
-    model = llama.Model(llama.ModelArgs(
-        model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=hidden * 3,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
-        vocab_size=vocab, tie_word_embeddings=True))
-    draft = DFlashDraftModel(DFlashConfig(
-        hidden_size=hidden, num_hidden_layers=draft_layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, intermediate_size=hidden * 3, vocab_size=vocab,
-        target_layer_ids=sorted({min(1, layers - 1), layers // 2, max(layers - 2, 0)}), mask_token_id=vocab - 1,
-        block_size=block_size, num_target_layers=layers))
+    model = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            intermediate_size=hidden * 3,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            rms_norm_eps=1e-5,
+            vocab_size=vocab,
+            tie_word_embeddings=True,
+        )
+    )
+    draft = DFlashDraftModel(
+        DFlashConfig(
+            hidden_size=hidden,
+            num_hidden_layers=draft_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            intermediate_size=hidden * 3,
+            vocab_size=vocab,
+            target_layer_ids=sorted({min(1, layers - 1), layers // 2, max(layers - 2, 0)}),
+            mask_token_id=vocab - 1,
+            block_size=block_size,
+            num_target_layers=layers,
+        )
+    )
     mx.eval(model.parameters(), draft.parameters())
     return model, draft
 
@@ -73,26 +91,41 @@ def ar_tokens_per_s(model, prompt, n=48) -> float:
 def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt_len=128) -> dict:
     if hidden < 64 or hidden % 64:
         raise UserError(f"hidden must be a multiple of 64 (the head size), got {hidden}")
-    for name, value, least in (("layers", layers, 1), ("vocab", vocab, 2), ("block size", block_size, 2),
-                               ("cycles", cycles, 1)):
+    for name, value, least in (
+        ("layers", layers, 1),
+        ("vocab", vocab, 2),
+        ("block size", block_size, 2),
+        ("cycles", cycles, 1),
+    ):
         if value < least:
             raise UserError(f"{name} must be at least {least}, got {value}")
     model, draft = random_pair(hidden, layers, vocab, block_size=block_size)
     target = prepare(model, draft)
     prompt = mx.random.randint(0, vocab - 1, (prompt_len,)).tolist()
-    result = {"config": dict(hidden=hidden, layers=layers, vocab=vocab, block_size=block_size,
-                             prompt_len=prompt_len, cycles=cycles), "blas": blas["status"]}
+    result = {
+        "config": dict(
+            hidden=hidden,
+            layers=layers,
+            vocab=vocab,
+            block_size=block_size,
+            prompt_len=prompt_len,
+            cycles=cycles,
+        ),
+        "blas": blas["status"],
+    }
 
     for compiled in (True, False):
         stamps = []
-        gen = stream_generate(target, draft, None, prompt, max_tokens=10**6, block_size=block_size,
-                              compile=compiled)
+        gen = stream_generate(
+            target, draft, None, prompt, max_tokens=10**6, block_size=block_size, compile=compiled
+        )
         for _ in range(cycles + 4):
             next(gen)
             stamps.append(time.perf_counter())
         gen.close()
         result[f"cycle_ms_{'compiled' if compiled else 'eager'}"] = 1000 * statistics.median(
-            b - a for a, b in zip(stamps[3:], stamps[4:]))
+            b - a for a, b in zip(stamps[3:], stamps[4:])
+        )
 
     # The parts alone, at the same context length.
     cache = SpeculativeCache(target, draft)
@@ -113,15 +146,19 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
     result["verify_ms"] = _median_ms(verify, cycles)
     result["draft_ms_compiled"] = _median_ms(lambda: draft_step(True), cycles)
     result["draft_ms_eager"] = _median_ms(lambda: draft_step(False), cycles)
-    result["overhead_compiled"] = result["cycle_ms_compiled"] / (result["verify_ms"] + result["draft_ms_compiled"]) - 1
+    result["overhead_compiled"] = (
+        result["cycle_ms_compiled"] / (result["verify_ms"] + result["draft_ms_compiled"]) - 1
+    )
     result["overhead_eager"] = result["cycle_ms_eager"] / (result["verify_ms"] + result["draft_ms_eager"]) - 1
     result["draft_traces"] = draft.traces
     result["ar_tokens_per_s"] = ar_tokens_per_s(model, prompt)
     if blas["library"]:
         env = dict(os.environ, **{DISABLE_ENV: "1"})
-        code = ("import json, dflash_mlx.profile as p, mlx.core as mx;"
-                f"m, _ = p.random_pair({hidden}, {layers}, {vocab});"
-                f"print(json.dumps(p.ar_tokens_per_s(m, {prompt}, n=8)))")
+        code = (
+            "import json, dflash_mlx.profile as p, mlx.core as mx;"
+            f"m, _ = p.random_pair({hidden}, {layers}, {vocab});"
+            f"print(json.dumps(p.ar_tokens_per_s(m, {prompt}, n=8)))"
+        )
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         if out.returncode:
             last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
@@ -159,5 +196,10 @@ def profile_pair(model, draft) -> dict:
     context = costs.contexts[0]
     overhead = policy_overhead_s(costs, draft.block_size - 1 if draft is not None else 0, context)
     step = costs.target_time(1, context)
-    return {"costs": costs.to_dict(), "costs_file": str(costs_path(target, draft)), "policy_s": overhead,
-            "plain_step_s": step, "policy_share_of_a_step": overhead / step}
+    return {
+        "costs": costs.to_dict(),
+        "costs_file": str(costs_path(target, draft)),
+        "policy_s": overhead,
+        "plain_step_s": step,
+        "policy_share_of_a_step": overhead / step,
+    }

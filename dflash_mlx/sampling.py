@@ -12,8 +12,8 @@ until the caller reads the two numbers, so a cycle synchronises once.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -72,8 +72,8 @@ def greedy(logits: mx.array) -> mx.array:
     logits' own dtype. In bfloat16 or float16 that is not always argmax(logits): subtracting the
     logsumexp can round two close logits to one value, and the tie goes to the lower token id. In
     float32 such a tie needs logits within about one rounding step, below the noise between a verify
-    pass's kernels and a one-token step's, so there the logsumexp (~10 ms a verify pass on a CPU) is
-    skipped."""
+    pass's kernels and a one-token step's, so there the logsumexp, a pass over the whole vocabulary at
+    every position, is skipped."""
     if logits.dtype == mx.float32:
         return mx.argmax(logits, axis=-1)
     return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
@@ -117,13 +117,14 @@ def rejection_accept(proposals: mx.array, q: mx.array, p: mx.array):
     return n, mx.random.categorical(mx.log(residual))
 
 
-def acceptance(params: SamplingParams, sampler: Optional[Callable]):
+def acceptance(params: SamplingParams, sampler: Callable | None):
     """Pick the drafting and acceptance rules for these settings.
 
     Returns (draft, accept): draft(logits) -> (proposals, q or None);
     accept(proposals, q, target_logits) -> (n, next_token).
     """
     if sampler is not None:
+
         def draft(logits):
             return mx.argmax(logits, axis=-1), None
 
@@ -131,18 +132,21 @@ def acceptance(params: SamplingParams, sampler: Optional[Callable]):
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             # One call per position, as plain decoding makes: a sampler may draw once per call for all
             # its rows (mlx-lm's XTC flips one coin), which would tie the block's positions together.
-            return match_accept(x, mx.concatenate([sampler(lp[i:i + 1]) for i in range(lp.shape[0])]))
+            return match_accept(x, mx.concatenate([sampler(lp[i : i + 1]) for i in range(lp.shape[0])]))
     elif params.greedy:
+
         def draft(logits):
             return mx.argmax(logits, axis=-1), None
 
         def accept(x, q, logits):
             return match_accept(x, greedy(logits))
     else:
+
         def draft(logits):
             logq = params.logprobs(logits)
             return mx.random.categorical(logq), mx.exp(logq)
 
         def accept(x, q, logits):
             return rejection_accept(x, q, params.probs(logits))
+
     return draft, accept

@@ -8,7 +8,6 @@ loaded, with an error that names the setting.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from .errors import UserError
 from .pairing import check_block_size
@@ -21,9 +20,9 @@ class GenerationSettings(SamplingParams):
     `stream_generate`'s keyword arguments: `stream_generate(..., **dataclasses.asdict(settings))`."""
 
     max_tokens: int = 256
-    block_size: Optional[int] = None  # None: chosen cycle by cycle (policy.py); N: a fixed DFlash block
+    block_size: int | None = None  # None: chosen cycle by cycle (policy.py); N: a fixed DFlash block
     lookup: bool = True  # prompt lookup among the choices (with block_size None)
-    seed: Optional[int] = None
+    seed: int | None = None
     prefill_step_size: int = 2048
 
     def __post_init__(self):

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,15 +40,15 @@ class GenerationResponse:
 
     text: str  # new text since the previous response
     tokens: list[int]  # new tokens since the previous response
-    accepted: Optional[int]  # this cycle's acceptance length (proposals kept + 1, counted before a cut at
+    accepted: int | None  # this cycle's acceptance length (proposals kept + 1, counted before a cut at
     #                          EOS or max_tokens); None for the first token
     prompt_tokens: int
     prompt_tps: float
     generation_tokens: int  # generated so far
     generation_tps: float  # tokens after the first, per second since the first (0 until there is a second)
     peak_memory: float  # GB
-    finish_reason: Optional[str] = None  # "stop" (EOS or stop string), "length", or None while running
-    source: Optional[str] = None  # what proposed this cycle's tokens: "plain", "lookup" or "dflash"
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running
+    source: str | None = None  # what proposed this cycle's tokens: "plain", "lookup" or "dflash"
     proposed: int = 0  # how many proposals this cycle's verify pass checked
 
 
@@ -56,7 +56,7 @@ class GenerationResponse:
 class GenerationResult:
     text: str
     tokens: list[int]
-    finish_reason: Optional[str]
+    finish_reason: str | None
     prompt_tokens: int
     prompt_tps: float
     generation_tokens: int
@@ -91,8 +91,9 @@ def _encode(tokenizer: TokenizerWrapper, prompt) -> list[int]:
         return prompt.reshape(-1).tolist()
     if isinstance(prompt, str):
         bos = tokenizer.bos_token
-        return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos),
-                                verbose=False)  # our context check, not transformers' warning, says the limit
+        return tokenizer.encode(
+            prompt, add_special_tokens=bos is None or not prompt.startswith(bos), verbose=False
+        )  # our context check, not transformers' warning, says the limit
     return [int(t) for t in prompt]
 
 
@@ -124,7 +125,7 @@ class _StopText:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return text[:min(hits)], True
+            return text[: min(hits)], True
         keep = max((len(s) - 1 for s in self.stops), default=0)
         cut = len(text) - keep if keep else len(text)
         self.held = text[cut:]
@@ -136,22 +137,22 @@ class _StopText:
 
 
 def stream_generate(
-    model: Union[nn.Module, Target],
-    draft: Optional[DFlashDraftModel],
+    model: nn.Module | Target,
+    draft: DFlashDraftModel | None,
     tokenizer,
-    prompt: Union[str, Sequence[int], mx.array],
+    prompt: str | Sequence[int] | mx.array,
     *,
-    block_size: Optional[int] = None,
+    block_size: int | None = None,
     lookup: bool = True,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
-    seed: Optional[int] = None,
-    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    seed: int | None = None,
+    sampler: Callable[[mx.array], mx.array] | None = None,
     stop: Sequence[str] = (),
-    prompt_cache: Optional[SpeculativeCache] = None,
+    prompt_cache: SpeculativeCache | None = None,
     prefill_step_size: int = 2048,
     compile: bool = True,
 ) -> Iterator[GenerationResponse]:
@@ -171,9 +172,17 @@ def stream_generate(
     starts; the tokens of the cycle that hit it stay in `tokens` and in `prompt_cache`. A prompt that
     fills the target's context is an error; the answer stops ("length") where the context ends.
     """
-    settings = GenerationSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                  max_tokens=max_tokens, block_size=block_size, lookup=lookup, seed=seed,
-                                  prefill_step_size=prefill_step_size)
+    settings = GenerationSettings(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        max_tokens=max_tokens,
+        block_size=block_size,
+        lookup=lookup,
+        seed=seed,
+        prefill_step_size=prefill_step_size,
+    )
     if tokenizer is not None and not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if tokenizer is None and isinstance(prompt, str):
@@ -182,12 +191,15 @@ def stream_generate(
     if not prompt_ids and (prompt_cache is None or not prompt_cache.pending):
         raise UserError("the prompt is empty: give at least one token")
     target = prepare(model, draft)
-    if prompt_cache is not None and (prompt_cache.target.model is not target.model
-                                     or prompt_cache.draft is not draft):
+    if prompt_cache is not None and (
+        prompt_cache.target.model is not target.model or prompt_cache.draft is not draft
+    ):
         raise UserError("prompt_cache was made for another model pair")
     if prompt_cache is not None and prompt_cache.broken:
-        raise UserError("this prompt_cache was left half-updated by an interrupted call: make a new "
-                         "SpeculativeCache (the prompt then holds the whole conversation again)")
+        raise UserError(
+            "this prompt_cache was left half-updated by an interrupted call: make a new "
+            "SpeculativeCache (the prompt then holds the whole conversation again)"
+        )
     kept = len(prompt_cache.tokens) if prompt_cache is not None else 0
     max_tokens = min(max_tokens, context_room(target, kept + len(prompt_ids), kept))
     if max_tokens == 0:
@@ -200,8 +212,11 @@ def stream_generate(
     policy = policy_for(target, draft, block_size=block_size, lookup=lookup)
     dflash = DFlashDrafter(draft, block_size or draft.block_size, compile) if draft is not None else None
     sampled = sampler is None and not settings.greedy  # rejection sampling: proposals need their q
-    pick = (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))) \
-        if sampler is not None else settings.sample
+    pick = (
+        (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
+        if sampler is not None
+        else settings.sample
+    )
     cache = prompt_cache or SpeculativeCache(target, draft)
     eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
     detok = tokenizer.detokenizer if tokenizer is not None else _NoText()
@@ -215,8 +230,13 @@ def stream_generate(
     tic = time.perf_counter()
     produced = 0
 
-    def respond(new: list[int], accepted: Optional[int], finish: Optional[str], source: Optional[str] = None,
-                proposed: int = 0) -> GenerationResponse:
+    def respond(
+        new: list[int],
+        accepted: int | None,
+        finish: str | None,
+        source: str | None = None,
+        proposed: int = 0,
+    ) -> GenerationResponse:
         """Turn committed tokens into a response: text (EOS not shown), stop strings, stats."""
         nonlocal produced
         produced += len(new)
@@ -231,17 +251,27 @@ def stream_generate(
         if finish is not None:
             text += "" if hit else stops.flush()
         elapsed = time.perf_counter() - tic
-        return GenerationResponse(text, new, accepted, len(prompt_ids), prompt_tps, produced,
-                                  (produced - 1) / max(elapsed, 1e-9), mx.get_peak_memory() / 1e9, finish,
-                                  source, proposed)
+        return GenerationResponse(
+            text,
+            new,
+            accepted,
+            len(prompt_ids),
+            prompt_tps,
+            produced,
+            (produced - 1) / max(elapsed, 1e-9),
+            mx.get_peak_memory() / 1e9,
+            finish,
+            source,
+            proposed,
+        )
 
-    def finish_reason(new: list[int]) -> tuple[list[int], Optional[str]]:
+    def finish_reason(new: list[int]) -> tuple[list[int], str | None]:
         """Cut new tokens at max_tokens, then after an EOS (an EOS past the limit is never reached)."""
         room = max_tokens - produced
         new = new[:room]
         for i, t in enumerate(new):
             if t in eos:
-                return new[:i + 1], "stop"
+                return new[: i + 1], "stop"
         return new, ("length" if len(new) == room else None)
 
     new, finish = finish_reason([first])
@@ -285,7 +315,18 @@ def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs
     if verbose:
         print()
     if last is None:  # max_tokens=0: nothing generated, the prompt still counted
-        return GenerationResult("", [], "length", len(_encode(tokenizer, prompt)), 0.0, 0, 0.0,
-                                mx.get_peak_memory() / 1e9)
-    return GenerationResult("".join(text), tokens, last.finish_reason, last.prompt_tokens, last.prompt_tps,
-                            last.generation_tokens, last.generation_tps, last.peak_memory, acc, sources)
+        return GenerationResult(
+            "", [], "length", len(_encode(tokenizer, prompt)), 0.0, 0, 0.0, mx.get_peak_memory() / 1e9
+        )
+    return GenerationResult(
+        "".join(text),
+        tokens,
+        last.finish_reason,
+        last.prompt_tokens,
+        last.prompt_tps,
+        last.generation_tokens,
+        last.generation_tps,
+        last.peak_memory,
+        acc,
+        sources,
+    )

@@ -14,13 +14,13 @@
   the weight sum; AdamW, linear warm-up then cosine decay, gradient clipping.
 * `vocab="data"` (not the paper's; EAGLE-3 drafts over a reduced vocabulary too) takes the loss's
   softmax over only the tokens the training answers contain instead of the whole vocabulary: every
-  label is among them, and with a 49k vocabulary of which ~15k occur, a step is ~1.5x faster. The
-  drafter still drafts over the whole vocabulary, and the held-out estimate scores it that way.
+  label is among them, and a large vocabulary is mostly tokens that never occur. The drafter still
+  drafts over the whole vocabulary, and the held-out estimate scores it that way.
 
 * Target features are standardised for `fc` (not in the paper; a reparameterisation, so the drafter
-  is unchanged): a target's tapped layers differ in scale by orders of magnitude (SmolLM2: median
-  RMS 1.2 at layer 1, 15 at layer 27, single dimensions near 470), and with Adam a weight's effect on
-  the output grows with its input's scale, so the large dimensions drown the small ones' learning.
+  is unchanged): a target's tapped layers and dimensions differ in scale by orders of magnitude, and
+  with Adam a weight's effect on the output grows with its input's scale, so the large dimensions
+  drown the small ones' learning.
   Training keeps fc as W' = W * s over features / s (s: each dimension's RMS); checkpoints hold W.
 
 Checkpoints (weights, optimizer state, step) are written atomically every `checkpoint_every` steps
@@ -36,9 +36,9 @@ import json
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -60,16 +60,16 @@ GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay per block size
 class TrainConfig:
     block_size: int = 16
     num_layers: int = 2
-    intermediate_size: Optional[int] = None  # the drafter's MLP width; default: the target's
-    target_layer_ids: Optional[list[int]] = None  # default: the paper's spread over the target
-    mask_token_id: Optional[int] = None  # default: the tokenizer's mask token, else an unused special
+    intermediate_size: int | None = None  # the drafter's MLP width; default: the target's
+    target_layer_ids: list[int] | None = None  # default: the paper's spread over the target
+    mask_token_id: int | None = None  # default: the tokenizer's mask token, else an unused special
     anchors: int = 64  # blocks per sequence and step (more amortise each step's fixed cost)
     steps: int = 2000
     lr: float = 6e-4
     warmup: int = 100
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    gamma: Optional[float] = None
+    gamma: float | None = None
     seed: int = 0
     checkpoint_every: int = 100
     eval_every: int = 0  # 0: only at the end
@@ -101,15 +101,22 @@ def drafter_config(target: Target, tokenizer, cfg: TrainConfig) -> DFlashConfig:
     a = target.args
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tokenizer)
     return DFlashConfig(
-        hidden_size=a.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=a.num_attention_heads,
+        hidden_size=a.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=a.num_attention_heads,
         num_key_value_heads=getattr(a, "num_key_value_heads", None) or a.num_attention_heads,
         head_dim=getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads,
-        intermediate_size=cfg.intermediate_size or a.intermediate_size, vocab_size=a.vocab_size,
+        intermediate_size=cfg.intermediate_size or a.intermediate_size,
+        vocab_size=a.vocab_size,
         target_layer_ids=cfg.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.num_layers),
-        mask_token_id=mask, block_size=cfg.block_size, num_target_layers=target.num_layers,
-        rms_norm_eps=a.rms_norm_eps, rope_theta=float(getattr(a, "rope_theta", 10000.0)),
+        mask_token_id=mask,
+        block_size=cfg.block_size,
+        num_target_layers=target.num_layers,
+        rms_norm_eps=a.rms_norm_eps,
+        rope_theta=float(getattr(a, "rope_theta", 10000.0)),
         rope_scaling=getattr(a, "rope_scaling", None),
-        max_position_embeddings=getattr(a, "max_position_embeddings", None) or 32768)
+        max_position_embeddings=getattr(a, "max_position_embeddings", None) or 32768,
+    )
 
 
 def pick_mask_token(tokenizer) -> int:
@@ -125,8 +132,14 @@ def pick_mask_token(tokenizer) -> int:
     return max(specials)
 
 
-def block_logits(draft: DFlashDraftModel, target: Target, features: mx.array, tokens: mx.array,
-                 anchors: mx.array, head: Optional[mx.array] = None) -> mx.array:
+def block_logits(
+    draft: DFlashDraftModel,
+    target: Target,
+    features: mx.array,
+    tokens: mx.array,
+    anchors: mx.array,
+    head: mx.array | None = None,
+) -> mx.array:
     """Drafter logits (N, B-1, vocab) for blocks anchored at `anchors` of one sequence.
 
     The same `denoise` as inference, with one block per batch row and ctx_len = its anchor. `head`:
@@ -167,9 +180,9 @@ def _softmax_parts(x: np.ndarray):
 
 @mx.custom_function
 def _cpu_cross_entropy(logits, labels):
-    """Per-row cross-entropy computed in NumPy (hand-written: on MLX's CPU backend `mx.exp` is
-    scalar code, and the vocabulary-wide softmax took ~45% of a training step; NumPy's vectorised
-    exp makes the loss and its gradient ~4x cheaper). Same values as nn.losses.cross_entropy."""
+    """Per-row cross-entropy computed in NumPy (hand-written: on MLX's CPU backend `mx.exp` is scalar
+    code, NumPy's is vectorised, and the vocabulary-wide softmax is a large part of a training step).
+    Same values as nn.losses.cross_entropy."""
     x = np.array(logits, copy=False)
     _, s, m = _softmax_parts(x)
     lse = np.log(s[:, 0]) + m[:, 0]
@@ -211,9 +224,9 @@ def acceptance_from_blocks(logits, labels, valid) -> tuple[float, np.ndarray]:
 
 class FeatureCache:
     """Target hidden features per sequence, computed once and kept as float16 in RAM while they fit in
-    `max_bytes` (a whole data set's can outgrow RAM: ~3.5 KB a token for SmolLM2's 3 taps); past
-    that, a sequence's features are recomputed each time it comes round. Features past float16's
-    range (the massive activations of some targets), or a bfloat16 target's, are kept as bfloat16."""
+    `max_bytes` (a whole data set's can outgrow RAM); past that, a sequence's features are recomputed
+    each time it comes round. Features past float16's range (the massive activations of some targets),
+    or a bfloat16 target's, are kept as bfloat16."""
 
     def __init__(self, target: Target, max_bytes: float = float("inf")):
         self.target, self.max_bytes, self.store, self.nbytes = target, max_bytes, {}, 0
@@ -298,7 +311,7 @@ def evaluate_blocks(draft, target, features_of, seqs, indices, cfg: TrainConfig,
     taus, accs = [], []
     for i in indices:
         ids, plen = seqs[i]
-        tokens = mx.array(ids[:cfg.max_seq_len])
+        tokens = mx.array(ids[: cfg.max_seq_len])
         anchors = sample_anchors(rng, plen, tokens.shape[0], cfg.anchors)
         if len(anchors) == 0:
             continue
@@ -314,8 +327,9 @@ def evaluate_blocks(draft, target, features_of, seqs, indices, cfg: TrainConfig,
 RUN_CONTROL = ("steps", "checkpoint_every", "eval_every")  # all a resumed run takes from the new command
 
 
-def saved_run(out: str | Path) -> Optional[dict]:
-    """A run folder's last checkpoint: its step, train_config and the drafter's config; None if it has none."""
+def saved_run(out: str | Path) -> dict | None:
+    """A run folder's last checkpoint: its step, train_config and the drafter's config (None: it has
+    none)."""
     ckpt = Path(out).expanduser() / "checkpoint"
     old = ckpt.with_name(".checkpoint.old")
     if not ckpt.exists() and (old / "state.json").exists():
@@ -340,17 +354,26 @@ def check_same_data(run: dict, now: dict) -> None:
     on (runs that did not record their data are not checked)."""
     saved = run.get("data")
     if saved is not None and now != saved:
-        how = (f"{saved['sequences']} usable sequences, these have {now['sequences']}"
-               if now["sequences"] != saved["sequences"] else "the same number of sequences, not the same ones")
-        raise UserError(f"the run trained on other data ({how}): resume it with the same --data folders in "
-                         "the same order, or export it and start a new run from it with --init")
+        how = (
+            f"{saved['sequences']} usable sequences, these have {now['sequences']}"
+            if now["sequences"] != saved["sequences"]
+            else "the same number of sequences, not the same ones"
+        )
+        raise UserError(
+            f"the run trained on other data ({how}): resume it with the same --data folders in "
+            "the same order, or export it and start a new run from it with --init"
+        )
 
 
 def target_fingerprint(target: Target) -> dict:
     """What identifies the frozen target a run trains against: its shape and a checksum of its embedding."""
     rows = target.embed(mx.arange(min(target.vocab_size, 1024))).astype(mx.float32)
-    return {"family": target.family, "layers": target.num_layers, "vocab": target.vocab_size,
-            "embedding": float(mx.abs(rows).sum())}
+    return {
+        "family": target.family,
+        "layers": target.num_layers,
+        "vocab": target.vocab_size,
+        "embedding": float(mx.abs(rows).sum()),
+    }
 
 
 def check_same_target(run: dict, now: dict) -> None:
@@ -361,12 +384,16 @@ def check_same_target(run: dict, now: dict) -> None:
         return
     same_shape = all(saved[k] == now[k] for k in ("family", "layers", "vocab"))
     if not (same_shape and math.isclose(saved["embedding"], now["embedding"], rel_tol=1e-4)):
+
         def shape(t):
             return f"{t['family']}, {t['layers']} layers, vocabulary {t['vocab']}"
 
-        raise UserError("the run trained against another target (" + (
-            "other weights of the same shape" if same_shape else f"{shape(saved)}; this one: {shape(now)}") +
-            "): resume it with the -m it was trained with, or export it and start a new run from it with --init")
+        raise UserError(
+            "the run trained against another target ("
+            + ("other weights of the same shape" if same_shape else f"{shape(saved)}; this one: {shape(now)}")
+            + "): resume it with the -m it was trained with, or export it and start a new run from it with "
+            "--init"
+        )
 
 
 def usable_sequences(seqs: list[tuple[list[int], int]], cfg: TrainConfig) -> list[tuple[list[int], int]]:
@@ -374,19 +401,28 @@ def usable_sequences(seqs: list[tuple[list[int], int]], cfg: TrainConfig) -> lis
     has an anchor), or a clear error before any work."""
     seqs = [s for s in seqs if min(len(s[0]), cfg.max_seq_len) - max(s[1], 1) >= 2]
     if len(seqs) <= cfg.holdout:
-        raise UserError(f"the dataset has {len(seqs)} usable sequences (2+ response tokens within the first "
-                         f"{cfg.max_seq_len}); need more than the {cfg.holdout} held out")
+        raise UserError(
+            f"the dataset has {len(seqs)} usable sequences (2+ response tokens within the first "
+            f"{cfg.max_seq_len}); need more than the {cfg.holdout} held out"
+        )
     check_block_size(cfg.block_size, least=2)
     if cfg.vocab not in ("full", "data"):
         raise UserError(f"vocab must be 'full' or 'data', got {cfg.vocab!r}")
     return seqs
 
 
-def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str | Path, cfg: TrainConfig,
-          draft: Optional[DFlashDraftModel] = None,
-          on_step: Optional[Callable[[dict], None]] = None,
-          evaluate: Optional[Callable[[DFlashDraftModel], dict]] = None,
-          feature_cache_gb: float = 4.0, stop: Optional[Callable[[], bool]] = None) -> DFlashDraftModel:
+def train(
+    target: Target,
+    tokenizer,
+    seqs: list[tuple[list[int], int]],
+    out: str | Path,
+    cfg: TrainConfig,
+    draft: DFlashDraftModel | None = None,
+    on_step: Callable[[dict], None] | None = None,
+    evaluate: Callable[[DFlashDraftModel], dict] | None = None,
+    feature_cache_gb: float = 4.0,
+    stop: Callable[[], bool] | None = None,
+) -> DFlashDraftModel:
     """Train (or resume training) a drafter into `out`; returns the trained drafter.
 
     `on_step(record)` sees every step's loss/lr/tokens-per-second; `evaluate(draft)` (e.g. a real
@@ -401,7 +437,9 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         shutil.rmtree(stale, ignore_errors=True)
     run = saved_run(out)
     if run is not None:  # resume: the run's recipe and weights
-        cfg = TrainConfig(**{**asdict(cfg), **run["train_config"], **{k: getattr(cfg, k) for k in RUN_CONTROL}})
+        cfg = TrainConfig(
+            **{**asdict(cfg), **run["train_config"], **{k: getattr(cfg, k) for k in RUN_CONTROL}}
+        )
         draft = DFlashDraftModel(run["config"])
         draft.load_weights(str(ckpt / "model.safetensors"))
         start = run["step"]
@@ -415,18 +453,25 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
             mx.random.seed(cfg.seed)
             draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
         elif cfg.block_size != draft.config.block_size:  # a starting drafter brings its own architecture
-            raise UserError(f"block size {cfg.block_size} does not match the starting drafter's "
-                             f"{draft.config.block_size}: train it at its own block size")
+            raise UserError(
+                f"block size {cfg.block_size} does not match the starting drafter's "
+                f"{draft.config.block_size}: train it at its own block size"
+            )
         c = draft.config  # the run records the architecture it got, defaults resolved
-        cfg = replace(cfg, num_layers=c.num_hidden_layers, intermediate_size=c.intermediate_size,
-                      target_layer_ids=list(c.target_layer_ids), mask_token_id=c.mask_token_id)
+        cfg = replace(
+            cfg,
+            num_layers=c.num_hidden_layers,
+            intermediate_size=c.intermediate_size,
+            target_layer_ids=list(c.target_layer_ids),
+            mask_token_id=c.mask_token_id,
+        )
     target = Target(target.model, draft.config.target_layer_ids)
     check_pair(target, draft)
     features_of = FeatureCache(target, feature_cache_gb * 2**30)
     train_idx = np.arange(cfg.holdout, len(seqs))
     if run is None:  # the scale of the features the run starts on (they are kept for its first steps anyway)
         first = [sequence_for_step(cfg.seed, k, train_idx) for k in range(min(16, len(train_idx)))]
-        scale = feature_scale([features_of(i, mx.array(seqs[i][0][:cfg.max_seq_len])) for i in first])
+        scale = feature_scale([features_of(i, mx.array(seqs[i][0][: cfg.max_seq_len])) for i in first])
     else:  # the run's own (runs from before standardisation have none and go on without it)
         saved = ckpt / "feature_scale.safetensors"
         scale = mx.load(str(saved))["scale"] if saved.exists() else None
@@ -443,7 +488,9 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     gamma = cfg.loss_gamma()
     head, to_subset = None, None
     if cfg.vocab == "data":
-        used = np.unique(np.concatenate([np.asarray(seqs[i][0][seqs[i][1]:cfg.max_seq_len]) for i in train_idx]))
+        used = np.unique(
+            np.concatenate([np.asarray(seqs[i][0][seqs[i][1] : cfg.max_seq_len]) for i in train_idx])
+        )
         head = target.head_rows(mx.array(used))
         if head is not None:  # else (a head with a bias) the full vocabulary
             lookup = np.zeros(target.vocab_size, np.int32)
@@ -463,16 +510,22 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
         rng = np.random.default_rng([cfg.seed, step])
         i = sequence_for_step(cfg.seed, step, train_idx)
         ids, plen = seqs[i]
-        tokens = mx.array(ids[:cfg.max_seq_len])
+        tokens = mx.array(ids[: cfg.max_seq_len])
         anchors = sample_anchors(rng, plen, tokens.shape[0], cfg.anchors)  # never empty: usable_sequences
         features = features_of(i, tokens)
         loss, grads = loss_and_grad(draft, features, tokens, mx.array(anchors))
         grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(draft, grads)
         mx.eval(loss, draft.parameters(), opt.state)
-        record = {"step": step + 1, "sequence": i, "loss": loss.item(), "grad_norm": norm.item(),
-                  "lr": float(opt.learning_rate), "block_tokens": len(anchors) * cfg.block_size,
-                  "seconds": time.perf_counter() - tic}
+        record = {
+            "step": step + 1,
+            "sequence": i,
+            "loss": loss.item(),
+            "grad_norm": norm.item(),
+            "lr": float(opt.learning_rate),
+            "block_tokens": len(anchors) * cfg.block_size,
+            "seconds": time.perf_counter() - tic,
+        }
         history.append({k: record[k] for k in ("step", "loss")})
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             tau, acc = evaluate_blocks(draft, target, features_of, seqs, range(cfg.holdout), cfg)
@@ -487,8 +540,9 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
             on_step(record)
         stopping = stop is not None and stop()
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps or stopping:
-            save_checkpoint(ckpt, draft, opt, step + 1, TrainConfig(**{**asdict(cfg), "history": history}), data,
-                            frozen)
+            save_checkpoint(
+                ckpt, draft, opt, step + 1, TrainConfig(**{**asdict(cfg), "history": history}), data, frozen
+            )
         if stopping:
             break
     if isinstance(draft.fc, StandardisedFC):  # the caller gets the drafter as saved: fc a plain Linear
@@ -497,14 +551,18 @@ def train(target: Target, tokenizer, seqs: list[tuple[list[int], int]], out: str
     return draft
 
 
-def save_checkpoint(folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: TrainConfig, data: dict,
-                    target: dict) -> None:
+def save_checkpoint(
+    folder: Path, draft: DFlashDraftModel, opt, step: int, cfg: TrainConfig, data: dict, target: dict
+) -> None:
     with atomic_folder(folder, force=True) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), plain_parameters(draft))
         if isinstance(draft.fc, StandardisedFC):
             mx.save_safetensors(str(tmp / "feature_scale.safetensors"), {"scale": draft.fc.scale})
         (tmp / "config.json").write_text(json.dumps(draft.config.to_dict(), indent=2))
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"),
-                            {k: v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)})
-        (tmp / "state.json").write_text(json.dumps({"step": step, "train_config": asdict(cfg), "data": data,
-                                                    "target": target}))
+        mx.save_safetensors(
+            str(tmp / "optimizer.safetensors"),
+            {k: v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)},
+        )
+        (tmp / "state.json").write_text(
+            json.dumps({"step": step, "train_config": asdict(cfg), "data": data, "target": target})
+        )

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -36,8 +36,13 @@ from .speculative import generate
 from .train import TrainConfig, check_same_data, data_fingerprint, saved_run, train, usable_sequences
 
 # TrainConfig fields of the drafter's architecture -> its DFlashConfig's names
-ARCHITECTURE = {"block_size": "block_size", "num_layers": "num_hidden_layers", "intermediate_size": "intermediate_size",
-                "target_layer_ids": "target_layer_ids", "mask_token_id": "mask_token_id"}
+ARCHITECTURE = {
+    "block_size": "block_size",
+    "num_layers": "num_hidden_layers",
+    "intermediate_size": "intermediate_size",
+    "target_layer_ids": "target_layer_ids",
+    "mask_token_id": "mask_token_id",
+}
 HELD_OUT_TOKENS = 96  # per held-out prompt, for the real acceptance length at each evaluation
 
 
@@ -57,10 +62,15 @@ def resume_notes(run: dict, given: dict) -> list[str]:
     for key, mine in given.items():
         if mine is None:
             continue
-        theirs = getattr(run["config"], ARCHITECTURE[key]) if key in ARCHITECTURE else run["train_config"].get(key)
+        theirs = (
+            getattr(run["config"], ARCHITECTURE[key]) if key in ARCHITECTURE else run["train_config"].get(key)
+        )
         if mine != theirs:
-            why = ("a run's architecture is fixed" if key in ARCHITECTURE else
-                   "to change it, export the run and start a new one from it with --init")
+            why = (
+                "a run's architecture is fixed"
+                if key in ARCHITECTURE
+                else "to change it, export the run and start a new one from it with --init"
+            )
             notes.append(f"{flag(key)} {mine} is not used: the run keeps its {theirs} ({why})")
     return notes
 
@@ -82,21 +92,28 @@ def trim_log(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
-def check_export_folder(dest: str | Path, run: Optional[str | Path] = None) -> None:
+def check_export_folder(dest: str | Path, run: str | Path | None = None) -> None:
     """An export may replace an older exported drafter (config.json and weights only), never a folder
     holding anything else, nor the run folder it comes from."""
     dest = Path(dest).expanduser().resolve()
     if run is not None:
         run = Path(run).expanduser().resolve()
         if dest == run or run in dest.parents or dest in run.parents:
-            raise UserError(f"--export {dest} would overwrite the run folder {run}: export to a folder outside it")
+            raise UserError(
+                f"--export {dest} would overwrite the run folder {run}: export to a folder outside it"
+            )
     if not dest.exists():
         return
     names = [p.name for p in dest.iterdir()] if dest.is_dir() else None
-    only_a_drafter = names is not None and all(n == "config.json" or (n.startswith("model") and n.endswith(
-        ".safetensors")) for n in names) and (not names or is_drafter(dest))
+    only_a_drafter = (
+        names is not None
+        and all(n == "config.json" or (n.startswith("model") and n.endswith(".safetensors")) for n in names)
+        and (not names or is_drafter(dest))
+    )
     if not only_a_drafter:
-        raise AlreadyExists(f"{dest} exists and holds more than an exported drafter: give --export a new folder")
+        raise AlreadyExists(
+            f"{dest} exists and holds more than an exported drafter: give --export a new folder"
+        )
 
 
 def export(checkpoint: str | Path, dest: str | Path) -> Path:
@@ -105,8 +122,15 @@ def export(checkpoint: str | Path, dest: str | Path) -> Path:
     return export_draft(str(checkpoint), Path(dest).expanduser(), force=True)
 
 
-def tau_on_prompts(target: Target, draft, tokenizer, prompts, settings: Optional[GenerationSettings] = None,
-                   template_kwargs: Optional[dict] = None, progress: Optional[Callable[[int], None]] = None) -> dict:
+def tau_on_prompts(
+    target: Target,
+    draft,
+    tokenizer,
+    prompts,
+    settings: GenerationSettings | None = None,
+    template_kwargs: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict:
     """Real acceptance length: stream_generate over chat prompts (default settings: greedy, 128 tokens; a
     sampled answer k is seeded with the settings' seed + k); also tokens generated. `progress(k)` is called
     after each of them (k done). τ is the drafter's own: a fixed block, its block size unless the settings
@@ -117,14 +141,23 @@ def tau_on_prompts(target: Target, draft, tokenizer, prompts, settings: Optional
     acc, n = [], 0
     for k, messages in enumerate(prompts):
         seed = (settings.seed or 0) + k if settings.temperature else None
-        r = generate(target, draft, tokenizer, apply_chat_template(tokenizer, messages, **(template_kwargs or {})),
-                     **asdict(replace(settings, seed=seed)))
+        r = generate(
+            target,
+            draft,
+            tokenizer,
+            apply_chat_template(tokenizer, messages, **(template_kwargs or {})),
+            **asdict(replace(settings, seed=seed)),
+        )
         acc += r.acceptance_lengths
         n += len(r.tokens)
         if progress is not None:
             progress(k + 1)
-    return {"tau": sum(acc) / max(len(acc), 1), "cycles": len(acc), "tokens": n,
-            "histogram": {int(k): int(v) for k, v in zip(*np.unique(acc, return_counts=True))}}
+    return {
+        "tau": sum(acc) / max(len(acc), 1),
+        "cycles": len(acc),
+        "tokens": n,
+        "histogram": {int(k): int(v) for k, v in zip(*np.unique(acc, return_counts=True))},
+    }
 
 
 @dataclass
@@ -133,10 +166,10 @@ class RunEnd:
 
     step: int  # the last step done
     steps: int  # the run's length
-    stopped_by: Optional[int] = None  # the signal that asked it to stop, if one did
+    stopped_by: int | None = None  # the signal that asked it to stop, if one did
     interrupted: bool = False  # stopped at once, not after a step: only the last checkpoint is kept
-    checkpoint: Optional[int] = None  # interrupted: the step of that checkpoint (None: there is none)
-    exported: Optional[Path] = None
+    checkpoint: int | None = None  # interrupted: the step of that checkpoint (None: there is none)
+    exported: Path | None = None
 
 
 @dataclass
@@ -149,9 +182,9 @@ class PreparedRun:
     tokenizer: object
     seqs: list
     held_out: list  # chat prompts for the real acceptance length
-    init: Optional[DFlashDraftModel]  # a new run's starting drafter
+    init: DFlashDraftModel | None  # a new run's starting drafter
     feature_cache_gb: float
-    export_to: Optional[str]
+    export_to: str | None
 
     @property
     def done(self) -> bool:
@@ -159,9 +192,16 @@ class PreparedRun:
 
     def evaluate(self, draft: DFlashDraftModel) -> dict:
         target = Target(self.target, draft.config.target_layer_ids)
-        return {"tau": tau_on_prompts(target, draft, self.tokenizer, self.held_out,
-                                      GenerationSettings(max_tokens=HELD_OUT_TOKENS),
-                                      template_kwargs(self.model))["tau"]}
+        return {
+            "tau": tau_on_prompts(
+                target,
+                draft,
+                self.tokenizer,
+                self.held_out,
+                GenerationSettings(max_tokens=HELD_OUT_TOKENS),
+                template_kwargs(self.model),
+            )["tau"]
+        }
 
     def train(self, on_step: Callable[[dict], None], note: Callable[[str], None]) -> RunEnd:
         """Train to the run's last step, or until a signal stops it; export the drafter if asked and done.
@@ -169,7 +209,7 @@ class PreparedRun:
         self.out.mkdir(parents=True, exist_ok=True)
         log = self.out / "log.jsonl"
         trim_log(log, self.step)
-        asked: Optional[int] = None  # the signal that asked for a stop
+        asked: int | None = None  # the signal that asked for a stop
         reached = self.step
 
         def on_signal(signum, frame):
@@ -190,12 +230,23 @@ class PreparedRun:
         try:
             with open(log, "a") as f:
                 handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-                train(Target(self.target), self.tokenizer, self.seqs, self.out, self.cfg, draft=self.init,
-                      on_step=step_done, evaluate=self.evaluate if self.held_out else None,
-                      feature_cache_gb=self.feature_cache_gb, stop=lambda: asked is not None)
+                train(
+                    Target(self.target),
+                    self.tokenizer,
+                    self.seqs,
+                    self.out,
+                    self.cfg,
+                    draft=self.init,
+                    on_step=step_done,
+                    evaluate=self.evaluate if self.held_out else None,
+                    feature_cache_gb=self.feature_cache_gb,
+                    stop=lambda: asked is not None,
+                )
         except KeyboardInterrupt:
             kept = saved_run(self.out)
-            return RunEnd(reached, self.cfg.steps, asked, interrupted=True, checkpoint=kept["step"] if kept else None)
+            return RunEnd(
+                reached, self.cfg.steps, asked, interrupted=True, checkpoint=kept["step"] if kept else None
+            )
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -205,10 +256,21 @@ class PreparedRun:
         return RunEnd(reached, self.cfg.steps, asked, exported=exported)
 
 
-def prepare_run(data: list[str], out: str | Path, model: str, recipe: dict, *, steps: Optional[int] = None,
-                checkpoint_every: Optional[int] = None, eval_every: Optional[int] = None, init: Optional[str] = None,
-                eval_prompts: int = 8, feature_cache_gb: float = 4.0, export_to: Optional[str] = None,
-                note: Callable[[str], None] = _stderr) -> PreparedRun:
+def prepare_run(
+    data: list[str],
+    out: str | Path,
+    model: str,
+    recipe: dict,
+    *,
+    steps: int | None = None,
+    checkpoint_every: int | None = None,
+    eval_every: int | None = None,
+    init: str | None = None,
+    eval_prompts: int = 8,
+    feature_cache_gb: float = 4.0,
+    export_to: str | None = None,
+    note: Callable[[str], None] = _stderr,
+) -> PreparedRun:
     """Read the data folders, resume or begin the run in `out`, and load the target `model`; refuse what
     cannot work before a run folder is written or the target is loaded, where that can be known.
 
@@ -235,8 +297,10 @@ def prepare_run(data: list[str], out: str | Path, model: str, recipe: dict, *, s
     control = {"steps": steps, "checkpoint_every": checkpoint_every, "eval_every": eval_every}
     start = None
     if run is not None:  # resume: the run's recipe, the new command's control options where given
-        control = {k: v if v is not None else run["train_config"].get(k, getattr(TrainConfig, k))
-                   for k, v in control.items()}
+        control = {
+            k: v if v is not None else run["train_config"].get(k, getattr(TrainConfig, k))
+            for k, v in control.items()
+        }
         notes = [f"resuming {out} at step {run['step']} of {control['steps']}"] + resume_notes(run, recipe)
         if init:
             notes.append("--init is not used: the run goes on from its own checkpoint")
@@ -249,20 +313,25 @@ def prepare_run(data: list[str], out: str | Path, model: str, recipe: dict, *, s
     elif init:
         given = [k for k in ARCHITECTURE if k != "block_size" and recipe.get(k) is not None]
         if given:
-            raise UserError(f"{', '.join(map(flag, given))}: the drafter's architecture comes from --init; drop "
-                            "the option or start a new drafter")
+            raise UserError(
+                f"{', '.join(map(flag, given))}: the drafter's architecture comes from --init; drop "
+                "the option or start a new drafter"
+            )
         start = load_draft(init, dtype=mx.float32)
         if any(k.endswith(".scales") for k, _ in tree_flatten(start.parameters())):
-            raise UserError(f"{init} is quantized, so almost none of it could train: start from the unquantized "
-                            "drafter")
+            raise UserError(
+                f"{init} is quantized, so almost none of it could train: start from the unquantized drafter"
+            )
         if recipe.get("block_size") is None:
             recipe = {**recipe, "block_size": start.block_size}
     cfg = TrainConfig(**{k: v for k, v in {**recipe, **control}.items() if v is not None})
     if run is None:
         usable_sequences(seqs, cfg)  # refused before a run folder or a progress bar appears
         if cfg.warmup >= cfg.steps:
-            note(f"note: the warm-up ({cfg.warmup} steps) is not shorter than the run ({cfg.steps}), so the "
-                 "learning rate never reaches its peak; a shorter --warmup fixes that")
+            note(
+                f"note: the warm-up ({cfg.warmup} steps) is not shorter than the run ({cfg.steps}), so the "
+                "learning rate never reaches its peak; a shorter --warmup fixes that"
+            )
     try:
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
     except UserError as e:  # the package is an extra
@@ -270,10 +339,26 @@ def prepare_run(data: list[str], out: str | Path, model: str, recipe: dict, *, s
     target, tokenizer = load(model)
     check_data_tokenizer(folders, tokenizer, Target(target).vocab_size, model)
     context = context_length(target)
-    fits = [m for m in held_out if context is None
-            or len(apply_chat_template(tokenizer, m, **template_kwargs(model))) < context]
+    fits = [
+        m
+        for m in held_out
+        if context is None or len(apply_chat_template(tokenizer, m, **template_kwargs(model))) < context
+    ]
     if len(fits) < len(held_out):
-        note(f"note: {len(held_out) - len(fits)} of the {len(held_out)} held-out prompts do not fit the target's "
-             f"context of {context} tokens; the tau check leaves them out")
-    return PreparedRun(out, cfg, run["step"] if run else 0, model, target, tokenizer, seqs, fits, start,
-                       feature_cache_gb, export_to)
+        note(
+            f"note: {len(held_out) - len(fits)} of the {len(held_out)} held-out prompts do not fit the "
+            f"target's context of {context} tokens; the tau check leaves them out"
+        )
+    return PreparedRun(
+        out,
+        cfg,
+        run["step"] if run else 0,
+        model,
+        target,
+        tokenizer,
+        seqs,
+        fits,
+        start,
+        feature_cache_gb,
+        export_to,
+    )

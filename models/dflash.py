@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,8 +42,11 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 def is_drafter_config(cfg: dict) -> bool:
     """Whether a config.json describes a DFlash drafter (z-lab's layout, or its keys at the top level)."""
-    return ("dflash_config" in cfg or "DFlashDraftModel" in cfg.get("architectures", [])
-            or ("mask_token_id" in cfg and "target_layer_ids" in cfg))
+    return (
+        "dflash_config" in cfg
+        or "DFlashDraftModel" in cfg.get("architectures", [])
+        or ("mask_token_id" in cfg and "target_layer_ids" in cfg)
+    )
 
 
 @dataclass
@@ -58,14 +60,14 @@ class DFlashConfig:
     target_layer_ids: list[int]
     mask_token_id: int
     block_size: int = 16
-    num_target_layers: Optional[int] = None
-    head_dim: Optional[int] = None
+    num_target_layers: int | None = None
+    head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
-    rope_scaling: Optional[dict] = None
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 40960
-    layer_types: Optional[list[str]] = None
-    sliding_window: Optional[int] = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     attention_bias: bool = False
     extra: dict = field(default_factory=dict, repr=False)  # other config.json keys, kept for export
 
@@ -87,11 +89,20 @@ class DFlashConfig:
             raise UserError(f"drafter config: block_size must be >= 1, got {self.block_size}")
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "DFlashConfig":
+    def from_dict(cls, cfg: dict) -> DFlashConfig:
         """Read a z-lab `config.json` (the dflash keys live in `dflash_config`)."""
         dflash = cfg.get("dflash_config") or {}
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "intermediate_size", "vocab_size") if k not in cfg]
+        missing = [
+            k
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "intermediate_size",
+                "vocab_size",
+            )
+            if k not in cfg
+        ]
         if "mask_token_id" not in dflash and "mask_token_id" not in cfg:
             missing.append("dflash_config.mask_token_id")
         if missing:
@@ -115,19 +126,29 @@ class DFlashConfig:
             layer_ids = default_target_layer_ids(cfg["num_target_layers"], cfg["num_hidden_layers"])
         kwargs["block_size"] = int(dflash.get("block_size", cfg.get("block_size", 16)))
         extra = {k: v for k, v in cfg.items() if k not in known and k != "dflash_config"}
-        return cls(target_layer_ids=list(layer_ids),
-                   mask_token_id=int(dflash.get("mask_token_id", cfg.get("mask_token_id"))),
-                   extra=extra, **kwargs)
+        return cls(
+            target_layer_ids=list(layer_ids),
+            mask_token_id=int(dflash.get("mask_token_id", cfg.get("mask_token_id"))),
+            extra=extra,
+            **kwargs,
+        )
 
     def to_dict(self) -> dict:
         """The z-lab `config.json` layout, which vLLM, SGLang and transformers read."""
-        out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
-               "tie_word_embeddings": False, **self.extra}
+        out = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            **self.extra,
+        }
         for f in dataclasses.fields(self):
             if f.name not in ("extra", "target_layer_ids", "mask_token_id"):
                 out[f.name] = getattr(self, f.name)
-        out["dflash_config"] = {"target_layer_ids": list(self.target_layer_ids),
-                                "mask_token_id": self.mask_token_id}
+        out["dflash_config"] = {
+            "target_layer_ids": list(self.target_layer_ids),
+            "mask_token_id": self.mask_token_id,
+        }
         return out
 
 
@@ -145,8 +166,9 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
-        self.rope = initialize_rope(cfg.head_dim, cfg.rope_theta, False, cfg.rope_scaling,
-                                    cfg.max_position_embeddings)
+        self.rope = initialize_rope(
+            cfg.head_dim, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings
+        )
 
     def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
         """Keys (k_norm, RoPE from `offset`) and values of x: context features or block states."""
@@ -179,7 +201,7 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def block_mask(ctx_len, capacity: int, block: int, window: Optional[int]) -> mx.array:
+def block_mask(ctx_len, capacity: int, block: int, window: int | None) -> mx.array:
     """Which of `[context (capacity rows) ; block]` keys each block query may attend to.
 
     A block starting at position `ctx_len` sees the context rows before it (rows from `ctx_len` on
@@ -190,12 +212,19 @@ def block_mask(ctx_len, capacity: int, block: int, window: Optional[int]) -> mx.
     """
     ctx_len = mx.array(ctx_len).reshape(-1, 1, 1, 1)
     ctx_pos = mx.arange(capacity)
-    visible = mx.concatenate([mx.broadcast_to(ctx_pos < ctx_len, (ctx_len.shape[0], 1, 1, capacity)),
-                              mx.ones((ctx_len.shape[0], 1, 1, block), dtype=mx.bool_)], axis=-1)
+    visible = mx.concatenate(
+        [
+            mx.broadcast_to(ctx_pos < ctx_len, (ctx_len.shape[0], 1, 1, capacity)),
+            mx.ones((ctx_len.shape[0], 1, 1, block), dtype=mx.bool_),
+        ],
+        axis=-1,
+    )
     if window is not None:
         q_pos = ctx_len + mx.arange(block)[:, None]
-        k_pos = mx.concatenate([mx.broadcast_to(ctx_pos, (ctx_len.shape[0], 1, 1, capacity)),
-                                ctx_len + mx.arange(block)], axis=-1)
+        k_pos = mx.concatenate(
+            [mx.broadcast_to(ctx_pos, (ctx_len.shape[0], 1, 1, capacity)), ctx_len + mx.arange(block)],
+            axis=-1,
+        )
         visible = visible & (q_pos - k_pos < window)
     return visible
 
@@ -247,7 +276,9 @@ class DFlashDraftModel(nn.Module):
         """
         L = block_embeddings.shape[1]
         capacity = ctx_keys[0].shape[2]
-        masks = {w: block_mask(ctx_len, capacity, L, w) for w in {l.self_attn.window for l in self.layers}}
+        masks = {
+            w: block_mask(ctx_len, capacity, L, w) for w in {layer.self_attn.window for layer in self.layers}
+        }
         h = block_embeddings
         for layer, k, v in zip(self.layers, ctx_keys, ctx_values):
             h = layer(h, k, v, masks[layer.self_attn.window], ctx_len)
@@ -264,7 +295,7 @@ class DFlashDraftModel(nn.Module):
 
         def step(block_tokens, ctx_keys, ctx_values, ctx_len, heads):
             h = self.denoise(embed(block_tokens).astype(self.dtype), ctx_keys, ctx_values, ctx_len)
-            return lm_head(h[:, 1:1 + heads])  # the output head only where proposals will be read
+            return lm_head(h[:, 1 : 1 + heads])  # the output head only where proposals will be read
 
         def compiled(heads: int):
             def traced_step(*args):
@@ -289,8 +320,14 @@ class DFlashDraftModel(nn.Module):
         """The mlx-lm model whose embedding and lm_head the draft step uses, or None."""
         return self._bound_to
 
-    def propose_logits(self, last_token: int, cache: list[KVCache], block_size: int, compiled: bool = True,
-                       heads: Optional[int] = None):
+    def propose_logits(
+        self,
+        last_token: int,
+        cache: list[KVCache],
+        block_size: int,
+        compiled: bool = True,
+        heads: int | None = None,
+    ):
         """Logits (1, heads, vocab) of the first `heads` proposals (default all block_size - 1) for the
         block [last_token, MASK, ...] after the cache."""
         if self._compiled_step is None:

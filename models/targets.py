@@ -15,7 +15,7 @@ that prefix would have left.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -76,7 +76,9 @@ class Target:
                     f"target_layer_ids contains {i}, but the target has {self.num_layers} layers "
                     f"(valid ids: 0..{self.num_layers - 1})"
                 )
-        self._recurrent = [i for i, l in enumerate(self.inner.layers) if getattr(l, "is_linear", False)]
+        self._recurrent = [
+            i for i, layer in enumerate(self.inner.layers) if getattr(layer, "is_linear", False)
+        ]
         self._last = None  # (tokens, recorded layer inputs, recurrent states before the call)
 
     # The drafter shares these two with the target.
@@ -88,7 +90,7 @@ class Target:
             return self.inner.embed_tokens.as_linear(h)
         return self._lm_head(h)
 
-    def head_rows(self, token_ids: mx.array) -> Optional[mx.array]:
+    def head_rows(self, token_ids: mx.array) -> mx.array | None:
         """The lm_head's weight rows for `token_ids` (to score a vocabulary subset), dequantized if the
         head is quantized; None for a head with a bias (the subset scores would miss it)."""
         head = self.inner.embed_tokens if self._lm_head is None else self._lm_head
@@ -99,8 +101,14 @@ class Target:
             # rows before dequantizing gives exactly the rows of the dequantized matrix.
             extra = {"mode": head.mode} if hasattr(head, "mode") else {}
             biases = head.biases[token_ids] if getattr(head, "biases", None) is not None else None
-            return mx.dequantize(head.weight[token_ids], head.scales[token_ids], biases,
-                                 group_size=head.group_size, bits=head.bits, **extra)
+            return mx.dequantize(
+                head.weight[token_ids],
+                head.scales[token_ids],
+                biases,
+                group_size=head.group_size,
+                bits=head.bits,
+                **extra,
+            )
         return head.weight[token_ids]
 
     @property
@@ -116,7 +124,7 @@ class Target:
         """
         return [KVCache() if isinstance(c, RotatingKVCache) else c for c in make_prompt_cache(self.model)]
 
-    def __call__(self, tokens: mx.array, cache: Optional[list], last_logits_only: bool = False):
+    def __call__(self, tokens: mx.array, cache: list | None, last_logits_only: bool = False):
         """Run the target over tokens (shape (1, n)) -> (logits, features). cache None: no cache.
 
         features is (1, n, len(layer_ids) * hidden_size): the tapped layers' outputs, concatenated.
@@ -128,20 +136,26 @@ class Target:
         recurrent = [] if last_logits_only else self._recurrent
         watched = set(self.layer_ids) | set(recurrent)
         states = {i: list(cache[i].cache) for i in recurrent} if cache is not None else {}
-        self.inner.layers = [_Tap(l, i, record) if i in watched else l for i, l in enumerate(layers)]
+        self.inner.layers = [
+            _Tap(layer, i, record) if i in watched else layer for i, layer in enumerate(layers)
+        ]
         try:
             h = self.inner(tokens, cache)
         finally:
             self.inner.layers = layers
         logits = self.lm_head(h[:, -1:] if last_logits_only else h)
         features = mx.concatenate([record[i][1] for i in self.layer_ids], axis=-1) if self.layer_ids else None
-        self._last = None if last_logits_only else (tokens.shape[1], {i: record[i][0] for i in recurrent}, states)
+        self._last = (
+            None if last_logits_only else (tokens.shape[1], {i: record[i][0] for i in recurrent}, states)
+        )
         return logits, features
 
     def rollback(self, cache: list, keep: int) -> None:
         """Keep only the first `keep` positions of the last call (a verify pass) in the cache."""
         if self._last is None:
-            raise ValueError("nothing to roll back: the last call was a prefill, or it was rolled back already")
+            raise ValueError(
+                "nothing to roll back: the last call was a prefill, or it was rolled back already"
+            )
         n, inputs, states = self._last
         if keep == n:
             return

@@ -42,7 +42,9 @@ class FakeHub:
         self.server.daemon_threads = False  # server_close() then joins every handler thread
         self.server.hub = self
         self.url = f"http://127.0.0.1:{self.server.server_port}"
-        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="fakehub", daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, args=(0.05,), name="fakehub", daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:
@@ -98,23 +100,42 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _info(self, hub, repo, m):
         files = hub.repos[repo]
-        self._json({"id": repo, "sha": hub.commit(repo), "private": False,
-                    "gated": "manual" if repo in hub.gated else False,
-                    "siblings": [{"rfilename": name} for name in files]})
+        self._json(
+            {
+                "id": repo,
+                "sha": hub.commit(repo),
+                "private": False,
+                "gated": "manual" if repo in hub.gated else False,
+                "siblings": [{"rfilename": name} for name in files],
+            }
+        )
 
     def _tree(self, hub, repo, m):
-        self._json([{"type": "file", "path": name, "size": len(data),
-                     "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
-                    for name, data in hub.repos[repo].items()])
+        self._json(
+            [
+                {
+                    "type": "file",
+                    "path": name,
+                    "size": len(data),
+                    "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
+                }
+                for name, data in hub.repos[repo].items()
+            ]
+        )
 
     def _file(self, hub, repo, m):
         name, commit = m["file"], hub.commit(repo)
         if repo in hub.gated:
-            return self._error(401, "GatedRepo", f"Access to model {repo} is restricted. You must have access "
-                               "to it and be authenticated to access it. Please log in.", commit)
+            return self._error(
+                401,
+                "GatedRepo",
+                f"Access to model {repo} is restricted. You must have access "
+                "to it and be authenticated to access it. Please log in.",
+                commit,
+            )
         data = hub.repos[repo].get(name)
         if data is None:
-            return self._error(404, "EntryNotFound", f"{name} does not exist on \"main\"", commit)
+            return self._error(404, "EntryNotFound", f'{name} does not exist on "main"', commit)
         ranged = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
         start = int(ranged[1]) if ranged and self.command == "GET" else 0
         if start and hub._take(hub.fail_ranged, (repo, name)):
@@ -130,7 +151,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         self.end_headers()
         if self.command == "GET":
-            self.wfile.write(data[start:len(data) // 2] if cut else data[start:])
+            self.wfile.write(data[start : len(data) // 2] if cut else data[start:])
             # when cut: returning closes the socket with the body half sent
 
     def _json(self, obj):

@@ -3,7 +3,16 @@
 import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache
-from tiny import FAMILIES, OracleDraft, draft_config, greedy_reference, make_target, make_tokenizer, no_eos_tokenizer, prompt_of
+from tiny import (
+    FAMILIES,
+    OracleDraft,
+    draft_config,
+    greedy_reference,
+    make_target,
+    make_tokenizer,
+    no_eos_tokenizer,
+    prompt_of,
+)
 
 from dflash_mlx import SpeculativeCache, generate, stream_generate
 from dflash_mlx.models.targets import Target
@@ -14,7 +23,7 @@ def arrays_of(cache_entry):
     """The meaningful contents of one layer's cache, as NumPy arrays."""
     if isinstance(cache_entry, ArraysCache):
         return [np.array(a) for a in cache_entry.cache]
-    k, v = cache_entry.keys[..., :cache_entry.offset, :], cache_entry.values[..., :cache_entry.offset, :]
+    k, v = cache_entry.keys[..., : cache_entry.offset, :], cache_entry.values[..., : cache_entry.offset, :]
     return [np.array(k), np.array(v)]
 
 
@@ -35,9 +44,9 @@ def test_caches_equal_a_fresh_prefill_after_every_cycle(family):
     cache = SpeculativeCache(target, draft)
     tok = no_eos_tokenizer(ref)
     cycles = 0
-    for piece in stream_generate(target, draft, tok, prompt, max_tokens=60, prompt_cache=cache, block_size=7):
-        committed = cache.tokens[:cache.processed]
-        assert cache.tokens == prompt + ref[:len(cache.tokens) - len(prompt)]
+    for _ in stream_generate(target, draft, tok, prompt, max_tokens=60, prompt_cache=cache, block_size=7):
+        committed = cache.tokens[: cache.processed]
+        assert cache.tokens == prompt + ref[: len(cache.tokens) - len(prompt)]
         assert len(cache.pending) == 1
         fresh = SpeculativeCache(target, draft)
         fresh.prefill(committed)
@@ -71,8 +80,9 @@ def test_a_prompt_prefilled_in_chunks_builds_the_same_caches(family):
     draft = OracleDraft(draft_config(block_size=5), prompt + ref, [None, 2])
     target = prepare(model, draft)
     whole, chunked = SpeculativeCache(target, draft), SpeculativeCache(target, draft)
-    np.testing.assert_allclose(np.array(chunked.prefill(prompt, step=7)), np.array(whole.prefill(prompt)),
-                               rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(
+        np.array(chunked.prefill(prompt, step=7)), np.array(whole.prefill(prompt)), rtol=2e-4, atol=2e-4
+    )
     assert chunked.processed == chunked.draft_cache[0].offset == len(prompt)
     assert_same_caches(chunked, whole)
     out = generate(target, draft, no_eos_tokenizer(ref), prompt, max_tokens=20, prefill_step_size=7)
@@ -89,7 +99,10 @@ def test_truncate_takes_a_conversation_back(family):
     first = generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=12, prompt_cache=cache).tokens
     if family == "qwen3_5":  # recurrent state cannot be trimmed, only put back as the prompt left it
         tokens, processed = list(cache.tokens), cache.processed
-        assert cache.truncate(len(prompt) - 2) is False and (cache.tokens, cache.processed) == (tokens, processed)
+        assert cache.truncate(len(prompt) - 2) is False and (cache.tokens, cache.processed) == (
+            tokens,
+            processed,
+        )
     keep = len(prompt) + 3
     assert cache.truncate(keep) and cache.tokens == prompt + first[:3]
     want = greedy_reference(model, prompt + first[:3] + more, 10)
@@ -98,7 +111,7 @@ def test_truncate_takes_a_conversation_back(family):
     # Only what follows the point the caches went back to went through the target again.
     assert cache.last_prefill == (3 if family == "qwen3_5" else 0) + len(more)
     fresh = SpeculativeCache(model, draft)
-    fresh.prefill(cache.tokens[:cache.processed])
+    fresh.prefill(cache.tokens[: cache.processed])
     assert_same_caches(cache, fresh)
 
 
@@ -110,10 +123,19 @@ def test_block_size_one_keeps_a_drafter_cache_in_step():
     target = prepare(model, draft)
     cache = SpeculativeCache(target, draft)
     tok = no_eos_tokenizer(ref)
-    out = sum((p.tokens for p in stream_generate(target, draft, tok, prompt, max_tokens=10, block_size=1,
-                                                  prompt_cache=cache)), [])
+    out = sum(
+        (
+            p.tokens
+            for p in stream_generate(
+                target, draft, tok, prompt, max_tokens=10, block_size=1, prompt_cache=cache
+            )
+        ),
+        [],
+    )
     assert cache.draft_cache[0].offset == cache.processed
-    out += sum((p.tokens for p in stream_generate(target, draft, tok, [], max_tokens=20, prompt_cache=cache)), [])
+    out += sum(
+        (p.tokens for p in stream_generate(target, draft, tok, [], max_tokens=20, prompt_cache=cache)), []
+    )
     assert out == ref
 
 
@@ -125,7 +147,9 @@ def test_max_tokens_zero_keeps_the_prompt_in_a_kept_cache():
     tok = make_tokenizer(eos=95)
     cache = SpeculativeCache(model, draft)
     assert list(stream_generate(model, draft, tok, prompt, max_tokens=0, prompt_cache=cache)) == []
-    out = sum((p.tokens for p in stream_generate(model, draft, tok, more, max_tokens=10, prompt_cache=cache)), [])
+    out = sum(
+        (p.tokens for p in stream_generate(model, draft, tok, more, max_tokens=10, prompt_cache=cache)), []
+    )
     assert out == greedy_reference(model, prompt + more, 10)
 
 
@@ -140,7 +164,9 @@ def test_a_cache_an_interrupted_pass_left_half_updated_is_refused(where, monkeyp
     tok = no_eos_tokenizer(ref)
     passes, run = 0, Target.__call__
 
-    def interrupted(self, *args, **kwargs):  # the target's pass runs, then Ctrl-C arrives before the cycle ends
+    def interrupted(
+        self, *args, **kwargs
+    ):  # the target's pass runs, then Ctrl-C arrives before the cycle ends
         nonlocal passes
         out = run(self, *args, **kwargs)
         passes += 1
@@ -151,12 +177,21 @@ def test_a_cache_an_interrupted_pass_left_half_updated_is_refused(where, monkeyp
     cache = SpeculativeCache(target, draft)
     monkeypatch.setattr(Target, "__call__", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        for _ in stream_generate(target, draft, tok, prompt if where == "verify" else prompt + more,
-                                 max_tokens=20, prompt_cache=cache, prefill_step_size=4 if where == "prefill" else 2048):
+        for _ in stream_generate(
+            target,
+            draft,
+            tok,
+            prompt if where == "verify" else prompt + more,
+            max_tokens=20,
+            prompt_cache=cache,
+            prefill_step_size=4 if where == "prefill" else 2048,
+        ):
             pass
     monkeypatch.undo()
     assert cache.broken and cache.truncate(len(prompt)) is False  # chat then starts a new cache
-    with pytest.raises(ValueError, match="left half-updated by an interrupted call: make a new SpeculativeCache"):
+    with pytest.raises(
+        ValueError, match="left half-updated by an interrupted call: make a new SpeculativeCache"
+    ):
         next(stream_generate(target, draft, tok, more, max_tokens=5, prompt_cache=cache))
 
     clean = SpeculativeCache(target, draft)  # a stop between two cycles leaves a cache to go on from
@@ -165,4 +200,6 @@ def test_a_cache_an_interrupted_pass_left_half_updated_is_refused(where, monkeyp
     stream.close()
     assert not clean.broken
     want = greedy_reference(model, clean.tokens + more, 6)
-    assert generate(target, draft, no_eos_tokenizer(want), more, max_tokens=6, prompt_cache=clean).tokens == want
+    assert (
+        generate(target, draft, no_eos_tokenizer(want), more, max_tokens=6, prompt_cache=clean).tokens == want
+    )

@@ -59,10 +59,14 @@ def test_a_full_context_is_refused_politely(smollm2, capfd, caplog):
         ChatSession(model, draft, tokenizer, max_tokens=80, max_context=80)  # no room left for any message
     with pytest.raises(ContextFull, match="a shorter message"):  # longer than the model's own 8,192
         list(ChatSession(model, draft, tokenizer, max_tokens=8).reply("word " * 9000))
-    assert "indexing errors" not in capfd.readouterr().err + caplog.text  # only our message, not transformers'
+    assert (
+        "indexing errors" not in capfd.readouterr().err + caplog.text
+    )  # only our message, not transformers'
 
 
-def test_an_interrupt_inside_a_model_pass_drops_the_message_and_a_clean_stop_keeps_the_answer(smollm2, monkeypatch):
+def test_an_interrupt_inside_a_model_pass_drops_the_message_and_a_clean_stop_keeps_the_answer(
+    smollm2, monkeypatch
+):
     from dflash_mlx.models.dflash import DFlashDraftModel
 
     model, tokenizer, _ = smollm2
@@ -119,8 +123,12 @@ def test_a_message_dropped_between_two_cycles_can_be_sent_again(smollm2):
         list(session.reply("Name three colours.", should_stop=ctrl_c_after_two_pieces))
     assert session.messages == [] and not session.cache.broken and len(session.cache.tokens) > 0
     again = "".join(p.text for p in session.reply("Name three colours."))
-    assert again == generate(model, draft, tokenizer, apply_chat_template(tokenizer, "Name three colours."),
-                             max_tokens=12).text
+    assert (
+        again
+        == generate(
+            model, draft, tokenizer, apply_chat_template(tokenizer, "Name three colours."), max_tokens=12
+        ).text
+    )
 
 
 def test_save_writes_the_whole_conversation_at_a_home_path(smollm2, tmp_path, monkeypatch):
@@ -163,9 +171,14 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
     _, _, home = smollm2
     smollm2_drafter(tmp_path / "draft")
     env = dict(os.environ, DFLASH_MLX_HOME=str(home), COLUMNS="200", TERM="xterm")
-    child = pexpect.spawn(sys.executable, ["-m", "dflash_mlx.cli.main", "chat", "--draft", str(tmp_path / "draft"),
-                                           "--max-tokens", "400"], env=env, encoding="utf-8", timeout=180,
-                          dimensions=(50, 200))
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "dflash_mlx.cli.main", "chat", "--draft", str(tmp_path / "draft"), "--max-tokens", "400"],
+        env=env,
+        encoding="utf-8",
+        timeout=180,
+        dimensions=(50, 200),
+    )
     try:
         child.expect(PROMPT)
         child.sendline("What is the capital of France? Answer in one sentence.")
@@ -190,7 +203,9 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
         child.sendline("/stats")
         child.expect(r"0 answers, 0 tokens, mean tau -, context 0/")  # a new conversation, new totals
         child.expect(PROMPT)
-        child.sendline("Summarise: " + "the knight rode on and on. " * 500)  # ~3,500 tokens: seconds of prefill
+        child.sendline(
+            "Summarise: " + "the knight rode on and on. " * 500
+        )  # ~3,500 tokens: seconds of prefill
         child.expect(r"model>")
         time.sleep(1)
         child.sendintr()  # before the answer starts: interrupted at the end of a prefill chunk

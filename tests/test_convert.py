@@ -61,12 +61,15 @@ def test_zlab_drafter_to_mlx_in_each_dtype(zlab, tmp_path, dtype):
 def test_quantized_drafter_loads_and_stays_lossless(zlab, tmp_path):
     r = cli("convert", zlab, tmp_path / "q", "-q", "--q-bits", "4", "--q-group-size", "32")
     assert r.exit_code == 0, r.output
-    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization"] == {"group_size": 32, "bits": 4}
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization"] == {
+        "group_size": 32,
+        "bits": 4,
+    }
     loaded = load_draft(str(tmp_path / "q"))
     assert "layers.0.self_attn.q_proj.scales" in flat_params(loaded)
     model = make_target("llama")
-    # 4-bit rounding moves the logits ~10% here; a drafter whose activations were cast to the packed
-    # weights' uint32 (a bug this caught) or another drafter of the same shape moves them ~100%.
+    # 4-bit rounding moves the logits ~10% here; activations cast to the packed weights' uint32, or
+    # another drafter of the same shape, move them ~100%.
     assert rel_l2(draft_logits(loaded, model), draft_logits(load_draft(str(zlab)), model)) < 0.25
     prompt = prompt_of(6)
     ref = greedy_reference(model, prompt, 16)
@@ -92,8 +95,10 @@ def test_a_drafter_with_its_dflash_keys_at_the_top_level_converts_as_a_drafter(z
     r = cli("convert", flat, tmp_path / "out", "--dtype", "float32")
     assert r.exit_code == 0 and "wrote drafter" in r.output, r.output
     model = make_target("llama")
-    np.testing.assert_array_equal(draft_logits(load_draft(str(tmp_path / "out")), model),
-                                  draft_logits(load_draft(str(zlab), dtype=mx.float32), model))
+    np.testing.assert_array_equal(
+        draft_logits(load_draft(str(tmp_path / "out")), model),
+        draft_logits(load_draft(str(zlab), dtype=mx.float32), model),
+    )
 
 
 def test_rope_parameters_of_transformers_5_are_read(zlab, tmp_path):
@@ -117,8 +122,11 @@ def test_rope_parameters_of_transformers_5_are_read(zlab, tmp_path):
     from dflash_mlx.models.dflash import DFlashConfig
 
     read = DFlashConfig.from_dict(dict(new, rope_parameters=yarn))
-    assert read.rope_theta == 1e6 and read.rope_scaling == {"rope_type": "yarn", "factor": 4.0,
-                                                            "original_max_position_embeddings": 4096}
+    assert read.rope_theta == 1e6 and read.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 4096,
+    }
 
 
 def test_export_round_trip_gives_identical_logits(zlab, tmp_path):
@@ -136,10 +144,12 @@ def test_export_round_trip_gives_identical_logits(zlab, tmp_path):
 
 
 def test_flags_that_would_be_ignored_are_refused(zlab, tmp_path):
-    for args, message in ((["--export", "--dtype", "float32"], "--export always writes bf16 weights, unquantized"),
-                          (["--export", "-q"], "--export always writes bf16"),
-                          (["--q-bits", "8"], "take effect only with -q/--quantize"),
-                          (["--q-group-size", "32"], "take effect only with -q/--quantize")):
+    for args, message in (
+        (["--export", "--dtype", "float32"], "--export always writes bf16 weights, unquantized"),
+        (["--export", "-q"], "--export always writes bf16"),
+        (["--q-bits", "8"], "take effect only with -q/--quantize"),
+        (["--q-group-size", "32"], "take effect only with -q/--quantize"),
+    ):
         r = cli("convert", zlab, tmp_path / "out", *args)
         assert r.exit_code == 1 and message in r.output, (args, r.output)
     assert not (tmp_path / "out").exists()
@@ -163,7 +173,11 @@ def test_a_quantized_target_is_not_quantized_again(tmp_path):
 # ---- GGUF targets, built here from tiny mlx-lm models ------------------------------------------
 def byte_level_vocab():
     """A 256-symbol byte-level BPE vocabulary (GPT-2's byte->unicode map), two merges, one special."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -175,8 +189,9 @@ def byte_level_vocab():
     return tokens, ["Ġ t", "Ġt h"]
 
 
-def llama3_divisors_by_hand(head_dim, theta, factor, low_freq_factor, high_freq_factor,
-                            original_max_position_embeddings, **_):
+def llama3_divisors_by_hand(
+    head_dim, theta, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings, **_
+):
     """Llama 3's RoPE scaling, pair by pair, as the published recipe states it (kept apart from the
     converter's vectorised version on purpose)."""
     out = []
@@ -187,7 +202,9 @@ def llama3_divisors_by_hand(head_dim, theta, factor, low_freq_factor, high_freq_
         elif wavelength > original_max_position_embeddings / low_freq_factor:
             out.append(factor)  # low frequencies are slowed down by the whole factor
         else:
-            t = (original_max_position_embeddings / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            t = (original_max_position_embeddings / wavelength - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
             out.append(1 / ((1 - t) / factor + t))
     return out
 
@@ -196,40 +213,63 @@ def write_gguf(path, family, meta=None, **overrides):
     """A tiny model of `family` saved as llama.cpp would: GGUF names, Q/K rows permuted for llama.
     `meta` adds or replaces metadata keys."""
     tokens, merges = byte_level_vocab()
-    model = make_target(family, vocab_size=len(tokens), num_attention_heads=4, num_key_value_heads=2, **overrides)
+    model = make_target(
+        family, vocab_size=len(tokens), num_attention_heads=4, num_key_value_heads=2, **overrides
+    )
     cfg = model.args
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     tensors = {}
     for k, v in flat_params(model).items():
         if k.startswith("model.layers."):
-            i, rest = k[len("model.layers."):].split(".", 1)
+            i, rest = k[len("model.layers.") :].split(".", 1)
             module, kind = rest.rsplit(".", 1)
             if family == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
                 v = v.reshape(heads, 2, v.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(v.shape)
             tensors[f"blk.{i}.{names[module]}.{kind}"] = v
         else:
-            tensors[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[k]] = v
+            tensors[
+                {
+                    "model.embed_tokens.weight": "token_embd.weight",
+                    "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight",
+                }[k]
+            ] = v
     if cfg.rope_scaling:  # Llama 3.1+: llama.cpp writes one RoPE divisor per frequency pair
-        tensors["rope_freqs.weight"] = mx.array(llama3_divisors_by_hand(16, cfg.rope_theta, **cfg.rope_scaling))
+        tensors["rope_freqs.weight"] = mx.array(
+            llama3_divisors_by_hand(16, cfg.rope_theta, **cfg.rope_scaling)
+        )
     u32 = lambda x: mx.array(x, dtype=mx.uint32)  # noqa: E731
     base_meta = {
         "general.architecture": family,
-        f"{family}.block_count": u32(cfg.num_hidden_layers), f"{family}.embedding_length": u32(cfg.hidden_size),
+        f"{family}.block_count": u32(cfg.num_hidden_layers),
+        f"{family}.embedding_length": u32(cfg.hidden_size),
         f"{family}.feed_forward_length": u32(cfg.intermediate_size),
         f"{family}.attention.head_count": u32(cfg.num_attention_heads),
         f"{family}.attention.head_count_kv": u32(cfg.num_key_value_heads),
-        f"{family}.attention.key_length": u32(16), f"{family}.context_length": u32(512),
+        f"{family}.attention.key_length": u32(16),
+        f"{family}.context_length": u32(512),
         f"{family}.attention.layer_norm_rms_epsilon": mx.array(cfg.rms_norm_eps, dtype=mx.float32),
         f"{family}.rope.freq_base": mx.array(cfg.rope_theta, dtype=mx.float32),
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
-        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.token_type": mx.array([1] * (len(tokens) - 1) + [3], dtype=mx.int32),
-        "tokenizer.ggml.eos_token_id": u32(len(tokens) - 1), "tokenizer.ggml.bos_token_id": u32(len(tokens) - 1),
+        "tokenizer.ggml.eos_token_id": u32(len(tokens) - 1),
+        "tokenizer.ggml.bos_token_id": u32(len(tokens) - 1),
         "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
     }
     mx.save_gguf(str(path), tensors, {**base_meta, **(meta or {})})
@@ -245,8 +285,9 @@ def test_gguf_target_converts_to_the_same_model(tmp_path, family):
     assert r.exit_code == 0, r.output
     converted, tokenizer = mlx_lm_load(str(tmp_path / "mlx"))
     ids = [5, 70, 100, 33, 250, 7]
-    np.testing.assert_allclose(np.array(converted(mx.array([ids]))), np.array(model(mx.array([ids]))),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(converted(mx.array([ids]))), np.array(model(mx.array([ids]))), rtol=1e-5, atol=1e-5
+    )
     text = "the thin thesis"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
     assert 256 in tokenizer.encode(" t", add_special_tokens=False)  # the merge "Ġ t" applies
@@ -280,8 +321,13 @@ def test_an_unknown_gguf_pre_tokenizer_is_refused(tmp_path):
 
 def test_llama3_rope_scaling_survives_the_gguf(tmp_path):
     """Llama 3.1-3.3 GGUFs carry their scaled RoPE as a `rope_freqs` tensor; mlx-lm needs it as config."""
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     model = write_gguf(tmp_path / "l3.gguf", "llama", rope_scaling=scaling)
     r = cli("convert", tmp_path / "l3.gguf", tmp_path / "mlx")
     assert r.exit_code == 0, r.output
@@ -293,9 +339,13 @@ def test_llama3_rope_scaling_survives_the_gguf(tmp_path):
     np.testing.assert_allclose(np.array(converted(ids)[0, -8:]), np.array(want), rtol=1e-4, atol=1e-4)
     unscaled = make_target("llama", vocab_size=259, num_attention_heads=4, num_key_value_heads=2)
     unscaled.load_weights(list(flat_params(model).items()))
-    assert not np.allclose(np.array(unscaled(ids)[0, -8:]), np.array(want), atol=1e-2)  # the scaling shows here
+    assert not np.allclose(
+        np.array(unscaled(ids)[0, -8:]), np.array(want), atol=1e-2
+    )  # the scaling shows here
     # Divisors from other parameters cannot be told apart from the file alone: refused, not guessed.
-    write_gguf(tmp_path / "odd.gguf", "llama", rope_scaling=dict(scaling, original_max_position_embeddings=4096))
+    write_gguf(
+        tmp_path / "odd.gguf", "llama", rope_scaling=dict(scaling, original_max_position_embeddings=4096)
+    )
     r = cli("convert", tmp_path / "odd.gguf", tmp_path / "odd")
     assert r.exit_code == 1 and "not Llama 3's usual ones" in r.output and not (tmp_path / "odd").exists()
 
@@ -303,8 +353,9 @@ def test_llama3_rope_scaling_survives_the_gguf(tmp_path):
 def test_unsupported_gguf_type_is_refused_and_leaves_nothing(tmp_path):
     gguf = pytest.importorskip("gguf")
     writer = gguf.GGUFWriter(str(tmp_path / "q5.gguf"), "llama")
-    q = gguf.quants.quantize(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32),
-                             gguf.GGMLQuantizationType.Q5_0)
+    q = gguf.quants.quantize(
+        np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q5_0
+    )
     writer.add_tensor("blk.0.attn_q.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q5_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -330,8 +381,10 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     assert r.exit_code == 1 and "already exists" in r.output
     r = cli("convert", "some-org/some-model", tmp_path / "empty")  # said before any download is tried
     assert r.exit_code == 1 and "already exists" in r.output and "Hugging Face" not in r.output
-    for name, config, message in (("nojson", "{oops", "config.json is not valid JSON"),
-                                  ("notype", "{}", "config.json has no model_type")):
+    for name, config, message in (
+        ("nojson", "{oops", "config.json is not valid JSON"),
+        ("notype", "{}", "config.json has no model_type"),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(config)
         r = cli("convert", tmp_path / name, tmp_path / "out")
@@ -343,14 +396,19 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     (tmp_path / "wrong" / "config.json").write_text(json.dumps(config))
     (tmp_path / "wrong" / "model.safetensors").write_bytes((zlab / "model.safetensors").read_bytes())
     r = cli("convert", tmp_path / "wrong", tmp_path / "out")
-    assert r.exit_code == 1 and "not hold a DFlash drafter matching its config.json: shaped otherwise ['fc.weight" in r.output
+    assert (
+        r.exit_code == 1
+        and "not hold a DFlash drafter matching its config.json: shaped otherwise ['fc.weight" in r.output
+    )
     (tmp_path / "here").mkdir()
     os.chdir(tmp_path / "here")  # `convert SRC . --force` would swap away the folder the user stands in
     try:
         r = cli("convert", zlab, ".", "--force")
     finally:
         os.chdir(tmp_path)
-    assert r.exit_code == 1 and ". is the current folder or holds it: give the name of a new folder" in r.output
+    assert (
+        r.exit_code == 1 and ". is the current folder or holds it: give the name of a new folder" in r.output
+    )
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder
 

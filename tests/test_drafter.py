@@ -3,10 +3,19 @@
 import json
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
 import numpy as np
 import pytest
-from tiny import FAMILIES, VOCAB, flat_params, greedy_reference, make_draft, make_target, no_eos_tokenizer, prompt_of
+from mlx.utils import tree_flatten, tree_map
+from tiny import (
+    FAMILIES,
+    VOCAB,
+    flat_params,
+    greedy_reference,
+    make_draft,
+    make_target,
+    no_eos_tokenizer,
+    prompt_of,
+)
 
 from dflash_mlx import DFlashConfig, SpeculativeCache, generate, load_draft
 from dflash_mlx.pairing import prepare
@@ -34,10 +43,11 @@ def numpy_draft_logits(w, cfg: DFlashConfig, features, block, embed):
     h = embed[block]
     pos_ctx, pos_blk = np.arange(S), np.arange(S, S + L)
     for i in range(cfg.num_hidden_layers):
-        p = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
+        layer = {k.removeprefix(f"layers.{i}."): v for k, v in w.items() if k.startswith(f"layers.{i}.")}
+        p = layer.__getitem__
         x = rms(h, p("input_layernorm.weight"))
 
-        def kv(src, pos):
+        def kv(src, pos, p=p):
             k = (src @ p("self_attn.k_proj.weight").T).reshape(len(src), nkv, hd).transpose(1, 0, 2)
             v = (src @ p("self_attn.v_proj.weight").T).reshape(len(src), nkv, hd).transpose(1, 0, 2)
             return rope(rms(k, p("self_attn.k_norm.weight")), pos), v
@@ -77,19 +87,34 @@ def write_zlab_checkpoint(path, draft, dtype=mx.bfloat16):
     """What z-lab publishes: config.json with dflash_config, and bf16 safetensors, no embeddings."""
     cfg = draft.config
     config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "max_position_embeddings": cfg.max_position_embeddings, "block_size": cfg.block_size,
-        "num_target_layers": cfg.num_target_layers, "layer_types": ["full_attention"] * cfg.num_hidden_layers,
-        "sliding_window": None, "use_sliding_window": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
         "dflash_config": {"target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id},
     }
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(str(path / "model.safetensors"), {k: v.astype(dtype) for k, v in flat_params(draft).items()})
+    mx.save_safetensors(
+        str(path / "model.safetensors"), {k: v.astype(dtype) for k, v in flat_params(draft).items()}
+    )
     return config
 
 
@@ -103,7 +128,9 @@ def test_a_zlab_layout_checkpoint_loads_and_runs(tmp_path):
     assert loaded.config.block_size == 16
     assert loaded.fc.weight.dtype == mx.float32  # float32 on the CPU
     for k, v in flat_params(loaded).items():  # the bf16 values, exactly
-        np.testing.assert_array_equal(np.array(v), np.array(flat_params(draft)[k].astype(mx.bfloat16).astype(mx.float32)))
+        np.testing.assert_array_equal(
+            np.array(v), np.array(flat_params(draft)[k].astype(mx.bfloat16).astype(mx.float32))
+        )
     model = make_target("llama")
     prompt = prompt_of(7)
     ref = greedy_reference(model, prompt, 20)

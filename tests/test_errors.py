@@ -13,19 +13,24 @@ def model():
     return make_target("llama")
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(hidden=32), "drafter hidden size 32, target hidden size 64"),
-    (dict(vocab=80), "drafter vocab size 80, target vocab size 96"),
-    (dict(target_layers=6), "drafter num_target_layers 6, but the target has 4 layers"),
-    (dict(layer_ids=(1, 4)), "target_layer_ids contains 4, but the target has 4 layers"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(hidden=32), "drafter hidden size 32, target hidden size 64"),
+        (dict(vocab=80), "drafter vocab size 80, target vocab size 96"),
+        (dict(target_layers=6), "drafter num_target_layers 6, but the target has 4 layers"),
+        (dict(layer_ids=(1, 4)), "target_layer_ids contains 4, but the target has 4 layers"),
+    ],
+)
 def test_a_drafter_made_for_another_target_is_refused(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(model, make_draft(**kwargs), make_tokenizer(), [5, 6], max_tokens=4)
 
 
 def test_a_mask_token_outside_the_vocabulary_is_refused(model):
-    with pytest.raises(ValueError, match=r"drafter mask_token_id 200 is outside the target vocabulary \(size 96\)"):
+    with pytest.raises(
+        ValueError, match=r"drafter mask_token_id 200 is outside the target vocabulary \(size 96\)"
+    ):
         generate(model, make_draft(mask_token_id=200), make_tokenizer(), [5, 6], max_tokens=4)
 
 
@@ -40,7 +45,10 @@ def test_a_string_prompt_without_a_tokenizer_and_a_cache_of_another_pair_are_ref
 
 
 def test_empty_prompt_is_refused(model):
-    for prompt in ("", [], ):
+    for prompt in (
+        "",
+        [],
+    ):
         with pytest.raises(ValueError, match="prompt is empty"):
             generate(model, make_draft(), make_tokenizer(), prompt, max_tokens=4)
 

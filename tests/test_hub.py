@@ -19,9 +19,16 @@ REPOS = {
     "org/tiny": {"config.json": CONFIG, "model.safetensors": WEIGHTS, "README.md": b"# not downloaded\n"},
     "org/gated": {"config.json": CONFIG, "model.safetensors": WEIGHTS},
     # A target as repos hold them: the tokenizer and the chat template in files of their own.
-    "org/target": {"config.json": CONFIG, "model.safetensors": WEIGHTS, "tokenizer.json": b"{}",
-                   "tokenizer_config.json": b"{\"a\": 1}", "tokenizer.model": b"spm", "chat_template.jinja": b"{{ x }}",
-                   "README.md": b"# not downloaded\n", "original/consolidated.00.pth": b"not downloaded"},
+    "org/target": {
+        "config.json": CONFIG,
+        "model.safetensors": WEIGHTS,
+        "tokenizer.json": b"{}",
+        "tokenizer_config.json": b'{"a": 1}',
+        "tokenizer.model": b"spm",
+        "chat_template.jinja": b"{{ x }}",
+        "README.md": b"# not downloaded\n",
+        "original/consolidated.00.pth": b"not downloaded",
+    },
 }
 
 
@@ -79,8 +86,14 @@ def test_a_target_comes_with_its_tokenizer_and_chat_template(hub):
     """What mlx-lm's own download fetches: a template or tokenizer left behind breaks the target later."""
     path = resolve("org/target")
     got = sorted(r[1].rsplit("/", 1)[1] for r in hub.file_requests("org/target"))
-    assert got == ["chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json",
-                   "tokenizer.model", "tokenizer_config.json"]
+    assert got == [
+        "chat_template.jinja",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    ]
     assert (path / "chat_template.jinja").read_bytes() == b"{{ x }}"
 
 
@@ -102,7 +115,9 @@ def test_failed_download_then_retry(hub, tmp_path):
     completes the snapshot with the exact bytes and leaves no partial file in the cache."""
     hub.cut[("org/tiny", "model.safetensors")] = 1
     hub.fail_ranged[("org/tiny", "model.safetensors")] = 1
-    with pytest.raises(ConnectionError, match="Hugging Face refused the download of org/tiny: .*500 Internal Server Error"):
+    with pytest.raises(
+        ConnectionError, match="Hugging Face refused the download of org/tiny: .*500 Internal Server Error"
+    ):
         resolve("org/tiny")
     assert [r[2] for r in hub.file_requests("org/tiny") if r[1].endswith("/model.safetensors")][-1]
     assert not [f for f in cache_files(tmp_path) if f.endswith(("model.safetensors", ".incomplete"))]
@@ -121,7 +136,9 @@ def test_cached_snapshot_works_with_the_hub_down(hub):
 
 
 def test_missing_repo(hub):
-    with pytest.raises(FileNotFoundError, match="no folder nobody/missing-repo here, and no such repo on Hugging Face"):
+    with pytest.raises(
+        FileNotFoundError, match="no folder nobody/missing-repo here, and no such repo on Hugging Face"
+    ):
         resolve("nobody/missing-repo")
     assert ("GET", "/api/models/nobody/missing-repo/revision/main", None) in hub.log
 
@@ -134,6 +151,8 @@ def test_gated_repo(hub):
 
 def test_hub_down_and_nothing_cached(hub):
     hub.close()
-    with pytest.raises(ConnectionError, match="no folder org/tiny here, and Hugging Face cannot be reached") as info:
+    with pytest.raises(
+        ConnectionError, match="no folder org/tiny here, and Hugging Face cannot be reached"
+    ) as info:
         resolve("org/tiny")
     assert "no such repo" not in str(info.value)  # a network failure is not a missing repo

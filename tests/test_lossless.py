@@ -1,8 +1,17 @@
 """Greedy speculative decoding must reproduce mlx-lm's own greedy decoding token for token."""
 
 import pytest
-from tiny import (FAMILIES, OracleDraft, draft_config, greedy_reference, make_draft, make_target,
-                  make_tokenizer, no_eos_tokenizer, prompt_of)
+from tiny import (
+    FAMILIES,
+    OracleDraft,
+    draft_config,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    no_eos_tokenizer,
+    prompt_of,
+)
 
 from dflash_mlx import generate, stream_generate
 
@@ -47,7 +56,9 @@ def test_the_answer_stops_where_the_context_ends():
     cache = SpeculativeCache(model, make_draft())
     out = generate(model, cache.draft, no_eos_tokenizer(ref), prompt, max_tokens=100, prompt_cache=cache)
     assert out.tokens == ref and out.finish_reason == "length"  # 40 + 24 = the 64 the context holds
-    with pytest.raises(ValueError, match="is 64 tokens and fills the model's context of 64: start a new cache"):
+    with pytest.raises(
+        ValueError, match="is 64 tokens and fills the model's context of 64: start a new cache"
+    ):
         generate(model, cache.draft, None, [], max_tokens=5, prompt_cache=cache)
     with pytest.raises(ValueError, match="the prompt is 64 tokens and the model's context holds 64"):
         generate(model, make_draft(), None, prompt_of(64), max_tokens=5)
@@ -70,7 +81,7 @@ def test_eos_inside_an_accepted_block_ends_there(targets):
     eos_at = next(i for i in range(5, 40) if ref[i] not in ref[:i])
     draft = OracleDraft(draft_config(block_size=16), prompt + ref, [None])
     out = generate(model, draft, make_tokenizer(eos=ref[eos_at]), prompt, max_tokens=60, block_size=16)
-    assert out.tokens == ref[:eos_at + 1]
+    assert out.tokens == ref[: eos_at + 1]
     assert out.finish_reason == "stop"
 
 
@@ -83,7 +94,9 @@ def test_max_tokens_wins_over_an_eos_later_in_the_same_block(targets, limit_offs
     eos_at = next(i for i in range(5, 40) if ref[i] not in ref[:i])
     max_tokens = eos_at + 1 + limit_offset
     draft = OracleDraft(draft_config(block_size=16), prompt + ref, [None])
-    out = generate(model, draft, make_tokenizer(eos=ref[eos_at]), prompt, max_tokens=max_tokens, block_size=16)
+    out = generate(
+        model, draft, make_tokenizer(eos=ref[eos_at]), prompt, max_tokens=max_tokens, block_size=16
+    )
     assert out.tokens == ref[:max_tokens]
     assert out.finish_reason == ("stop" if limit_offset == 0 else "length")
 
@@ -96,7 +109,7 @@ def test_stop_string_ends_generation_and_is_not_shown(targets):
     stop = full.split()[6]  # the text of the 7th token
     out = generate(model, make_draft(), tok, prompt, max_tokens=30, stop=[stop])
     assert out.finish_reason == "stop"
-    assert out.text == full[:full.index(stop)]
+    assert out.text == full[: full.index(stop)]
 
 
 def test_stop_strings_across_tokens_are_held_back_then_flushed(targets):
@@ -108,7 +121,7 @@ def test_stop_strings_across_tokens_are_held_back_then_flushed(targets):
     stop = " ".join(full.split()[6:8])  # the text of two tokens
     pieces = list(stream_generate(model, oracle(), tok, prompt, max_tokens=30, stop=[stop]))
     shown = [p.text for p in pieces]
-    assert pieces[-1].finish_reason == "stop" and "".join(shown) == full[:full.index(stop)]
+    assert pieces[-1].finish_reason == "stop" and "".join(shown) == full[: full.index(stop)]
     # A stop string that never occurs: everything held back is shown at the end.
     out = generate(model, oracle(), tok, prompt, max_tokens=30, stop=[" w999"])
     assert out.text == full and out.finish_reason == "length"
@@ -121,6 +134,13 @@ def test_array_prompt_and_a_custom_greedy_sampler(targets):
     model, prompt = targets["qwen3_moe"], prompt_of(6, seed=8)
     ref = greedy_reference(model, prompt, 20)
     draft = OracleDraft(draft_config(block_size=5), prompt + ref, [None, 0, 2])
-    out = generate(model, draft, no_eos_tokenizer(ref), mx.array(prompt), max_tokens=20,
-                   block_size=5, sampler=make_sampler(0.0))
+    out = generate(
+        model,
+        draft,
+        no_eos_tokenizer(ref),
+        mx.array(prompt),
+        max_tokens=20,
+        block_size=5,
+        sampler=make_sampler(0.0),
+    )
     assert out.tokens == ref and max(out.acceptance_lengths) > 1

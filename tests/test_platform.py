@@ -17,7 +17,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 
 def python(code: str, **env) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in ("DFLASH_MLX_BLAS", "DFLASH_MLX_NO_BLAS")}
-    return subprocess.run([sys.executable, "-c", code], env=dict(clean, **env), capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=dict(clean, **env), capture_output=True, text=True
+    )
 
 
 STATUS = "import json, dflash_mlx; print(json.dumps(dflash_mlx.platform.blas))"
@@ -33,11 +35,18 @@ def test_a_system_blas_is_loaded_before_mlx():
 def test_a_bad_blas_path_is_named_and_the_advice_says_fix_or_unset_it():
     missing = python(STATUS + ";" + DOCTOR, DFLASH_MLX_BLAS="/nonexistent/libopenblas.so")
     status, advice = map(json.loads, missing.stdout.splitlines())
-    assert status["library"] is None and status["status"].startswith("failed to load /nonexistent/libopenblas.so")
-    assert any("DFLASH_MLX_BLAS does not name a BLAS library that loads; fix it or unset it" in a for a in advice)
+    assert status["library"] is None and status["status"].startswith(
+        "failed to load /nonexistent/libopenblas.so"
+    )
+    assert any(
+        "DFLASH_MLX_BLAS does not name a BLAS library that loads; fix it or unset it" in a for a in advice
+    )
     libm = ctypes.util.find_library("m")  # loads, but is no BLAS: refused, not reported as the fast path
     status = json.loads(python(STATUS, DFLASH_MLX_BLAS=libm).stdout)
-    assert status["library"] is None and status["status"] == f"{libm} is not a BLAS library (it has no cblas_sgemm)"
+    assert (
+        status["library"] is None
+        and status["status"] == f"{libm} is not a BLAS library (it has no cblas_sgemm)"
+    )
 
 
 def test_importing_mlx_first_warns():
@@ -53,10 +62,14 @@ WARN_TWICE = "import dflash_mlx.platform as p; p.warn_if_slow_blas(); p.warn_if_
 def test_without_the_preload_one_warning_line_says_how_to_fix_it():
     r = python(WARN_TWICE, DFLASH_MLX_NO_BLAS="1")
     lines = r.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("warning: MLX's CPU matmuls run on its slow reference BLAS")
+    assert len(lines) == 1 and lines[0].startswith(
+        "warning: MLX's CPU matmuls run on its slow reference BLAS"
+    )
     assert lines[0].endswith("unset DFLASH_MLX_NO_BLAS")
     bad = python(WARN_TWICE, DFLASH_MLX_BLAS="/nonexistent/libopenblas.so").stderr.splitlines()
-    assert len(bad) == 1 and bad[0].endswith("DFLASH_MLX_BLAS does not name a BLAS library that loads; fix it or unset it")
+    assert len(bad) == 1 and bad[0].endswith(
+        "DFLASH_MLX_BLAS does not name a BLAS library that loads; fix it or unset it"
+    )
 
 
 @pytest.mark.skipif(_find_blas() is None, reason="no BLAS here")

@@ -6,8 +6,16 @@ import random
 import pytest
 from test_cache import assert_same_caches
 from test_sampling import RUNS, T, V, chi_square_p, exact_joint
-from tiny import (FAMILIES, OracleDraft, draft_config, greedy_reference, make_draft, make_target, make_tokenizer,
-                  prompt_of)
+from tiny import (
+    FAMILIES,
+    OracleDraft,
+    draft_config,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    prompt_of,
+)
 
 import dflash_mlx.speculative as speculative
 from dflash_mlx import SpeculativeCache, generate, stream_generate
@@ -19,16 +27,16 @@ def brute_force_match(tokens, sizes, cap):
     for n in sorted(sizes, reverse=True):
         if len(tokens) < n:
             continue
-        suffix = tokens[len(tokens) - n:]
+        suffix = tokens[len(tokens) - n :]
         for i in range(len(tokens) - 1, n - 1, -1):
-            if tokens[i - n:i] == suffix:
-                return tokens[i:i + cap], n
+            if tokens[i - n : i] == suffix:
+                return tokens[i : i + cap], n
     return [], 0
 
 
 def test_the_lookup_index_finds_what_a_search_of_the_whole_context_finds():
     rng = random.Random(0)
-    for trial in range(200):
+    for _ in range(200):
         vocab = rng.choice([2, 3, 5, 20])
         sizes = rng.choice([(4, 3, 2), (3, 2, 1), (2,), (5, 1)])
         cap = rng.choice([1, 4, 16])
@@ -57,8 +65,17 @@ class ScriptedPolicy(FixedPolicy):
         return choice
 
 
-SCRIPT = [Choice(DFLASH, 15), Choice(LOOKUP, 3), Choice(PLAIN, 0), Choice(DFLASH, 1), Choice(LOOKUP, 16),
-          Choice(DFLASH, 6), Choice(LOOKUP, 1), Choice(DFLASH, 15), Choice(LOOKUP, 8)]
+SCRIPT = [
+    Choice(DFLASH, 15),
+    Choice(LOOKUP, 3),
+    Choice(PLAIN, 0),
+    Choice(DFLASH, 1),
+    Choice(LOOKUP, 16),
+    Choice(DFLASH, 6),
+    Choice(LOOKUP, 1),
+    Choice(DFLASH, 15),
+    Choice(LOOKUP, 8),
+]
 
 
 class OracleIndex(NgramIndex):
@@ -70,7 +87,7 @@ class OracleIndex(NgramIndex):
         self.reference, self.errors, self.calls = reference, errors, 0
 
     def match(self, cap=16):
-        guess = self.reference[len(self.tokens):len(self.tokens) + cap]
+        guess = self.reference[len(self.tokens) : len(self.tokens) + cap]
         err = self.errors[self.calls % len(self.errors)]
         self.calls += 1
         if err is not None and err < len(guess):
@@ -82,6 +99,7 @@ class OracleIndex(NgramIndex):
 def scripted(monkeypatch):
     def use(script):
         monkeypatch.setattr(speculative, "policy_for", lambda *a, **k: ScriptedPolicy(script))
+
     return use
 
 
@@ -97,12 +115,12 @@ def test_every_choice_and_every_switch_between_them_is_lossless(family, scripted
     tok = make_tokenizer(eos=next(i for i in range(3, 96) if i not in ref))
     sources = []
     for piece in stream_generate(target, draft, tok, prompt, max_tokens=60, prompt_cache=cache):
-        assert cache.tokens == prompt + ref[:len(cache.tokens) - len(prompt)]
+        assert cache.tokens == prompt + ref[: len(cache.tokens) - len(prompt)]
         fresh = SpeculativeCache(target, draft)
-        fresh.prefill(cache.tokens[:cache.processed])
+        fresh.prefill(cache.tokens[: cache.processed])
         assert_same_caches(cache, fresh)
         sources.append((piece.source, piece.proposed))
-    assert cache.tokens[len(prompt):] == ref[:60]
+    assert cache.tokens[len(prompt) :] == ref[:60]
     assert {s for s, _ in sources[1:]} == {PLAIN, LOOKUP, DFLASH}
     assert len({k for s, k in sources if s == DFLASH}) > 1 and len({k for s, k in sources if s == LOOKUP}) > 1
 
@@ -119,16 +137,20 @@ def test_lookup_proposals_cut_by_eos_stop_strings_and_max_tokens(scripted):
         assert generate(model, None, no_eos, prompt, max_tokens=limit).tokens == ref[:limit]
     eos_at = next(i for i in range(10, 70) if ref[i] not in ref[:i])
     out = generate(model, None, make_tokenizer(eos=ref[eos_at]), prompt, max_tokens=80)
-    assert out.tokens == ref[:eos_at + 1] and out.finish_reason == "stop"
+    assert out.tokens == ref[: eos_at + 1] and out.finish_reason == "stop"
     stop = " ".join(full.text.split()[20:22])
     out = generate(model, None, no_eos, prompt, max_tokens=80, stop=[stop])
-    assert out.text == full.text[:full.text.index(stop)] and out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(stop)] and out.finish_reason == "stop"
 
 
 # Costs in units of one plain step: a Mac-like target (a wide verify pass costs little more than a step)
 # and this project's CPU (measured with SmolLM2-135M float32; see docs/policy.md).
-MAC = CostModel([64], [1, 2, 4, 8, 16], [[1.0, 1.01, 1.03, 1.06, 1.1]], [1, 3, 7, 15], [[0.1, 0.1, 0.11, 0.12]])
-CPU = CostModel([64], [1, 2, 4, 8, 16], [[1.0, 1.12, 1.40, 1.56, 1.98]], [1, 3, 7, 15], [[0.27, 0.3, 0.32, 0.42]])
+MAC = CostModel(
+    [64], [1, 2, 4, 8, 16], [[1.0, 1.01, 1.03, 1.06, 1.1]], [1, 3, 7, 15], [[0.1, 0.1, 0.11, 0.12]]
+)
+CPU = CostModel(
+    [64], [1, 2, 4, 8, 16], [[1.0, 1.12, 1.40, 1.56, 1.98]], [1, 3, 7, 15], [[0.27, 0.3, 0.32, 0.42]]
+)
 
 
 def run_trace(policy, accept, cycles, confidence=0.5):
@@ -152,12 +174,15 @@ def geometric(rate, rng):
         while n < k and rng.random() < rate:
             n += 1
         return n
+
     return accept
 
 
 def test_on_a_mac_with_a_good_drafter_the_policy_keeps_full_blocks():
     rng = random.Random(1)
-    made = run_trace(AdaptivePolicy(MAC, 15, lookup=False), geometric(0.85, rng), 300, confidence=0.9)  # tau ~ 6
+    made = run_trace(
+        AdaptivePolicy(MAC, 15, lookup=False), geometric(0.85, rng), 300, confidence=0.9
+    )  # tau ~ 6
     late = made[100:]
     assert all(s == DFLASH for s, _ in late)
     assert sum(k for _, k in late) / len(late) >= 12
@@ -196,7 +221,9 @@ def test_costs_are_interpolated_over_width_and_context():
 
 
 @pytest.mark.parametrize("mode", ["lookup", "adaptive"])
-def test_sampled_output_follows_the_target_distribution_with_lookup_and_the_adaptive_policy(mode, monkeypatch):
+def test_sampled_output_follows_the_target_distribution_with_lookup_and_the_adaptive_policy(
+    mode, monkeypatch
+):
     model = make_target("llama", seed=4, vocab_size=V)
     prompt = [1, 5, 3, 6, 1, 5]  # lookup proposes [3, 6, 1, 5] at once
     if mode == "lookup":

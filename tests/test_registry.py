@@ -15,7 +15,9 @@ def test_every_pair_is_complete_and_unique():
         assert p.target and p.draft and p.family and p.disk
 
 
-@pytest.mark.parametrize("name", ["qwen3-4b", "Qwen/Qwen3-4B", "mlx-community/Qwen3-4B-4bit", "MLX-COMMUNITY/qwen3-4b-8bit"])
+@pytest.mark.parametrize(
+    "name", ["qwen3-4b", "Qwen/Qwen3-4B", "mlx-community/Qwen3-4B-4bit", "MLX-COMMUNITY/qwen3-4b-8bit"]
+)
 def test_a_target_finds_its_drafter(name):
     assert find_pair(name).draft == "z-lab/Qwen3-4B-DFlash-b16"
 
@@ -49,7 +51,11 @@ def test_qwen3_pairs_render_without_thinking_unless_asked():
     """Their drafters learnt from answers without thinking: the registry says so, --think overrides."""
     from dflash_mlx.loading import template_kwargs
 
-    assert template_kwargs("qwen3-4b") == template_kwargs("mlx-community/Qwen3-8B-4bit") == {"enable_thinking": False}
+    assert (
+        template_kwargs("qwen3-4b")
+        == template_kwargs("mlx-community/Qwen3-8B-4bit")
+        == {"enable_thinking": False}
+    )
     assert template_kwargs("qwen3-4b", think=True) == {"enable_thinking": True}
     assert template_kwargs("someone/other-model") == template_kwargs("smollm2-135m-instruct") == {}
 
@@ -79,6 +85,6 @@ def test_a_drafter_given_as_the_target_is_named_as_such(tmp_path):
     from dflash_mlx.loading import draft_for, resolve_target
 
     for name in ("smollm2-135m-instruct-dflash", str(MODELS_DIR / "smollm2-135m-instruct-dflash")):
-        for call in (lambda: draft_for(name), lambda: resolve_target(name)):
+        for call in (draft_for, resolve_target):
             with pytest.raises(ValueError, match="is a DFlash drafter, not a target: pass it as the drafter"):
-                call()
+                call(name)

@@ -1,6 +1,5 @@
 """Above temperature 0 the output must follow the target's own sampling distribution exactly."""
 
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -16,8 +15,9 @@ V, T, B, RUNS = 8, 4, 3, 1500
 PROMPT = [1, 5, 3, 6]
 
 
-def nucleus_probs(logits: np.ndarray, temperature: float, top_p: float, top_k: int = 0,
-                  min_p: float = 0.0) -> np.ndarray:
+def nucleus_probs(
+    logits: np.ndarray, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0
+) -> np.ndarray:
     """Plain sampling's distribution, written independently: on the untempered probabilities,
     top-p keeps a token while the mass of strictly more probable tokens is < top_p, top-k keeps the
     k most probable, min-p keeps tokens with p >= min_p * max p (each keeps a most-probable prefix,
@@ -39,8 +39,11 @@ def exact_joint(model, temperature, top_p, prompt=PROMPT, **filters) -> dict:
     for _ in range(T):
         seqs = list(probs)
         logits = np.array(model(mx.array([prompt + list(s) for s in seqs]))[:, -1].astype(mx.float32))
-        probs = {s + (t,): probs[s] * pt for s, row in zip(seqs, logits)
-                 for t, pt in enumerate(nucleus_probs(row.astype(np.float64), temperature, top_p, **filters))}
+        probs = {
+            s + (t,): probs[s] * pt
+            for s, row in zip(seqs, logits)
+            for t, pt in enumerate(nucleus_probs(row.astype(np.float64), temperature, top_p, **filters))
+        }
     return probs
 
 
@@ -53,7 +56,7 @@ class TargetPathDraft(DFlashDraftModel):
         self.model, self.holder = model, cache_holder
 
     def propose_logits(self, last_token, cache, block_size, compiled=True, heads=None):
-        seq = self.holder[0].tokens[:cache[0].offset] + [last_token]
+        seq = self.holder[0].tokens[: cache[0].offset] + [last_token]
         rows = []
         for _ in range(block_size - 1):
             row = self.model(mx.array([seq]))[0, -1]
@@ -68,9 +71,26 @@ def sample_counts(model, draft, holder, temperature, top_p, sampler=None, **filt
     counts = {}
     for seed in range(RUNS):
         holder[0] = SpeculativeCache(target, draft)
-        out = sum((r.tokens for r in stream_generate(
-            target, draft, tok, PROMPT, max_tokens=T, block_size=B, temperature=temperature,
-            top_p=top_p, seed=seed, sampler=sampler, prompt_cache=holder[0], **filters)), [])
+        out = sum(
+            (
+                r.tokens
+                for r in stream_generate(
+                    target,
+                    draft,
+                    tok,
+                    PROMPT,
+                    max_tokens=T,
+                    block_size=B,
+                    temperature=temperature,
+                    top_p=top_p,
+                    seed=seed,
+                    sampler=sampler,
+                    prompt_cache=holder[0],
+                    **filters,
+                )
+            ),
+            [],
+        )
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     return counts
 
@@ -116,8 +136,11 @@ def test_top_k_and_min_p_are_applied_exactly(model):
 
 def test_a_seed_makes_a_sampled_answer_repeatable(model):
     tok = make_tokenizer(vocab=V, eos=V + 5)
-    answer = lambda seed: generate(model, make_draft(seed=11, vocab=V), tok, PROMPT, max_tokens=12,  # noqa: E731
-                                   temperature=1.0, seed=seed).tokens
+
+    def answer(seed):
+        draft = make_draft(seed=11, vocab=V)
+        return generate(model, draft, tok, PROMPT, max_tokens=12, temperature=1.0, seed=seed).tokens
+
     first = answer(3)
     assert answer(3) == first and any(answer(s) != first for s in range(4, 9))
 
@@ -126,7 +149,9 @@ def test_a_custom_sampler_keeps_its_own_distribution(model):
     from mlx_lm.sample_utils import make_sampler
 
     holder = [None]
-    counts = sample_counts(model, make_draft(seed=11, vocab=V), holder, 0.0, 1.0, sampler=make_sampler(0.7, top_p=0.9))
+    counts = sample_counts(
+        model, make_draft(seed=11, vocab=V), holder, 0.0, 1.0, sampler=make_sampler(0.7, top_p=0.9)
+    )
     assert chi_square_p(counts, exact_joint(model, 0.7, 0.9)) > 1e-3
 
 
@@ -140,6 +165,7 @@ def test_the_check_catches_a_lossy_rule(model, monkeypatch):
 
         def accept(x, q, logits):
             return mx.array(x.shape[0]), mx.random.categorical(params.logprobs(logits[-1]))
+
         return draft, accept
 
     monkeypatch.setattr(speculative, "acceptance", accept_all)
@@ -151,11 +177,18 @@ def test_the_check_catches_a_lossy_rule(model, monkeypatch):
 
 def test_probabilities_match_the_independent_reference():
     logits = mx.random.normal((5, 50), key=mx.random.key(0)) * 3
-    for temperature, top_p, top_k, min_p in [(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.3, 0.5, 0, 0.0),
-                                             (0.8, 1.0, 3, 0.0), (1.0, 1.0, 0, 0.05), (0.9, 0.95, 7, 0.02)]:
+    for temperature, top_p, top_k, min_p in [
+        (1.0, 1.0, 0, 0.0),
+        (0.7, 0.9, 0, 0.0),
+        (1.3, 0.5, 0, 0.0),
+        (0.8, 1.0, 3, 0.0),
+        (1.0, 1.0, 0, 0.05),
+        (0.9, 0.95, 7, 0.02),
+    ]:
         ours = np.array(SamplingParams(temperature, top_p, top_k, min_p).probs(logits))
-        ref = np.stack([nucleus_probs(np.array(r, dtype=np.float64), temperature, top_p, top_k, min_p)
-                        for r in logits])
+        ref = np.stack(
+            [nucleus_probs(np.array(r, dtype=np.float64), temperature, top_p, top_k, min_p) for r in logits]
+        )
         np.testing.assert_allclose(ours, ref, atol=1e-5)
         if top_k or min_p:  # the filter really removed tokens in every row
             assert ((ref > 0).sum(axis=1) < 50).all()
@@ -173,26 +206,36 @@ def test_bfloat16_logits_follow_the_distribution_mlx_lm_samples_from():
         plain = make_sampler(temperature, top_p=top_p, min_p=min_p)
         ours = np.array(SamplingParams(temperature, top_p, 0, min_p).probs(logits), dtype=np.float64)
         for row in range(logits.shape[0]):
-            draws = np.array(plain(mx.broadcast_to(logprobs[row:row + 1], (4000, 4096))))
+            draws = np.array(plain(mx.broadcast_to(logprobs[row : row + 1], (4000, 4096))))
             counts = np.bincount(draws, minlength=4096)
-            assert ours[row][counts > 0].min() > 0, (temperature, top_p, min_p, row)  # no draw we call impossible
+            assert ours[row][counts > 0].min() > 0, (
+                temperature,
+                top_p,
+                min_p,
+                row,
+            )  # no draw we call impossible
             big = ours[row] * 4000 >= 5  # chi-square over the tokens expected 5+ times, the rest pooled
             observed = np.append(counts[big], counts[~big].sum())
             expected = np.append(ours[row][big], ours[row][~big].sum()) * 4000
             keep = expected > 0
-            assert chisquare(observed[keep], expected[keep] * observed.sum() / expected[keep].sum()).pvalue > 1e-4
+            assert (
+                chisquare(observed[keep], expected[keep] * observed.sum() / expected[keep].sum()).pvalue
+                > 1e-4
+            )
 
 
 def test_bad_sampling_settings_are_refused():
-    for kwargs, message in [(dict(temperature=-1), "temperature must be a number >= 0, got -1"),
-                            (dict(temperature=float("nan")), "temperature must be a number >= 0, got nan"),
-                            (dict(temperature=float("inf")), "temperature must be a number >= 0, got inf"),
-                            (dict(top_p=float("nan")), r"top_p must be in \(0, 1\], got nan"),
-                            (dict(min_p=float("nan")), r"min_p must be in \[0, 1\], got nan"),
-                            (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
-                            (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
-                            (dict(top_k=-2), "top_k must be >= 0, got -2"),
-                            (dict(min_p=2), r"min_p must be in \[0, 1\], got 2")]:
+    for kwargs, message in [
+        (dict(temperature=-1), "temperature must be a number >= 0, got -1"),
+        (dict(temperature=float("nan")), "temperature must be a number >= 0, got nan"),
+        (dict(temperature=float("inf")), "temperature must be a number >= 0, got inf"),
+        (dict(top_p=float("nan")), r"top_p must be in \(0, 1\], got nan"),
+        (dict(min_p=float("nan")), r"min_p must be in \[0, 1\], got nan"),
+        (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+        (dict(top_k=-2), "top_k must be >= 0, got -2"),
+        (dict(min_p=2), r"min_p must be in \[0, 1\], got 2"),
+    ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
 
@@ -216,6 +259,7 @@ def test_a_sampler_that_flips_one_coin_per_call_stays_exact(model):
     """mlx-lm's XTC flips one coin per call, for the whole batch: a verify pass's positions must not
     share it. Here the coin picks the argmax or the argmin of every row, with a drafter that is right
     whenever the coin says argmax."""
+
     def coin(logprobs):
         return mx.where(mx.random.uniform() < 0.5, mx.argmax(logprobs, axis=-1), mx.argmin(logprobs, axis=-1))
 
@@ -223,9 +267,15 @@ def test_a_sampler_that_flips_one_coin_per_call_stays_exact(model):
     for _ in range(T):
         seqs = list(joint)
         logits = np.array(model(mx.array([PROMPT + list(s) for s in seqs]))[:, -1].astype(mx.float32))
-        joint = {s + (t,): joint[s] * 0.5 for s, row in zip(seqs, logits) for t in (int(row.argmax()), int(row.argmin()))}
+        joint = {
+            s + (t,): joint[s] * 0.5
+            for s, row in zip(seqs, logits)
+            for t in (int(row.argmax()), int(row.argmin()))
+        }
     holder = [None]
-    counts = sample_counts(model, TargetPathDraft(draft_config(vocab=V), model, holder), holder, 0.0, 1.0, sampler=coin)
+    counts = sample_counts(
+        model, TargetPathDraft(draft_config(vocab=V), model, holder), holder, 0.0, 1.0, sampler=coin
+    )
     assert sum(counts.get(s, 0) for s in joint) == RUNS  # nothing plain decoding could not write
     p = chisquare([counts.get(s, 0) for s in joint], [q * RUNS for q in joint.values()]).pvalue
     assert p > 1e-3, f"chi-square p-value {p:.2e}: the verify pass shared one coin"

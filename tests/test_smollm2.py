@@ -11,8 +11,14 @@ from tiny import make_draft
 from dflash_mlx import apply_chat_template, generate
 from dflash_mlx.loading import SMOLLM2_GGUF, smollm2_gguf
 
-STRINGS = ["Hello world!", "def f(x):\n    return x ** 2  # 12345 + 67", "Ünïcödé — 日本語 🚀 naïve café",
-           "<|im_start|>user\nhi<|im_end|>\n", "  spaces   and\ttabs\n\n", "1234567890 3.14159"]
+STRINGS = [
+    "Hello world!",
+    "def f(x):\n    return x ** 2  # 12345 + 67",
+    "Ünïcödé — 日本語 🚀 naïve café",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "  spaces   and\ttabs\n\n",
+    "1234567890 3.14159",
+]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
@@ -37,7 +43,9 @@ def reference():
     pytest.importorskip("gguf")
     folder = str(smollm2_gguf().parent)
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32
+    )
     return model, tok
 
 
@@ -61,8 +69,11 @@ def test_tokenizer_and_chat_template_match_transformers(ours, reference):
         ids = ref.encode(s, add_special_tokens=False)
         assert tokenizer.encode(s, add_special_tokens=False) == ids, s
         assert tokenizer.decode(ids) == ref.decode(ids) == s
-    chat = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, how can I help?"},
-            {"role": "user", "content": "Name a colour."}]
+    chat = [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": "Name a colour."},
+    ]
     kw = dict(tokenize=False, add_generation_prompt=True)
     assert tokenizer.apply_chat_template(chat, **kw) == ref.apply_chat_template(chat, **kw)
     assert tokenizer.eos_token_id == ref.eos_token_id == 2
@@ -106,9 +117,14 @@ def test_a_drafter_for_another_target_is_refused_by_the_cli(ours, tmp_path):
     from dflash_mlx.cli.main import app
 
     write_zlab_checkpoint(tmp_path / "d", make_draft())
-    r = CliRunner().invoke(app, ["generate", "-m", "smollm2-135m-instruct", "-d", str(tmp_path / "d"), "-p", "hi"])
+    r = CliRunner().invoke(
+        app, ["generate", "-m", "smollm2-135m-instruct", "-d", str(tmp_path / "d"), "-p", "hi"]
+    )
     assert r.exit_code == 1
-    assert "error: this drafter was not made for this target: drafter hidden size 64, target hidden size 576" in r.output
+    assert (
+        "error: this drafter was not made for this target: drafter hidden size 64, target hidden size 576"
+        in r.output
+    )
     assert "Traceback" not in r.output
 
 
@@ -122,6 +138,10 @@ def test_a_piped_prompt_loses_the_newline_echo_adds(smollm2):
 
     args = ["generate", "--no-draft", "--max-tokens", "8", "--json"]
     env = {"DFLASH_MLX_HOME": str(smollm2[2])}
-    typed = json.loads(CliRunner().invoke(app, args + ["-p", "What is the capital of France?"], env=env).stdout)
-    piped = json.loads(CliRunner().invoke(app, args, input="What is the capital of France?\n", env=env).stdout)
+    typed = json.loads(
+        CliRunner().invoke(app, args + ["-p", "What is the capital of France?"], env=env).stdout
+    )
+    piped = json.loads(
+        CliRunner().invoke(app, args, input="What is the capital of France?\n", env=env).stdout
+    )
     assert piped["prompt_tokens"] == typed["prompt_tokens"] and piped["tokens"] == typed["tokens"]

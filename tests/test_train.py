@@ -9,18 +9,45 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from tiny import _COMMON, FAMILIES, flat_params, greedy_reference, make_draft, make_target, make_tokenizer, prompt_of
+from tiny import (
+    _COMMON,
+    FAMILIES,
+    flat_params,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    prompt_of,
+)
 
 import dflash_mlx.train as train_module
 from dflash_mlx.chat import apply_chat_template
-from dflash_mlx.data import (check_data_tokenizer, generate_data, jsonl_prompts, load_shards, parse_hf_spec,
-                             prompt_source)
+from dflash_mlx.data import (
+    check_data_tokenizer,
+    generate_data,
+    jsonl_prompts,
+    load_shards,
+    parse_hf_spec,
+    prompt_source,
+)
 from dflash_mlx.models.dflash import block_mask
 from dflash_mlx.models.targets import Target
 from dflash_mlx.pairing import prepare
 from dflash_mlx.speculative import generate
-from dflash_mlx.train import (FeatureCache, TrainConfig, acceptance_from_blocks, block_labels, block_logits, block_loss,
-                              cross_entropy, loss_weights, pick_mask_token, saved_run, train, usable_sequences)
+from dflash_mlx.train import (
+    FeatureCache,
+    TrainConfig,
+    acceptance_from_blocks,
+    block_labels,
+    block_logits,
+    block_loss,
+    cross_entropy,
+    loss_weights,
+    pick_mask_token,
+    saved_run,
+    train,
+    usable_sequences,
+)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -98,7 +125,9 @@ def test_the_data_vocabulary_loss_is_the_full_softmax_restricted_to_those_tokens
     subset = block_logits(draft, target, features, tokens, anchors, target.head_rows(mx.array(used)))
     np.testing.assert_allclose(np.array(subset), np.array(full)[..., used], rtol=1e-5, atol=1e-5)
     restricted = block_loss(subset, sub_labels, valid, 7.0).item()
-    assert restricted == pytest.approx(block_loss(full[..., mx.array(used)], sub_labels, valid, 7.0).item(), abs=1e-5)
+    assert restricted == pytest.approx(
+        block_loss(full[..., mx.array(used)], sub_labels, valid, 7.0).item(), abs=1e-5
+    )
     assert restricted < block_loss(full, labels, valid, 7.0).item()  # fewer competitors, lower loss
 
 
@@ -107,14 +136,18 @@ def test_fast_cpu_cross_entropy_matches_mlx_in_value_and_gradient():
     labels = mx.random.randint(0, 300, (3, 5), key=mx.random.key(2))
     w = mx.random.uniform(shape=(3, 5), key=mx.random.key(3))
     ours = mx.value_and_grad(lambda x: (cross_entropy(x, labels) * w).sum())(logits)
-    ref = mx.value_and_grad(lambda x: (nn.losses.cross_entropy(x, labels, reduction="none") * w).sum())(logits)
+    ref = mx.value_and_grad(lambda x: (nn.losses.cross_entropy(x, labels, reduction="none") * w).sum())(
+        logits
+    )
     assert abs(ours[0].item() - ref[0].item()) < 1e-4 * abs(ref[0].item())
     np.testing.assert_allclose(np.array(ours[1]), np.array(ref[1]), rtol=1e-4, atol=1e-6)
 
 
 def self_distilled(model, n=40, prompt_len=8, response=48):
-    return [(p + greedy_reference(model, p, response), prompt_len)
-            for p in (prompt_of(prompt_len, seed=s) for s in range(n))]
+    return [
+        (p + greedy_reference(model, p, response), prompt_len)
+        for p in (prompt_of(prompt_len, seed=s) for s in range(n))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -126,19 +159,37 @@ def tiny_setup():
 def real_tau(model, draft, seqs):
     """Mean acceptance of real stream_generate runs on prompts the drafter trained on (a random tiny
     target's text is only learnable by heart: what this checks is that training reaches inference)."""
-    return np.mean([generate(model, draft, None, s[:8], max_tokens=48).mean_acceptance for s, _ in seqs[8:16]])
+    return np.mean(
+        [generate(model, draft, None, s[:8], max_tokens=48).mean_acceptance for s, _ in seqs[8:16]]
+    )
 
 
 @pytest.mark.parametrize("vocab", ["full", "data"])
 def test_a_tiny_run_lowers_the_loss_and_raises_real_acceptance(tiny_setup, tmp_path, vocab):
     model, seqs = tiny_setup
-    cfg = TrainConfig(block_size=8, num_layers=1, mask_token_id=95, anchors=8, steps=300, lr=3e-3, warmup=20,
-                      checkpoint_every=1000, holdout=8, vocab=vocab)
+    cfg = TrainConfig(
+        block_size=8,
+        num_layers=1,
+        mask_token_id=95,
+        anchors=8,
+        steps=300,
+        lr=3e-3,
+        warmup=20,
+        checkpoint_every=1000,
+        holdout=8,
+        vocab=vocab,
+    )
     losses = []
     untrained = make_draft(block_size=8, layers=1, layer_ids=(2,))
     before = real_tau(model, untrained, seqs)
-    draft = train(Target(model), make_tokenizer(), seqs, tmp_path / "run", cfg,
-                  on_step=lambda r: losses.append(r["loss"]))
+    draft = train(
+        Target(model),
+        make_tokenizer(),
+        seqs,
+        tmp_path / "run",
+        cfg,
+        on_step=lambda r: losses.append(r["loss"]),
+    )
     assert np.mean(losses[-50:]) < 0.5 * np.mean(losses[:20])
     after = real_tau(model, draft, seqs)
     assert after > before + 0.7, (before, after)
@@ -149,14 +200,15 @@ def test_a_tiny_run_lowers_the_loss_and_raises_real_acceptance(tiny_setup, tmp_p
     tokens = mx.array(seqs[9][0])
     anchors = mx.array([8, 15, 23, 31, 40])
     _, features = target(tokens[None], None)
-    tau, _ = acceptance_from_blocks(block_logits(draft, target, features, tokens, anchors),
-                                    *block_labels(tokens, anchors, 8))
+    tau, _ = acceptance_from_blocks(
+        block_logits(draft, target, features, tokens, anchors), *block_labels(tokens, anchors, 8)
+    )
     real = []
     for a in anchors.tolist():
         cache = draft.make_cache()
         draft.absorb(features[:, :a], cache)
         proposals = np.array(draft.propose_logits(int(tokens[a].item()), cache, 8)[0].argmax(-1))
-        real.append(1 + np.cumprod(proposals == np.array(tokens[a + 1:a + 8])).sum())
+        real.append(1 + np.cumprod(proposals == np.array(tokens[a + 1 : a + 8])).sum())
     assert tau == pytest.approx(np.mean(real)) and tau > 2
 
 
@@ -172,8 +224,17 @@ def test_every_supported_family_trains_and_its_features_match_a_cached_prefill(f
     parts = [target(tokens[None, a:b], cache)[1] for a, b in ((0, 17), (17, 20), (20, 33), (33, 40))]
     np.testing.assert_allclose(np.array(mx.concatenate(parts, axis=1)), np.array(whole), rtol=1e-4, atol=1e-4)
     seqs = [(p + greedy_reference(model, p, 32), 8) for p in (prompt_of(8, seed=s) for s in range(12))]
-    cfg = TrainConfig(block_size=8, num_layers=1, mask_token_id=95, anchors=8, steps=60, lr=3e-3, warmup=10,
-                      checkpoint_every=1000, holdout=4)
+    cfg = TrainConfig(
+        block_size=8,
+        num_layers=1,
+        mask_token_id=95,
+        anchors=8,
+        steps=60,
+        lr=3e-3,
+        warmup=10,
+        checkpoint_every=1000,
+        holdout=4,
+    )
     losses = []
     train(Target(model), make_tokenizer(), seqs, tmp_path, cfg, on_step=lambda r: losses.append(r["loss"]))
     assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:10])
@@ -197,10 +258,17 @@ def test_the_data_vocabulary_option_is_used(tiny_setup, tmp_path):
     seqs = [(prompt_of(8, seed=s) + [3 + (s * k) % 6 for k in range(40)], 8) for s in range(16)]
     first = {}
     for vocab in ("full", "data"):
-        cfg = TrainConfig(block_size=8, num_layers=1, mask_token_id=95, anchors=8, steps=1, warmup=1, holdout=8,
-                          vocab=vocab)
-        train(Target(model), make_tokenizer(), seqs, tmp_path / vocab, cfg,
-              on_step=lambda r: first.setdefault(vocab, r["loss"]))
+        cfg = TrainConfig(
+            block_size=8, num_layers=1, mask_token_id=95, anchors=8, steps=1, warmup=1, holdout=8, vocab=vocab
+        )
+        train(
+            Target(model),
+            make_tokenizer(),
+            seqs,
+            tmp_path / vocab,
+            cfg,
+            on_step=lambda r, vocab=vocab: first.setdefault(vocab, r["loss"]),
+        )
     assert first["data"] < first["full"] - 1
 
 
@@ -209,8 +277,12 @@ def test_the_mask_token_is_a_spare_special_token():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"w{i}": i for i in range(10)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")),
-                                  unk_token="w0", bos_token="w1", eos_token="w2")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")),
+        unk_token="w0",
+        bos_token="w1",
+        eos_token="w2",
+    )
     with pytest.raises(ValueError, match="no spare special token to use as the mask: pass --mask-token-id"):
         pick_mask_token(tok)
     tok.add_special_tokens({"additional_special_tokens": ["<a>", "<b>"], "pad_token": "<pad>"})
@@ -222,10 +294,26 @@ def test_the_mask_token_is_a_spare_special_token():
 
 def test_resume_continues_the_same_run(tiny_setup, tmp_path):
     model, seqs = tiny_setup
-    cfg = TrainConfig(steps=60, block_size=8, num_layers=1, mask_token_id=95, anchors=8, lr=3e-3, warmup=10,
-                      checkpoint_every=20, holdout=8)
+    cfg = TrainConfig(
+        steps=60,
+        block_size=8,
+        num_layers=1,
+        mask_token_id=95,
+        anchors=8,
+        lr=3e-3,
+        warmup=10,
+        checkpoint_every=20,
+        holdout=8,
+    )
     straight = []
-    train(Target(model), make_tokenizer(), seqs, tmp_path / "a", cfg, on_step=lambda r: straight.append(r["loss"]))
+    train(
+        Target(model),
+        make_tokenizer(),
+        seqs,
+        tmp_path / "a",
+        cfg,
+        on_step=lambda r: straight.append(r["loss"]),
+    )
 
     first, second = [], []
 
@@ -237,60 +325,109 @@ def test_resume_continues_the_same_run(tiny_setup, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         train(Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg, on_step=crash_at_45)
     assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 40
-    train(Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg, on_step=lambda r: second.append(r["loss"]))
+    train(
+        Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg, on_step=lambda r: second.append(r["loss"])
+    )
     assert len(second) == 20  # steps 41..60: only the 5 steps after the last checkpoint were redone
     np.testing.assert_allclose(first[:40] + second, straight, rtol=2e-3, atol=2e-3)
     # Resuming on other data would change the order of sequences and the held-out set: refused.
-    with pytest.raises(ValueError, match="the run trained on other data .40 usable sequences, these have 39."):
+    with pytest.raises(
+        ValueError, match="the run trained on other data .40 usable sequences, these have 39."
+    ):
         train(Target(model), make_tokenizer(), seqs[:-1], tmp_path / "b", replace(cfg, steps=80))
     with pytest.raises(ValueError, match="the same number of sequences, not the same ones"):
         train(Target(model), make_tokenizer(), seqs[1:] + seqs[:1], tmp_path / "b", replace(cfg, steps=80))
     # Or against another target: other weights of the same shape, or another shape.
-    with pytest.raises(ValueError, match=r"another target \(other weights of the same shape\): resume it with the -m"):
-        train(Target(make_target("llama", seed=1)), make_tokenizer(), seqs, tmp_path / "b", replace(cfg, steps=80))
-    with pytest.raises(ValueError, match=r"another target \(llama, 4 layers, vocabulary 96; this one: qwen3, 4 layers, vocabulary 96\)"):
+    with pytest.raises(
+        ValueError, match=r"another target \(other weights of the same shape\): resume it with the -m"
+    ):
+        train(
+            Target(make_target("llama", seed=1)),
+            make_tokenizer(),
+            seqs,
+            tmp_path / "b",
+            replace(cfg, steps=80),
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"another target \(llama, 4 layers, vocabulary 96; this one: qwen3, 4 layers, vocabulary 96\)",
+    ):
         train(Target(make_target("qwen3")), make_tokenizer(), seqs, tmp_path / "b", replace(cfg, steps=80))
     # Killed while writing a checkpoint: the half-written copy is cleared away when the run resumes.
     (tmp_path / "b" / ".checkpoint.partial-x1y2").mkdir()
     (tmp_path / "b" / ".checkpoint.partial-x1y2" / "model.safetensors").write_bytes(b"half")
-    train(Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg)  # nothing left to train: it just returns
+    train(
+        Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg
+    )  # nothing left to train: it just returns
     assert not list((tmp_path / "b").glob(".checkpoint.partial-*"))
     # Stopped between the two renames that swap a checkpoint in: the previous one is found and put back.
     (tmp_path / "b" / "checkpoint").rename(tmp_path / "b" / ".checkpoint.old")
-    assert saved_run(tmp_path / "b")["step"] == 60 and (tmp_path / "b" / "checkpoint" / "model.safetensors").exists()
+    assert (
+        saved_run(tmp_path / "b")["step"] == 60
+        and (tmp_path / "b" / "checkpoint" / "model.safetensors").exists()
+    )
 
 
 def test_a_failing_tau_check_is_logged_and_the_run_goes_on(tiny_setup, tmp_path):
     model, seqs = tiny_setup
-    cfg = TrainConfig(steps=12, block_size=8, num_layers=1, mask_token_id=95, anchors=4, warmup=2,
-                      checkpoint_every=6, eval_every=6, holdout=8)
+    cfg = TrainConfig(
+        steps=12,
+        block_size=8,
+        num_layers=1,
+        mask_token_id=95,
+        anchors=4,
+        warmup=2,
+        checkpoint_every=6,
+        eval_every=6,
+        holdout=8,
+    )
     records = []
 
     def evaluate(draft):
         raise ValueError("the prompt is 327 tokens and the model's context holds 128: shorten the prompt")
 
-    train(Target(model), make_tokenizer(), seqs, tmp_path / "r", cfg, on_step=records.append, evaluate=evaluate)
+    train(
+        Target(model), make_tokenizer(), seqs, tmp_path / "r", cfg, on_step=records.append, evaluate=evaluate
+    )
     assert [r["step"] for r in records if "eval_error" in r] == [6, 12]
-    assert records[-1]["eval_error"].startswith("ValueError: the prompt is 327 tokens") and "offline_tau" in records[-1]
+    assert (
+        records[-1]["eval_error"].startswith("ValueError: the prompt is 327 tokens")
+        and "offline_tau" in records[-1]
+    )
     assert saved_run(tmp_path / "r")["step"] == 12  # the last interval was kept
 
 
 def test_sequences_with_no_response_inside_max_seq_len_are_not_used(tiny_setup, tmp_path):
     model, seqs = tiny_setup  # 8 prompt + 48 answer tokens each
-    cfg = TrainConfig(block_size=8, num_layers=1, mask_token_id=95, anchors=4, steps=6, holdout=2, max_seq_len=40,
-                      checkpoint_every=1000, vocab="data")
+    cfg = TrainConfig(
+        block_size=8,
+        num_layers=1,
+        mask_token_id=95,
+        anchors=4,
+        steps=6,
+        holdout=2,
+        max_seq_len=40,
+        checkpoint_every=1000,
+        vocab="data",
+    )
     # Read as prompts of 39 tokens, 10 of them leave one response token inside the first 40: no anchor.
     mixed = [(s, 39) for s, _ in seqs[:10]] + [(s, 37) for s, _ in seqs[10:13]]
     assert usable_sequences(mixed, cfg) == mixed[10:]
     steps = []
-    train(Target(model), make_tokenizer(), mixed, tmp_path / "r", cfg, on_step=lambda r: steps.append(r["step"]))
-    assert steps == [1, 2, 3, 4, 5, 6] and saved_run(tmp_path / "r")["step"] == 6  # no step skipped, none lost
+    train(
+        Target(model), make_tokenizer(), mixed, tmp_path / "r", cfg, on_step=lambda r: steps.append(r["step"])
+    )
+    assert (
+        steps == [1, 2, 3, 4, 5, 6] and saved_run(tmp_path / "r")["step"] == 6
+    )  # no step skipped, none lost
 
 
 def test_features_past_the_float16_range_stay_finite(tiny_setup):
     model, seqs = tiny_setup
     tokens = mx.array(seqs[0][0])
-    assert FeatureCache(Target(model, [1, 3]))(0, tokens).dtype == mx.float16  # as before: half the RAM of float32
+    assert (
+        FeatureCache(Target(model, [1, 3]))(0, tokens).dtype == mx.float16
+    )  # as before: half the RAM of float32
     loud = make_target("llama")  # a target with massive activations, as some real ones have
     loud.model.embed_tokens.weight = loud.model.embed_tokens.weight * 1e6
     _, exact = Target(loud, [1, 3])(tokens[None], None)
@@ -324,13 +461,19 @@ def test_fc_learns_on_standardised_features_and_checkpoints_hold_the_plain_draft
     # The run's drafter and its checkpoint are the plain drafter (fc a Linear, no extra weights).
     assert isinstance(trained.fc, nn.Linear)
     ckpt = mx.load(str(tmp_path / "run" / "checkpoint" / "model.safetensors"))
-    assert sorted(ckpt) == sorted(flat_params(trained)) and mx.array_equal(ckpt["fc.weight"], trained.fc.weight)
+    assert sorted(ckpt) == sorted(flat_params(trained)) and mx.array_equal(
+        ckpt["fc.weight"], trained.fc.weight
+    )
     tokens = mx.array(seqs[3][0])
     _, features = target(tokens[None], None)
     prepare(loud, trained)
     logits = trained.propose_logits(int(tokens[20].item()), _absorbed(trained, features[:, :20]), 4)
-    np.testing.assert_allclose(np.array(logits[0]), np.array(block_logits(trained, target, features, tokens,
-                                                                          mx.array([20]))[0]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(logits[0]),
+        np.array(block_logits(trained, target, features, tokens, mx.array([20]))[0]),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def _absorbed(draft, features):
@@ -341,16 +484,26 @@ def _absorbed(draft, features):
 
 def test_each_epoch_trains_on_every_sequence_once(tiny_setup, tmp_path):
     model, seqs = tiny_setup
-    cfg = TrainConfig(steps=64, block_size=8, num_layers=1, mask_token_id=95, anchors=2, holdout=8,
-                      checkpoint_every=1000)
+    cfg = TrainConfig(
+        steps=64, block_size=8, num_layers=1, mask_token_id=95, anchors=2, holdout=8, checkpoint_every=1000
+    )
     drawn = []
-    train(Target(model), make_tokenizer(), seqs, tmp_path / "run", cfg, on_step=lambda r: drawn.append(r["sequence"]))
+    train(
+        Target(model),
+        make_tokenizer(),
+        seqs,
+        tmp_path / "run",
+        cfg,
+        on_step=lambda r: drawn.append(r["sequence"]),
+    )
     train_idx = list(range(8, len(seqs)))  # the first `holdout` sequences are never trained on
     assert sorted(drawn[:32]) == train_idx and sorted(drawn[32:]) == train_idx
     assert drawn[:32] != drawn[32:]  # each epoch in its own order
 
 
-def test_target_features_are_kept_only_up_to_the_budget_and_never_change_training(tiny_setup, tmp_path, monkeypatch):
+def test_target_features_are_kept_only_up_to_the_budget_and_never_change_training(
+    tiny_setup, tmp_path, monkeypatch
+):
     model, seqs = tiny_setup
     target = Target(model, [1, 2])
     tokens = [mx.array(s) for s, _ in seqs[:4]]
@@ -361,8 +514,17 @@ def test_target_features_are_kept_only_up_to_the_budget_and_never_change_trainin
     for i, t in enumerate(tokens):  # kept or recomputed, a sequence's features are the same
         assert mx.array_equal(cache(i, t), first[i])
     # 40 steps over 32 training sequences: the second epoch reuses kept features, or recomputes them.
-    cfg = TrainConfig(steps=40, block_size=8, num_layers=1, mask_token_id=95, anchors=4, lr=3e-3, warmup=5,
-                      checkpoint_every=1000, holdout=8)
+    cfg = TrainConfig(
+        steps=40,
+        block_size=8,
+        num_layers=1,
+        mask_token_id=95,
+        anchors=4,
+        lr=3e-3,
+        warmup=5,
+        checkpoint_every=1000,
+        holdout=8,
+    )
     caches = []
 
     class Watched(FeatureCache):
@@ -372,19 +534,39 @@ def test_target_features_are_kept_only_up_to_the_budget_and_never_change_trainin
 
     monkeypatch.setattr(train_module, "FeatureCache", Watched)
     kept, recomputed = [], []
-    train(Target(model), make_tokenizer(), seqs, tmp_path / "a", cfg, on_step=lambda r: kept.append(r["loss"]))
-    train(Target(model), make_tokenizer(), seqs, tmp_path / "b", cfg, on_step=lambda r: recomputed.append(r["loss"]),
-          feature_cache_gb=0)
+    train(
+        Target(model), make_tokenizer(), seqs, tmp_path / "a", cfg, on_step=lambda r: kept.append(r["loss"])
+    )
+    train(
+        Target(model),
+        make_tokenizer(),
+        seqs,
+        tmp_path / "b",
+        cfg,
+        on_step=lambda r: recomputed.append(r["loss"]),
+        feature_cache_gb=0,
+    )
     assert len(caches[0].store) == len(seqs) and caches[1].store == {}  # all kept (default 4 GB), none kept
     np.testing.assert_allclose(recomputed, kept, rtol=1e-5, atol=1e-6)
 
 
 def test_drafter_depth_and_mlp_width_are_the_runs_choice(tiny_setup, tmp_path):
     model, seqs = tiny_setup
-    cfg = TrainConfig(block_size=4, num_layers=3, intermediate_size=40, mask_token_id=95, anchors=4, steps=2,
-                      warmup=1, holdout=8)
+    cfg = TrainConfig(
+        block_size=4,
+        num_layers=3,
+        intermediate_size=40,
+        mask_token_id=95,
+        anchors=4,
+        steps=2,
+        warmup=1,
+        holdout=8,
+    )
     draft = train(Target(model), make_tokenizer(), seqs, tmp_path / "run", cfg)
-    assert len(draft.layers) == 3 and draft.layers[0].mlp.gate_proj.weight.shape == (40, model.args.hidden_size)
+    assert len(draft.layers) == 3 and draft.layers[0].mlp.gate_proj.weight.shape == (
+        40,
+        model.args.hidden_size,
+    )
     saved = json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())
     assert saved["intermediate_size"] == 40 and saved["num_hidden_layers"] == 3
     assert saved["hidden_size"] == model.args.hidden_size  # the width that meets the shared embedding
@@ -401,8 +583,11 @@ def test_a_starting_drafter_keeps_its_architecture(tiny_setup, tmp_path):
     assert max(np.abs(np.array(trained[k]) - w).max() for k, w in weights.items()) < 3e-3
     saved = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["train_config"]
     c = start.config
-    assert (saved["num_layers"], saved["target_layer_ids"], saved["mask_token_id"]) == \
-        (3, [0, 2], c.mask_token_id)
+    assert (saved["num_layers"], saved["target_layer_ids"], saved["mask_token_id"]) == (
+        3,
+        [0, 2],
+        c.mask_token_id,
+    )
     with pytest.raises(ValueError, match="block size 16 does not match the starting drafter's 8"):
         train(Target(model), make_tokenizer(), seqs, tmp_path / "b16", TrainConfig(holdout=8), draft=start)
 
@@ -410,17 +595,41 @@ def test_a_starting_drafter_keeps_its_architecture(tiny_setup, tmp_path):
 def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     model, seqs = tiny_setup
     with pytest.raises(ValueError, match="usable sequences"):
-        train(Target(model), make_tokenizer(), [(s[:9], 8) for s, _ in seqs], tmp_path / "x", TrainConfig(holdout=2))
+        train(
+            Target(model),
+            make_tokenizer(),
+            [(s[:9], 8) for s, _ in seqs],
+            tmp_path / "x",
+            TrainConfig(holdout=2),
+        )
     for size in (1, 257):  # one proposal at least, and no more than decoding accepts
         with pytest.raises(ValueError, match=f"block size must be between 2 and 256, got {size}"):
-            train(Target(model), make_tokenizer(), seqs, tmp_path / "y", TrainConfig(block_size=size, mask_token_id=95))
+            train(
+                Target(model),
+                make_tokenizer(),
+                seqs,
+                tmp_path / "y",
+                TrainConfig(block_size=size, mask_token_id=95),
+            )
     with pytest.raises(ValueError, match="vocab must be 'full' or 'data'"):
-        train(Target(model), make_tokenizer(), seqs, tmp_path / "v", TrainConfig(vocab="small", mask_token_id=95))
+        train(
+            Target(model),
+            make_tokenizer(),
+            seqs,
+            tmp_path / "v",
+            TrainConfig(vocab="small", mask_token_id=95),
+        )
     with pytest.raises(ValueError, match="at least 1 layer"):
-        train(Target(model), make_tokenizer(), seqs, tmp_path / "z", TrainConfig(num_layers=0, mask_token_id=95))
-    for bad, message in (({"steps": 0}, "steps must be at least 1"), ({"checkpoint_every": 0}, "checkpoint-every"),
-                         ({"anchors": -1}, "anchors must be at least 1"), ({"lr": 0.0}, "learning rate must be"),
-                         ({"warmup": -5}, "warmup cannot be negative")):
+        train(
+            Target(model), make_tokenizer(), seqs, tmp_path / "z", TrainConfig(num_layers=0, mask_token_id=95)
+        )
+    for bad, message in (
+        ({"steps": 0}, "steps must be at least 1"),
+        ({"checkpoint_every": 0}, "checkpoint-every"),
+        ({"anchors": -1}, "anchors must be at least 1"),
+        ({"lr": 0.0}, "learning rate must be"),
+        ({"warmup": -5}, "warmup cannot be negative"),
+    ):
         with pytest.raises(ValueError, match=message):
             TrainConfig(**bad)
     (tmp_path / "empty.jsonl").write_text('{"text": "no usable field"}\n\n')
@@ -429,17 +638,22 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "cut off\n')
     with pytest.raises(ValueError, match=r"broken.jsonl, line 2: not JSON"):
         jsonl_prompts(tmp_path / "broken.jsonl")
-    for row, message in (('{"messages": ["hi"]}', 'each message needs a "role" and a "content" string'),
-                         ('{"messages": [{"role": "user"}]}', 'each message needs a "role" and a "content" string'),
-                         ('{"messages": [{"role": "assistant", "content": "hi"}]}', "no user message to answer"),
-                         ('{"conversations": [{"from": "human"}]}', 'the first "human" turn needs a "value" string')):
+    for row, message in (
+        ('{"messages": ["hi"]}', 'each message needs a "role" and a "content" string'),
+        ('{"messages": [{"role": "user"}]}', 'each message needs a "role" and a "content" string'),
+        ('{"messages": [{"role": "assistant", "content": "hi"}]}', "no user message to answer"),
+        ('{"conversations": [{"from": "human"}]}', 'the first "human" turn needs a "value" string'),
+    ):
         (tmp_path / "odd.jsonl").write_text('{"prompt": "fine"}\n' + row + "\n")
         with pytest.raises(ValueError, match=rf"odd.jsonl, line 2: {message}"):
             jsonl_prompts(tmp_path / "odd.jsonl")
-    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", '
-                                         '"content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
-    assert jsonl_prompts(tmp_path / "chat.jsonl") == [[{"role": "system", "content": "be brief"},
-                                                       {"role": "user", "content": "hi"}]]
+    (tmp_path / "chat.jsonl").write_text(
+        '{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", '
+        '"content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+    )
+    assert jsonl_prompts(tmp_path / "chat.jsonl") == [
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ]
     import importlib
 
     qwen2 = importlib.import_module("mlx_lm.models.qwen2")
@@ -449,7 +663,9 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
 
 
 def test_sharegpt_splits_keep_the_held_out_conversations_out_of_training():
-    train, heldout, followup = (prompt_source(s) for s in ("sharegpt", "sharegpt-heldout", "sharegpt-followup"))
+    train, heldout, followup = (
+        prompt_source(s) for s in ("sharegpt", "sharegpt-heldout", "sharegpt-followup")
+    )
     assert len(train) > 10000 and len(followup) > 5000
     firsts = {m[0]["content"] for m in train}
     # ShareGPT repeats some first turns ("hi"): held out means no copy of the text is in training.
@@ -487,14 +703,20 @@ def test_a_hugging_face_dataset_gives_prompts_and_a_misspelt_column_is_named(tmp
     pytest.importorskip("datasets")
     folder = tmp_path / "acme" / "prompts"
     folder.mkdir(parents=True)
-    (folder / "train.jsonl").write_text('{"question": "What is 2+2?", "answer": "4"}\n'
-                                        '{"question": "  ", "answer": "-"}\n{"question": "Name a colour.", "answer": "red"}\n')
+    (folder / "train.jsonl").write_text(
+        '{"question": "What is 2+2?", "answer": "4"}\n'
+        '{"question": "  ", "answer": "-"}\n{"question": "Name a colour.", "answer": "red"}\n'
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert prompt_source("hf:acme/prompts") == [[{"role": "user", "content": "What is 2+2?"}],
-                                                [{"role": "user", "content": "Name a colour."}]]
+    assert prompt_source("hf:acme/prompts") == [
+        [{"role": "user", "content": "What is 2+2?"}],
+        [{"role": "user", "content": "Name a colour."}],
+    ]
     assert prompt_source("hf:acme/prompts:train:answer")[0] == [{"role": "user", "content": "4"}]
-    with pytest.raises(ValueError, match="acme/prompts \\(train\\) has no column 'questoin'; its columns: question, answer"):
+    with pytest.raises(
+        ValueError, match="acme/prompts \\(train\\) has no column 'questoin'; its columns: question, answer"
+    ):
         prompt_source("hf:acme/prompts:train:questoin")
 
 
@@ -521,7 +743,7 @@ def test_data_answers_are_the_targets_greedy_ones_ending_on_the_stop_token_it_wr
     assert generate_data(model, tok, prompts, tmp_path, max_new_tokens=12, batch_size=3) == 4
     for (seq, plen), p, r in zip(load_shards(tmp_path), encoded, ref):
         stop = next((i for i, t in enumerate(r) if t in (95, second)), len(r) - 1)
-        assert (seq[:plen], seq[plen:]) == (p, r[:stop + 1])
+        assert (seq[:plen], seq[plen:]) == (p, r[: stop + 1])
     assert load_shards(tmp_path)[1][0][-1] == second
 
 

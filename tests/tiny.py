@@ -4,38 +4,80 @@ from __future__ import annotations
 
 import importlib
 
-import dflash_mlx  # noqa: F401  (BLAS preload before mlx.core)
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+import dflash_mlx  # noqa: F401  (BLAS preload before mlx.core)
 from dflash_mlx.models.dflash import DFlashConfig, DFlashDraftModel
 
 VOCAB = 96
 HIDDEN = 64
 
-_COMMON = dict(hidden_size=HIDDEN, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=VOCAB,
-               max_position_embeddings=4096, rope_theta=10000.0)
+_COMMON = dict(
+    hidden_size=HIDDEN,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    vocab_size=VOCAB,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+)
 
 CONFIGS = {
     "llama": dict(_COMMON, model_type="llama", tie_word_embeddings=True),
     "qwen3": dict(_COMMON, model_type="qwen3", tie_word_embeddings=False),
-    "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", tie_word_embeddings=False, num_experts=4,
-                      num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
-                      moe_intermediate_size=32, norm_topk_prob=True),
-    "qwen3_5": dict(_COMMON, model_type="qwen3_5", tie_word_embeddings=False, full_attention_interval=2,
-                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                    rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-    "qwen3_5_moe": dict(_COMMON, model_type="qwen3_5_moe", tie_word_embeddings=False, full_attention_interval=2,
-                        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-                        moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-    "gpt_oss": dict(_COMMON, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
-                    sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
+    "qwen3_moe": dict(
+        _COMMON,
+        model_type="qwen3_moe",
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
+    "qwen3_5": dict(
+        _COMMON,
+        model_type="qwen3_5",
+        tie_word_embeddings=False,
+        full_attention_interval=2,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
+    "qwen3_5_moe": dict(
+        _COMMON,
+        model_type="qwen3_5_moe",
+        tie_word_embeddings=False,
+        full_attention_interval=2,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
+    "gpt_oss": dict(
+        _COMMON,
+        model_type="gpt_oss",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
 }
 FAMILIES = list(CONFIGS)
 
@@ -53,13 +95,33 @@ def make_target(family: str = "llama", seed: int = 0, **overrides):
     return model
 
 
-def draft_config(target_layers: int = 4, layer_ids=(1, 2), block_size: int = 16, vocab: int = VOCAB,
-                 hidden: int = HIDDEN, layers: int = 2, mask_token_id=None, **overrides) -> DFlashConfig:
-    return DFlashConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=vocab,
-                        target_layer_ids=list(layer_ids), mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id, block_size=block_size,
-                        num_target_layers=target_layers, rms_norm_eps=1e-5, rope_theta=10000.0,
-                        max_position_embeddings=4096, **overrides)
+def draft_config(
+    target_layers: int = 4,
+    layer_ids=(1, 2),
+    block_size: int = 16,
+    vocab: int = VOCAB,
+    hidden: int = HIDDEN,
+    layers: int = 2,
+    mask_token_id=None,
+    **overrides,
+) -> DFlashConfig:
+    return DFlashConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=vocab,
+        target_layer_ids=list(layer_ids),
+        mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id,
+        block_size=block_size,
+        num_target_layers=target_layers,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        **overrides,
+    )
 
 
 def make_draft(seed: int = 1, cls=DFlashDraftModel, **kwargs) -> DFlashDraftModel:
@@ -108,7 +170,9 @@ class OracleDraft(DFlashDraftModel):
 
     def propose_logits(self, last_token, cache, block_size, compiled=True, heads=None):
         start = cache[0].offset  # position of last_token
-        guess = [self.reference[p] if p < len(self.reference) else 0 for p in range(start + 1, start + block_size)]
+        guess = [
+            self.reference[p] if p < len(self.reference) else 0 for p in range(start + 1, start + block_size)
+        ]
         err = self.errors[self.cycle % len(self.errors)]
         self.cycle += 1
         if err is not None and err < len(guess):

@@ -1,0 +1,113 @@
+"""`dflash-mlx bench`."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markdown import Markdown
+
+from dflash_mlx.bench import has_matplotlib, markdown, run_bench, settings_grid, write
+from dflash_mlx.errors import UserError
+from dflash_mlx.loading import draft_for, load_pair, template_kwargs
+
+from .options import DEMO, Draft, MaxTokens, Model, Think, first_prompts, progress_bar, user_errors
+
+
+def bench(
+    model: Model = DEMO,
+    draft: Draft = None,
+    prompts: str = typer.Option(
+        "humaneval",
+        help="humaneval, sharegpt-heldout, a .jsonl file, or hf:org/name "
+        "(e.g. hf:openai/gsm8k/main:test:question).",
+    ),
+    limit: int | None = typer.Option(20, help="Use the first N prompts (0: all)."),
+    block_sizes: str = typer.Option("16", help="Comma-separated block sizes."),
+    temps: str = typer.Option("0", help="Comma-separated temperatures (identity is checked at 0)."),
+    max_tokens: MaxTokens = 256,
+    out: str = typer.Option(
+        "bench-results", "--out", "-o", help="Folder for results.json, summary.md, plot.png."
+    ),
+    think: Think = None,
+):
+    """DFlash against plain mlx-lm decoding of the same target, prompt by prompt, in one process."""
+    with user_errors():
+        try:
+            bs = [int(x) for x in block_sizes.split(",")]
+            ts = [float(x) for x in temps.split(",")]
+        except ValueError:
+            raise UserError(
+                f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
+                f"got {block_sizes!r} and {temps!r}"
+            ) from None
+        grid = settings_grid(bs, ts, max_tokens)
+        folder = Path(out).expanduser()
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"--out {out} is a file: give a folder for the results")
+        made = not folder.exists()
+        try:  # the folder must take files now, not after hours of benchmarking
+            folder.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as e:
+            raise OSError(
+                f"cannot write the results to --out {out} ({e.strerror or e}): give another folder"
+            ) from None
+        try:
+            ps = first_prompts(prompts, limit)
+            target, drafter, tokenizer = load_pair(model, draft)
+            name = draft_for(model, draft)
+            if not has_matplotlib():
+                typer.echo(
+                    "note: matplotlib is not installed, so no plot.png (pip install 'dflash-mlx[bench]')",
+                    err=True,
+                )
+            with progress_bar("{task.description}") as bar:
+                runs = len({t for _, t in grid}) + len(
+                    grid
+                )  # the plain baseline at each temperature, then DFlash
+                task = bar.add_task("warming up (not counted)", total=len(ps) * runs)
+                results = run_bench(
+                    target,
+                    drafter,
+                    tokenizer,
+                    ps,
+                    block_sizes=bs,
+                    temperatures=ts,
+                    max_tokens=max_tokens,
+                    template_kwargs=template_kwargs(model, think),
+                    progress=lambda d, _: bar.update(task, completed=d, description="benchmarking"),
+                )
+        except BaseException:  # nothing to show: do not leave behind an empty folder this run made
+            if made and not any(folder.iterdir()):
+                folder.rmdir()
+            raise
+        results.update(model=model, draft=name, prompt_set=prompts)
+        title = f"dflash-mlx bench: {model} + {name} on {prompts}"
+        try:
+            paths = write(results, folder, title)
+        except OSError:
+            typer.echo(markdown(results, title))  # the numbers are not lost with the files
+            raise
+    Console().print(Markdown(paths[1].read_text()))
+    typer.echo("wrote " + ", ".join(str(p) for p in paths))
+    bad = [s for s in results["summary"] if s["identical"] is False]
+    if bad:
+        typer.secho(
+            f"error: DFlash output differed from plain greedy decoding on prompts "
+            f"{sorted({p for s in bad for p in s['mismatched_prompts']})}: speculative decoding must be "
+            "lossless, so this is a bug",
+            fg="red",
+            err=True,
+        )
+    if results["interrupted"]:
+        typer.secho(
+            f"stopped with Ctrl-C: the results cover the {len(results['prompts'])} prompts finished by then",
+            fg="yellow",
+            err=True,
+        )
+        raise typer.Exit(130)
+    if bad:
+        raise typer.Exit(1)

@@ -1,0 +1,82 @@
+"""`dflash-mlx convert`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from dflash_mlx.convert import DTYPES, convert_draft, convert_target, export_draft, is_drafter
+from dflash_mlx.errors import AlreadyExists, UserError
+from dflash_mlx.loading import find_pair, is_gguf, resolve_draft, resolve_target
+
+from .options import stderr, user_errors
+
+
+def convert(
+    source: str = typer.Argument(..., help="Drafter or target: Hugging Face id, folder, or .gguf file."),
+    output: str = typer.Argument(..., help="Folder to write (must not exist unless --force)."),
+    dtype: str | None = typer.Option(
+        None,
+        help="float16, bfloat16 or float32 (drafter default: bfloat16; "
+        "a GGUF target keeps its quantization unless given).",
+    ),
+    quantize: bool = typer.Option(False, "-q", "--quantize", help="Quantize the weights."),
+    q_bits: int | None = typer.Option(None, help="Bits per weight when quantizing (default 4)."),
+    q_group_size: int | None = typer.Option(None, help="Group size when quantizing (default 64)."),
+    export: bool = typer.Option(
+        False, help="Export an MLX drafter to z-lab's Hugging Face layout (bf16; vLLM and SGLang read it)."
+    ),
+    force: bool = typer.Option(False, help="Replace OUTPUT if it exists."),
+):
+    """Convert a drafter or a target to an MLX folder, or export a drafter to z-lab's layout."""
+    with user_errors():
+        if dtype is not None and dtype not in DTYPES:
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+        if export and (dtype is not None or quantize or q_bits is not None or q_group_size is not None):
+            raise UserError(
+                "--export always writes bf16 weights, unquantized: leave out --dtype, -q and --q-*"
+            )
+        if not quantize and (q_bits is not None or q_group_size is not None):
+            raise UserError("--q-bits and --q-group-size take effect only with -q/--quantize: add it")
+        q_bits, q_group_size = 4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size
+        if Path(output).expanduser().exists() and not force:  # before any download
+            raise AlreadyExists(f"{output} already exists (pass --force to replace it)")
+        with Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=stderr()
+        ) as bar:
+            task = bar.add_task(f"converting {source}")
+
+            def step(what: str):
+                bar.update(task, description=f"{source}: {what}")
+
+            if export:
+                step("exporting drafter")
+                out = export_draft(source, output, force)
+                kind = "drafter (z-lab layout)"
+            elif is_gguf(Path(source).expanduser()):
+                out = convert_target(source, output, dtype, quantize, q_bits, q_group_size, force, step)
+                kind = "target from GGUF"
+            else:
+                step("fetching")
+                # A registry name converts its target (as --model reads it); anything else resolves as -d
+                # does: a drafter shipped in models/, a folder or a Hugging Face id.
+                folder = (
+                    resolve_target(source, DTYPES[dtype] if dtype else None)  # a GGUF one at --dtype
+                    if find_pair(source)
+                    else resolve_draft(source)
+                )
+                if is_drafter(folder):
+                    step("converting drafter")
+                    out = convert_draft(
+                        str(folder), output, dtype or "bfloat16", quantize, q_bits, q_group_size, force
+                    )
+                    kind = "drafter"
+                else:
+                    step("converting target with mlx-lm")
+                    out = convert_target(str(folder), output, dtype, quantize, q_bits, q_group_size, force)
+                    kind = "target"
+            bar.update(task, description=f"{source}: done")
+    size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
+    typer.echo(f"wrote {kind} to {out} ({size / 1e6:.1f} MB)")

@@ -1,0 +1,153 @@
+"""`dflash-mlx generate`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+
+import mlx.core as mx
+import typer
+from mlx_lm import stream_generate as plain_stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from dflash_mlx.chat import apply_chat_template
+from dflash_mlx.errors import UserError
+from dflash_mlx.loading import load, load_pair, template_kwargs
+from dflash_mlx.pairing import context_room
+from dflash_mlx.settings import GenerationSettings
+from dflash_mlx.speculative import stream_generate
+
+from .options import (
+    DEMO,
+    BlockSize,
+    Draft,
+    Json,
+    MaxTokens,
+    MinP,
+    Model,
+    Seed,
+    Temp,
+    Think,
+    TopK,
+    TopP,
+    check_utf8,
+    user_errors,
+)
+
+
+def generate(
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="The prompt (default: read stdin)."),
+    model: Model = DEMO,
+    draft: Draft = None,
+    max_tokens: MaxTokens = 256,
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    min_p: MinP = 0.0,
+    seed: Seed = None,
+    block_size: BlockSize = None,
+    no_draft: bool = typer.Option(
+        False, "--no-draft", help="Plain mlx-lm decoding of the target (baseline)."
+    ),
+    chat_template: bool = typer.Option(
+        True, "--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template."
+    ),
+    system: str | None = typer.Option(None, "--system", help="System prompt (with the chat template)."),
+    think: Think = None,
+    as_json: Json = False,
+):
+    """Answer one prompt: the text on stdout, the statistics on stderr."""
+    if prompt is None:
+        if sys.stdin.isatty():
+            typer.secho("error: give --prompt, or pipe the prompt on stdin", fg="red", err=True)
+            raise typer.Exit(2)
+        prompt = sys.stdin.read().removesuffix("\n")  # the newline `echo` adds, as $(...) drops it
+    with user_errors():
+        settings = GenerationSettings(
+            temperature=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            max_tokens=max_tokens,
+            block_size=block_size,
+            seed=seed,
+        )  # checked before loading, for both paths
+        if no_draft and (draft is not None or block_size is not None):
+            raise UserError("--no-draft decodes without a drafter: drop --draft and --block-size")
+        if (system is not None or think is not None) and not chat_template:
+            raise UserError("--system and --think/--no-think need the chat template: drop --no-chat-template")
+        check_utf8(prompt, "the prompt")
+        if no_draft:
+            (target, tokenizer), drafter = load(model), None
+        else:
+            target, drafter, tokenizer = load_pair(model, draft)
+        ids = (
+            apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think))
+            if chat_template
+            else tokenizer.encode(prompt, verbose=False)
+        )
+        tic = time.perf_counter()
+        if drafter is None:
+            text, tokens, last, acc = _plain(target, tokenizer, ids, as_json, settings)
+        else:
+            text, tokens, last, acc = [], [], None, []
+            for last in stream_generate(target, drafter, tokenizer, ids, **asdict(settings)):
+                if not as_json:
+                    sys.stdout.write(last.text)
+                    sys.stdout.flush()
+                text.append(last.text)
+                tokens += last.tokens
+                if last.accepted is not None:
+                    acc.append(last.accepted)
+            text = "".join(text)
+        wall = time.perf_counter() - tic
+        tau = sum(acc) / len(acc) if acc else None
+        record = {
+            "text": text,
+            "tokens": tokens,
+            "prompt_tokens": len(ids),
+            "generation_tokens": len(tokens),
+            "mean_acceptance": tau,
+            "cycles": len(acc),
+            "prompt_tps": last.prompt_tps if last else 0.0,
+            "generation_tps": last.generation_tps if last else 0.0,
+            "wall_s": wall,
+            "peak_memory_gb": last.peak_memory if last else 0.0,
+            "finish_reason": last.finish_reason if last else "length",  # (--max-tokens 0, as generate())
+            "model": model,
+            "draft": None if drafter is None else (draft or "registry"),
+        }
+        if as_json:  # (inside user_errors: a reader gone away ends it quietly, as for the text)
+            typer.echo(json.dumps(record))
+            return
+        typer.echo()
+    stats = f"{len(tokens)} tokens"
+    if len(tokens) > 1:  # a rate needs a second token (the first comes with the prompt)
+        stats += f", {record['generation_tps']:.1f} tokens/s"
+    stats += f", prompt {record['prompt_tps']:.0f} tokens/s"
+    if tau is not None:
+        stats += f", mean acceptance {tau:.2f} over {len(acc)} cycles"
+    typer.secho(stats, err=True, dim=True)
+
+
+def _plain(model, tokenizer, ids, quiet, settings: GenerationSettings):
+    """The baseline: mlx-lm's own decoding of the target."""
+    s = settings
+    max_tokens = min(s.max_tokens, context_room(model, len(ids)))  # as stream_generate does
+    if max_tokens == 0:  # (mlx-lm would read 0 as an error)
+        return "", [], None, []
+    if s.seed is not None:
+        mx.random.seed(s.seed)
+    sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0, min_p=s.min_p, top_k=s.top_k)
+    text, tokens, last = [], [], None
+    for last in plain_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler):
+        if not quiet:
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+        text.append(last.text)
+        tokens.append(last.token)
+    # mlx-lm counts the first token in its rate but not the time it took; ours counts neither
+    last.generation_tps *= (len(tokens) - 1) / len(tokens)
+    return "".join(text), tokens, last, []

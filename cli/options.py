@@ -1,0 +1,87 @@
+"""What the commands share: the options several of them take, defined once; the console for what is
+not a command's output; progress bars; and how an error ends a command."""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from dflash_mlx.data import prompt_source
+from dflash_mlx.errors import UserError
+
+DEMO = "smollm2-135m-instruct"
+
+Model = Annotated[str, typer.Option("--model", "-m", help="Target: registry name, HF id, folder or .gguf.")]
+Draft = Annotated[
+    str | None, typer.Option("--draft", "-d", help="Drafter (default: the registry's for --model).")
+]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", help="Most tokens per answer.")]
+Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature (0 = greedy).")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")]
+TopK = Annotated[int, typer.Option("--top-k", help="Sample from the k most likely tokens (0 = off).")]
+MinP = Annotated[float, typer.Option("--min-p", help="Min-p sampling threshold (0 = off).")]
+Seed = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
+BlockSize = Annotated[
+    int | None, typer.Option("--block-size", help="Tokens per drafted block (default: the drafter's).")
+]
+Think = Annotated[
+    bool | None,
+    typer.Option(
+        "--think/--no-think",
+        help="Qwen3-style thinking on or off (where the "
+        "template has it; default: the registry pair's setting, else the "
+        "template's).",
+    ),
+]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+def stderr() -> Console:
+    """A console on stderr, for progress and notes (made when needed: it reads the terminal's width then)."""
+    return Console(stderr=True)
+
+
+def progress_bar(label: str, *, detail: bool = False, disable: bool = False) -> Progress:
+    """A progress bar on stderr: `label` ("{task.description}" for one that changes), the bar, done/total,
+    the task's description if `detail`, and the time left."""
+    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn()] + (
+        [TextColumn("{task.description}")] if detail else []
+    )
+    return Progress(*columns, TimeRemainingColumn(), console=stderr(), disable=disable)
+
+
+@contextmanager
+def user_errors():
+    """Bad input (a UserError) or a failed file, permission or network operation (an OSError) ends the command
+    with one clear line on stderr and exit code 1; any other exception is a bug, shown with its traceback."""
+    try:
+        yield
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        raise typer.Exit(141) from None
+    except (UserError, OSError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(1) from None
+
+
+def check_utf8(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes that are not UTF-8 arrive from stdin as lone surrogates
+        raise UserError(
+            f"{what} is not UTF-8 text (a stray byte at character {e.start}): convert it "
+            "first, e.g. with iconv -f latin1 -t utf-8"
+        ) from None
+
+
+def first_prompts(source: str, limit: int | None) -> list:
+    """The first `limit` prompts of a prompt set (None or 0: all of them), for bench and train eval."""
+    if limit is not None and limit < 0:
+        raise UserError(f"--limit must be >= 0 (0: all prompts), got {limit}")
+    return prompt_source(source)[: limit or None]

@@ -1,0 +1,262 @@
+"""`dflash-mlx train`: make data, train a drafter, measure it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from dflash_mlx.data import generate_data, prompt_source, resume_point
+from dflash_mlx.errors import UserError
+from dflash_mlx.loading import load, load_pair, template_kwargs
+from dflash_mlx.models.targets import Target
+from dflash_mlx.settings import GenerationSettings
+from dflash_mlx.train_run import prepare_run, tau_on_prompts
+
+from .options import (
+    DEMO,
+    BlockSize,
+    Json,
+    MaxTokens,
+    Model,
+    Temp,
+    Think,
+    first_prompts,
+    progress_bar,
+    user_errors,
+)
+
+app = typer.Typer(help="Train a DFlash drafter: make data, train, measure.", no_args_is_help=True)
+
+
+@app.command("data")
+def data(
+    out: str = typer.Option(
+        ..., "--out", "-o", help="Folder for the token-id shards (resumes if it has some)."
+    ),
+    model: Model = DEMO,
+    source: str = typer.Option(
+        "sharegpt",
+        help="sharegpt, sharegpt-followup, python-stdlib, humaneval, a .jsonl file, "
+        "or hf:org/name\\[/config]\\[:split\\[:field]].",
+    ),  # \\[ : literal [ in rich help
+    limit: int | None = typer.Option(None, help="Stop after this many sequences."),
+    max_new_tokens: int = typer.Option(256, help="Longest answer."),
+    max_prompt_tokens: int = typer.Option(384, help="Skip longer prompts."),
+    batch_size: int = typer.Option(64, help="Prompts generated together."),
+    shard_size: int = typer.Option(64, help="Sequences per shard (the resume granularity)."),
+    think: Think = None,
+):
+    """Self-distillation: the target answers prompts; its answers become training sequences."""
+    with user_errors():
+        if limit is not None and limit < 0:
+            raise UserError(f"--limit must be >= 0, got {limit}")
+        prompts = prompt_source(source)
+        total = min(limit or len(prompts), len(prompts))
+        folder = Path(out).expanduser()
+        done, consumed = resume_point(folder, source, max(shard_size, 1))
+        if consumed >= len(prompts) or (limit is not None and done >= limit):
+            typer.echo(f"{done} sequences in {out}: nothing left to generate")
+            return
+        target, tokenizer = load(model)
+        Target(target)  # a family `train run` cannot use is refused before hours of generation
+        with progress_bar("generating answers") as bar:
+            task = bar.add_task("", total=total, completed=done)
+            n = generate_data(
+                target,
+                tokenizer,
+                prompts,
+                folder,
+                max_new_tokens=max_new_tokens,
+                batch_size=batch_size,
+                shard_size=shard_size,
+                max_prompt_tokens=max_prompt_tokens,
+                limit=limit,
+                source=source,
+                template_kwargs=template_kwargs(model, think),
+                progress=lambda k, _: bar.update(task, completed=k),
+            )
+            bar.update(task, completed=total)  # done: prompts skipped as too long never count towards the bar
+    typer.echo(f"{n} sequences in {out}")
+
+
+@app.command("run")
+def run(
+    data: list[str] = typer.Option(
+        ...,
+        "--data",
+        help="Folder made by `dflash-mlx train data` (repeat the "
+        "option to mix folders; the first one's first sequences "
+        "are held out).",
+    ),
+    out: str = typer.Option(..., "--out", "-o", help="Run folder: checkpoints, log; resumes if it has one."),
+    model: Model = DEMO,
+    layers: int | None = typer.Option(None, help="Drafter layers (1-5 is typical; default 2)."),
+    intermediate_size: int | None = typer.Option(
+        None, help="Drafter MLP width (default: the target's; the hidden width is always the target's)."
+    ),
+    block_size: int | None = typer.Option(None, help="Block size B (default 16, or the --init drafter's)."),
+    target_layer_ids: str | None = typer.Option(
+        None, help="Comma-separated target layers to tap (default: the paper's spread)."
+    ),
+    mask_token_id: int | None = typer.Option(
+        None, help="Token id used as MASK (default: a spare special token)."
+    ),
+    steps: int | None = typer.Option(
+        None,
+        help="Training steps, one sequence each (default 2000; resuming: "
+        "the run's, and a larger one stretches its schedule).",
+    ),
+    lr: float | None = typer.Option(None, help="Peak learning rate (default 6e-4)."),
+    warmup: int | None = typer.Option(None, help="Warm-up steps (default 100)."),
+    anchors: int | None = typer.Option(None, help="Blocks per sequence and step (default 64)."),
+    vocab: str | None = typer.Option(
+        None,
+        help="The loss's softmax over the 'full' vocabulary (the paper's, "
+        "default) or only the tokens the training answers use, 'data' "
+        "(faster with a large vocabulary; drafting still uses all "
+        "of it).",
+    ),
+    checkpoint_every: int | None = typer.Option(None, help="Steps between checkpoints (default 100)."),
+    eval_every: int | None = typer.Option(
+        None, help="Steps between evaluations (default 0: at the end only)."
+    ),
+    eval_prompts: int = typer.Option(8, help="Held-out ShareGPT prompts for the real acceptance length."),
+    export_to: str | None = typer.Option(
+        None, "--export", help="Write the final drafter here (z-lab layout)."
+    ),
+    init: str | None = typer.Option(
+        None,
+        "--init",
+        help="Start from this drafter's weights (a new run, "
+        "fresh optimizer), e.g. to continue a shipped one.",
+    ),
+    feature_cache_gb: float = typer.Option(
+        4.0,
+        help="RAM for keeping the target's features between epochs "
+        "(past it they are recomputed; 0: never kept).",
+    ),
+):
+    """Train a drafter on self-distilled data (the paper's recipe); Ctrl-C checkpoints and stops, and the
+    same command resumes.
+
+    A resumed run keeps its recipe and architecture; --steps, --eval-every and --checkpoint-every may change.
+    """
+    with user_errors():
+        recipe = {
+            "lr": lr,
+            "warmup": warmup,
+            "anchors": anchors,
+            "vocab": vocab,
+            "num_layers": layers,
+            "intermediate_size": intermediate_size,
+            "block_size": block_size,
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": _layer_ids(target_layer_ids) if target_layer_ids else None,
+        }
+        prepared = prepare_run(
+            data,
+            out,
+            model,
+            recipe,
+            steps=steps,
+            checkpoint_every=checkpoint_every,
+            eval_every=eval_every,
+            init=init,
+            eval_prompts=eval_prompts,
+            feature_cache_gb=feature_cache_gb,
+            export_to=export_to,
+            note=lambda line: typer.echo(line, err=True),
+        )
+        with progress_bar("training", detail=True, disable=prepared.done) as bar:
+            task = bar.add_task("", total=prepared.cfg.steps, completed=prepared.step)
+
+            def on_step(r):
+                desc = f"loss {r['loss']:.3f}  {r['block_tokens'] / r['seconds']:.0f} block tokens/s"
+                if "offline_tau" in r:
+                    desc += f"  offline tau {r['offline_tau']:.2f}" + (
+                        f"  tau {r['tau']:.2f}" if "tau" in r else ""
+                    )
+                    bar.console.print(f"step {r['step']}: {desc}")
+                if "eval_error" in r:
+                    bar.console.print(
+                        f"step {r['step']}: the held-out tau check failed ({r['eval_error']}); "
+                        "training goes on"
+                    )
+                bar.update(task, completed=r["step"], description=desc)
+
+            end = prepared.train(on_step, note=bar.console.print)
+    code = 128 + end.stopped_by if end.stopped_by else 130
+    if end.interrupted:
+        typer.secho(
+            f"interrupted at step {end.step}: "
+            + (
+                f"the checkpoint of step {end.checkpoint} is kept; run the same command to go on from it"
+                if end.checkpoint
+                else "no checkpoint yet"
+            ),
+            fg="red",
+            err=True,
+        )
+        raise typer.Exit(code)
+    if end.stopped_by and end.step < end.steps:
+        typer.echo(
+            f"stopped at step {end.step} of {end.steps} with a checkpoint: run the same command to go on",
+            err=True,
+        )
+        raise typer.Exit(code)
+    if end.exported:
+        typer.echo(f"drafter written to {export_to}")
+
+
+def _layer_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(
+            f"--target-layer-ids takes comma-separated layer numbers, e.g. 1,14,27; got {text!r}"
+        ) from None
+
+
+@app.command("eval")
+def evaluate(
+    draft: str = typer.Option(..., "--draft", "-d", help="The drafter to measure."),
+    model: Model = DEMO,
+    prompts: str = typer.Option(
+        "sharegpt-heldout", help="sharegpt-heldout, humaneval, a .jsonl file or hf:..."
+    ),
+    limit: int | None = typer.Option(None, help="Use the first N prompts (default or 0: all)."),
+    block_size: BlockSize = None,
+    temp: Temp = 0.0,
+    max_tokens: MaxTokens = 256,
+    as_json: Json = False,
+    think: Think = None,
+):
+    """Mean acceptance length tau of a drafter on a prompt set, from real stream_generate runs."""
+    with user_errors():
+        settings = GenerationSettings(
+            temperature=temp, block_size=block_size, max_tokens=max_tokens
+        ).answering()
+        ps = first_prompts(prompts, limit)
+        target, drafter, tokenizer = load_pair(model, draft)
+        with progress_bar("answering prompts") as bar:
+            task = bar.add_task("", total=len(ps))
+            r = tau_on_prompts(
+                target,
+                drafter,
+                tokenizer,
+                ps,
+                settings,
+                template_kwargs=template_kwargs(model, think),
+                progress=lambda k: bar.update(task, completed=k),
+            )
+    r.update(
+        prompts=prompts, n_prompts=len(ps), block_size=block_size or drafter.block_size, temperature=temp
+    )
+    typer.echo(
+        json.dumps(r)
+        if as_json
+        else f"tau {r['tau']:.2f} over {r['cycles']} cycles, {r['tokens']} tokens, {len(ps)} prompts "
+        f"({prompts}, block {r['block_size']}, temperature {temp})"
+    )
