@@ -13,7 +13,17 @@ from dflash_mlx.bench import has_matplotlib, markdown, run_bench, settings_grid,
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
 
-from .options import DEMO, Draft, MaxTokens, Model, Think, first_prompts, progress_bar, user_errors
+from .options import (
+    DEMO,
+    Draft,
+    MaxTokens,
+    Model,
+    NoLookup,
+    Think,
+    first_prompts,
+    progress_bar,
+    user_errors,
+)
 
 
 def bench(
@@ -21,11 +31,15 @@ def bench(
     draft: Draft = None,
     prompts: str = typer.Option(
         "humaneval",
-        help="humaneval, sharegpt-heldout, a .jsonl file, or hf:org/name "
-        "(e.g. hf:openai/gsm8k/main:test:question).",
+        help="humaneval, sharegpt-heldout, edit, adversarial, long-2k, long-6k, a .jsonl file, or "
+        "hf:org/name (e.g. hf:openai/gsm8k/main:test:question).",
     ),
     limit: int | None = typer.Option(20, help="Use the first N prompts (0: all)."),
-    block_sizes: str = typer.Option("16", help="Comma-separated block sizes."),
+    block_sizes: str = typer.Option(
+        "16,adaptive",
+        help="Comma-separated policies: fixed block sizes, and 'adaptive' (each cycle chooses).",
+    ),
+    no_lookup: NoLookup = False,
     temps: str = typer.Option("0", help="Comma-separated temperatures (identity is checked at 0)."),
     max_tokens: MaxTokens = 256,
     out: str = typer.Option(
@@ -36,14 +50,14 @@ def bench(
     """DFlash against plain mlx-lm decoding of the same target, prompt by prompt, in one process."""
     with user_errors():
         try:
-            bs = [int(x) for x in block_sizes.split(",")]
+            bs = [None if x.strip() == "adaptive" else int(x) for x in block_sizes.split(",")]
             ts = [float(x) for x in temps.split(",")]
         except ValueError:
             raise UserError(
-                f"--block-sizes and --temps take comma-separated numbers, e.g. 4,16 and 0,1; "
-                f"got {block_sizes!r} and {temps!r}"
+                f"--block-sizes takes block sizes and 'adaptive', --temps numbers, comma-separated, e.g. "
+                f"4,16,adaptive and 0,1; got {block_sizes!r} and {temps!r}"
             ) from None
-        grid = settings_grid(bs, ts, max_tokens)
+        grid = settings_grid(bs, ts, max_tokens, lookup=not no_lookup)
         folder = Path(out).expanduser()
         if folder.exists() and not folder.is_dir():
             raise UserError(f"--out {out} is a file: give a folder for the results")
@@ -75,6 +89,7 @@ def bench(
                     tokenizer,
                     ps,
                     block_sizes=bs,
+                    lookup=not no_lookup,
                     temperatures=ts,
                     max_tokens=max_tokens,
                     template_kwargs=template_kwargs(model, think),

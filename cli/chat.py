@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections import Counter
 from dataclasses import replace
 
 import typer
@@ -16,14 +17,26 @@ from dflash_mlx.loading import draft_for, load_pair, template_kwargs
 from dflash_mlx.platform import backend
 from dflash_mlx.settings import GenerationSettings
 
-from .options import DEMO, BlockSize, Draft, MaxTokens, Model, Temp, Think, check_utf8, user_errors
+from .options import (
+    DEMO,
+    BlockSize,
+    Draft,
+    MaxTokens,
+    Model,
+    NoLookup,
+    Temp,
+    Think,
+    check_utf8,
+    mix_text,
+    user_errors,
+)
 
 HELP = """[bold]commands[/bold]
   /help            this list
   /reset           forget the conversation
   /system TEXT     set the system prompt (empty: none)
   /temp X          sampling temperature (0 = greedy, exactly the target's text)
-  /block N         tokens per drafted block
+  /block N         a fixed DFlash block of N (0: back to choosing each cycle)
   /stats           totals for this conversation
   /save FILE       write the conversation as JSON
   /exit            quit (or Ctrl-D)
@@ -37,6 +50,7 @@ def chat(
     system: str | None = typer.Option(None, "--system", help="System prompt."),
     temp: Temp = 0.0,
     block_size: BlockSize = None,
+    no_lookup: NoLookup = False,
     max_tokens: MaxTokens = 1024,
     think: Think = None,
     hide_thinking: bool = typer.Option(False, help="Do not show thinking text (it is shown dimmed)."),
@@ -45,7 +59,7 @@ def chat(
     console = Console(highlight=False)
     with user_errors():
         GenerationSettings(
-            temperature=temp, block_size=block_size, max_tokens=max_tokens
+            temperature=temp, block_size=block_size, lookup=not no_lookup, max_tokens=max_tokens
         ).answering()  # before loading
         with console.status(f"loading {model} ..."):
             target, drafter, tokenizer = load_pair(model, draft)
@@ -57,6 +71,7 @@ def chat(
             system=system,
             temperature=temp,
             block_size=block_size,
+            lookup=not no_lookup,
             max_tokens=max_tokens,
             template_kwargs=template_kwargs(model, think),
         )
@@ -125,6 +140,7 @@ def status_line(turn: dict) -> str:
         parts.append(f"{turn['tokens_per_s']:.1f} tokens/s")
     if turn["mean_acceptance"] is not None:
         parts += [f"tau {turn['mean_acceptance']:.2f}", f"{turn['drafted_share']:.0%} drafted"]
+        parts.append(mix_text(turn["mix"]))
     parts.append(f"prefill {turn['prefill_tokens']}")
     if turn["interrupted"]:
         parts.append("stopped")
@@ -222,12 +238,14 @@ def command(session, console: Console, line: str) -> str | None:
             session.settings = replace(session.settings, temperature=float(arg))
             console.print(f"[dim]temperature {session.settings.temperature}[/dim]")
         elif name == "/block":
-            session.settings = replace(session.settings, block_size=int(arg))
-            console.print(f"[dim]block size {session.settings.block_size}[/dim]")
+            session.settings = replace(session.settings, block_size=int(arg) or None)
+            block = session.settings.block_size
+            console.print(f"[dim]{f'block size {block}' if block else 'each cycle chooses'}[/dim]")
         elif name == "/stats":
             turns = session.turns
             toks = sum(t["tokens"] for t in turns)
             cycles = sum(t["cycles"] for t in turns)  # tau over every verify pass, not a mean of answers
+            mix = dict(sum((Counter(t["mix"]) for t in turns), Counter()))
             tau = (
                 sum(t["mean_acceptance"] * t["cycles"] for t in turns if t["cycles"]) / cycles
                 if cycles
@@ -236,8 +254,9 @@ def command(session, console: Console, line: str) -> str | None:
             console.print(
                 f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
                 f"{'-' if tau is None else f'{tau:.2f}'}, context {session.context_tokens()}"
-                f"/{session.max_context} tokens, temperature {session.settings.temperature}, block "
-                f"{session.settings.block_size or session.draft.block_size}[/dim]"
+                f"/{session.max_context} tokens, temperature {session.settings.temperature}, "
+                f"{f'block {block}' if (block := session.settings.block_size) else 'adaptive'}, "
+                f"cycles {mix_text(mix) or '-'}[/dim]"
             )
         elif name == "/save":
             if not arg:

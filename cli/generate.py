@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict
 
 import mlx.core as mx
@@ -27,12 +28,14 @@ from .options import (
     MaxTokens,
     MinP,
     Model,
+    NoLookup,
     Seed,
     Temp,
     Think,
     TopK,
     TopP,
     check_utf8,
+    mix_text,
     user_errors,
 )
 
@@ -48,6 +51,7 @@ def generate(
     min_p: MinP = 0.0,
     seed: Seed = None,
     block_size: BlockSize = None,
+    no_lookup: NoLookup = False,
     no_draft: bool = typer.Option(
         False, "--no-draft", help="Plain mlx-lm decoding of the target (baseline)."
     ),
@@ -72,10 +76,13 @@ def generate(
             min_p=min_p,
             max_tokens=max_tokens,
             block_size=block_size,
+            lookup=not no_lookup,
             seed=seed,
         )  # checked before loading, for both paths
-        if no_draft and (draft is not None or block_size is not None):
-            raise UserError("--no-draft decodes without a drafter: drop --draft and --block-size")
+        if no_draft and (draft is not None or block_size is not None or no_lookup):
+            raise UserError(
+                "--no-draft is mlx-lm's plain decoding: drop --draft, --block-size and --no-lookup"
+            )
         if (system is not None or think is not None) and not chat_template:
             raise UserError("--system and --think/--no-think need the chat template: drop --no-chat-template")
         check_utf8(prompt, "the prompt")
@@ -89,6 +96,7 @@ def generate(
             else tokenizer.encode(prompt, verbose=False)
         )
         tic = time.perf_counter()
+        cycles = []  # [source, proposals verified, tokens accepted] per cycle
         if drafter is None:
             text, tokens, last, acc = _plain(target, tokenizer, ids, as_json, settings)
         else:
@@ -101,6 +109,7 @@ def generate(
                 tokens += last.tokens
                 if last.accepted is not None:
                     acc.append(last.accepted)
+                    cycles.append([last.source, last.proposed, last.accepted])
             text = "".join(text)
         wall = time.perf_counter() - tic
         tau = sum(acc) / len(acc) if acc else None
@@ -111,6 +120,8 @@ def generate(
             "generation_tokens": len(tokens),
             "mean_acceptance": tau,
             "cycles": len(acc),
+            "mix": dict(Counter(c[0] for c in cycles)),
+            "cycle_log": cycles,
             "prompt_tps": last.prompt_tps if last else 0.0,
             "generation_tps": last.generation_tps if last else 0.0,
             "wall_s": wall,
@@ -128,7 +139,7 @@ def generate(
         stats += f", {record['generation_tps']:.1f} tokens/s"
     stats += f", prompt {record['prompt_tps']:.0f} tokens/s"
     if tau is not None:
-        stats += f", mean acceptance {tau:.2f} over {len(acc)} cycles"
+        stats += f", mean acceptance {tau:.2f} over {len(acc)} cycles ({mix_text(record['mix'])})"
     typer.secho(stats, err=True, dim=True)
 
 

@@ -28,8 +28,14 @@ TopK = Annotated[int, typer.Option("--top-k", help="Sample from the k most likel
 MinP = Annotated[float, typer.Option("--min-p", help="Min-p sampling threshold (0 = off).")]
 Seed = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
 BlockSize = Annotated[
-    int | None, typer.Option("--block-size", help="Tokens per drafted block (default: the drafter's).")
+    int | None,
+    typer.Option(
+        "--block-size",
+        help="A fixed DFlash block of N every cycle, without lookup (default: each cycle chooses; see "
+        "docs/policy.md).",
+    ),
 ]
+NoLookup = Annotated[bool, typer.Option("--no-lookup", help="Leave prompt lookup out of the choices.")]
 Think = Annotated[
     bool | None,
     typer.Option(
@@ -68,6 +74,11 @@ def user_errors():
     except (UserError, OSError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(1) from None
+
+
+def mix_text(mix: dict) -> str:
+    """Cycles per source, e.g. 'dflash 12 · lookup 5 · plain 30'."""
+    return " · ".join(f"{s} {mix[s]}" for s in ("dflash", "lookup", "plain") if mix.get(s))
 
 
 def check_utf8(text: str, what: str) -> None:

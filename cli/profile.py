@@ -8,12 +8,22 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dflash_mlx.loading import load_pair
 from dflash_mlx.profile import profile as measure
+from dflash_mlx.profile import profile_pair
 
-from .options import Json, stderr, user_errors
+from .options import Draft, Json, stderr, user_errors
 
 
 def profile(
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="A pair's target (as chat takes it): measure its cost model for the adaptive policy again "
+        "and show it, with the policy's own overhead. Without it: a random target.",
+    ),
+    draft: Draft = None,
     hidden: int = typer.Option(1024, help="Width of the random target."),
     layers: int = typer.Option(8, help="Decoder layers of the random target."),
     vocab: int = typer.Option(32000, help="Vocabulary size."),
@@ -21,7 +31,10 @@ def profile(
     cycles: int = typer.Option(24, help="Cycles (and repeats) to time."),
     as_json: Json = False,
 ):
-    """Time one speculative cycle against its two model passes (random float32 models)."""
+    """Time one speculative cycle against its two model passes (random float32 models), or measure a
+    pair's cost model (--model)."""
+    if model is not None:
+        return _pair(model, draft, as_json)
     with user_errors(), stderr().status("timing cycles, verify and draft passes ..."):
         r = measure(hidden, layers, vocab, block_size, cycles)
     if as_json:
@@ -41,3 +54,29 @@ def profile(
         line += f" (without the BLAS preload: {r['ar_tokens_per_s_without_blas_preload']:.1f} tokens/s)"
     typer.echo(line)
     typer.echo(f"BLAS: {r['blas']}; draft step traced {r['draft_traces']} time(s)")
+
+
+def _pair(model: str, draft: str | None, as_json: bool) -> None:
+    with user_errors():
+        target, drafter, _ = load_pair(model, draft)
+        with stderr().status("measuring the pair's costs ..."):
+            r = profile_pair(target, drafter)
+    if as_json:
+        typer.echo(json.dumps(r, indent=2))
+        return
+    costs, step = r["costs"], r["plain_step_s"]
+    t = Table(title=f"{model}: seconds of a pass, in plain steps ({1000 * step:.1f} ms)")
+    t.add_column("context")
+    for w in costs["widths"]:
+        t.add_column(f"target, {w} wide", justify="right")
+    for k in costs["proposals"]:
+        t.add_column(f"drafter, {k}", justify="right")
+    for c, row, drafts in zip(
+        costs["contexts"], costs["target"], costs["draft"] or [[]] * len(costs["contexts"])
+    ):
+        t.add_row(str(c), *[f"{x / step:.2f}" for x in row], *[f"{x / step:.2f}" for x in drafts])
+    Console().print(t)
+    typer.echo(
+        f"policy: {1e6 * r['policy_s']:.0f} us a cycle ({r['policy_share_of_a_step']:.2%} of a plain step)"
+    )
+    typer.echo(f"kept in {r['costs_file']}")

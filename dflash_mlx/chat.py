@@ -67,12 +67,13 @@ class ChatSession:
         system: str | None = None,
         temperature: float = 0.0,
         block_size: int | None = None,
+        lookup: bool = True,
         max_tokens: int = 1024,
         max_context: int | None = None,
         template_kwargs: dict | None = None,
     ):
         self.settings = GenerationSettings(
-            temperature=temperature, block_size=block_size, max_tokens=max_tokens
+            temperature=temperature, block_size=block_size, lookup=lookup, max_tokens=max_tokens
         )
         self.target = prepare(model, draft)
         self.draft, self.tokenizer, self.system = draft, tokenizer, system

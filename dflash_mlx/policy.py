@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -225,14 +224,22 @@ class AdaptivePolicy:
 # ---- measuring the costs --------------------------------------------------------------------------
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` runs after a warm-up: what the pass costs when nothing else competes for
+    the machine (a busy moment only ever adds time)."""
     fn()  # warm-up (and compilation)
     times = []
     for _ in range(repeats):
         tic = time.perf_counter()
         fn()
         times.append(time.perf_counter() - tic)
-    return statistics.median(times)
+    return min(times)
+
+
+def _monotone(rows: list[list[float]]) -> list[list[float]]:
+    """Costs that never fall with more positions or a longer context (what noise can make them do)."""
+    rows = [[max(row[: i + 1]) for i in range(len(row))] for row in rows]
+    return [[max(r[i] for r in rows[: j + 1]) for i in range(len(row))] for j, row in enumerate(rows)]
 
 
 def _verify_pass(target, cache, block: mx.array):
@@ -250,7 +257,7 @@ def _draft_pass(draft, cache, k: int):
 
 
 def measure_costs(
-    target, draft, contexts=(64, 1024), widths=(1, 2, 4, 8, 16), proposals=(1, 3, 7, 15), repeats: int = 3
+    target, draft, contexts=(64, 1024), widths=(1, 2, 4, 8, 16), proposals=(1, 3, 7, 15), repeats: int = 5
 ) -> CostModel:
     """Time the target's passes by width and the drafter's by proposals, after random prompts of each
     context length (capped by the model's context)."""
@@ -265,15 +272,13 @@ def measure_costs(
         cache.prefill(mx.random.randint(0, vocab, (context,), key=key).tolist())
         table.append(
             [
-                _median_seconds(
-                    _verify_pass(target, cache, mx.random.randint(0, vocab, (1, w), key=key)), repeats
-                )
+                _seconds(_verify_pass(target, cache, mx.random.randint(0, vocab, (1, w), key=key)), repeats)
                 for w in widths
             ]
         )
         if proposals:
-            drafts.append([_median_seconds(_draft_pass(draft, cache, k), repeats) for k in proposals])
-    return CostModel(list(contexts), list(widths), table, proposals, drafts)
+            drafts.append([_seconds(_draft_pass(draft, cache, k), repeats) for k in proposals])
+    return CostModel(list(contexts), list(widths), _monotone(table), proposals, _monotone(drafts))
 
 
 def cost_key(target, draft) -> str:
