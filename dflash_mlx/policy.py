@@ -77,14 +77,14 @@ class CostModel:
 
 
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise-linear through (xs, ys), extended linearly past both ends (never below 0)."""
+    """Piecewise-linear through (xs, ys), extended linearly past both ends (never below the least y)."""
     if len(xs) == 1:
         return ys[0]
     i = 1
     while i < len(xs) - 1 and x > xs[i]:
         i += 1
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    return max(min(ys), y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 class _Odds:
@@ -257,7 +257,7 @@ def _draft_pass(draft, cache, k: int):
 
 
 def measure_costs(
-    target, draft, contexts=(64, 1024), widths=(1, 2, 4, 8, 16), proposals=(1, 3, 7, 15), repeats: int = 5
+    target, draft, contexts=(64, 1024), widths=(1, 2, 4, 8, 16), proposals=(1, 2, 4, 8, 15), repeats: int = 5
 ) -> CostModel:
     """Time the target's passes by width and the drafter's by proposals, after random prompts of each
     context length (capped by the model's context)."""
@@ -288,6 +288,7 @@ def cost_key(target, draft) -> str:
         return {k: v for k, v in sorted(vars(args).items()) if isinstance(v, (int, float, str, bool))}
 
     facts = {
+        "method": 2,  # how costs are measured: files from another method are measured again
         "target": [target.family, shape(target.args), str(target.inner.embed_tokens.weight.dtype)],
         "draft": None if draft is None else [draft.config.to_dict(), str(draft.dtype)],
         "machine": [

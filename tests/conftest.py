@@ -1,9 +1,16 @@
 """Imported by pytest before any test module: load dflash_mlx first so its BLAS preload happens before
 anything imports mlx.core (a module that imports mlx_lm first would otherwise get the slow BLAS)."""
 
+import os
+import tempfile
+
 import pytest
 
 import dflash_mlx  # noqa: F401
+
+# Converted models and measured costs go to a folder of this run's, not the user's ~/.cache (a test that
+# needs its own home sets DFLASH_MLX_HOME itself).
+os.environ["DFLASH_MLX_HOME"] = tempfile.mkdtemp(prefix="dflash-mlx-test-home-")
 from dflash_mlx.loading import load, smollm2_gguf
 
 
