@@ -59,21 +59,6 @@ class NgramIndex:
         return [], 0
 
 
-def lookup_proposals(tokens: list[int], vocab_size: int, sampled: bool):
-    """Lookup's proposals as the acceptance rules take them: the tokens, and when sampling their q,
-    one-hot (a proposal x is then kept with probability p(x))."""
-    x = mx.array(tokens, dtype=mx.int32)
-    if not sampled:
-        return x, None
-    return x, (mx.arange(vocab_size)[None] == x[:, None]).astype(mx.float32)
-
-
-def head_count(k: int, block_size: int) -> int:
-    """The output head's width for k proposals: the next power of two (at most block_size - 1), so the
-    compiled draft step is traced for a handful of widths, not for every k."""
-    return min(1 << (k - 1).bit_length(), block_size - 1)
-
-
 class DFlashDrafter:
     """The block-diffusion drafter: one parallel pass over [last, MASK * (B - 1)] after its context
     cache; only the first k positions go through the (wide) output head."""
@@ -85,8 +70,7 @@ class DFlashDrafter:
         """-> (k proposals, their q or None, confidences). A position's confidence is the largest
         probability of the distribution it is drawn from: it never depends on the draw itself, so a
         width chosen from it keeps rejection sampling exact."""
-        heads = head_count(k, self.block_size)
-        logits = self.model.propose_logits(last, cache, self.block_size, self.compiled, heads=heads)[0, :k]
+        logits = self.model.propose_logits(last, cache, self.block_size, self.compiled, heads=k)[0]
         x, q = draw(logits)
         if q is None:
             confidence = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))

@@ -17,6 +17,7 @@ comes back when the text changes.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import platform
 import time
@@ -60,20 +61,41 @@ class CostModel:
     proposals: list[int]  # draft pass proposal counts measured ([] without a drafter)
     draft: list[list[float]]  # [context][proposals]
 
-    def target_time(self, width: int, context: int) -> float:
-        return _interpolate(
-            self.contexts, [_interpolate(self.widths, row, width) for row in self.target], context
+    def __post_init__(self):
+        ok = (
+            self.contexts
+            and _increasing(self.contexts)
+            and self.widths[:1] == [1]
+            and _increasing(self.widths)
+            and _increasing(self.proposals)
+            and len(self.target) == len(self.contexts)
+            and all(len(row) == len(self.widths) for row in self.target)
+            and len(self.draft) == (len(self.contexts) if self.proposals else 0)
+            and all(len(row) == len(self.proposals) for row in self.draft)
+            and all(t > 0 for row in self.target + self.draft for t in row)
         )
+        if not ok:
+            raise ValueError("not a cost model: measure it again")
+
+    def target_time(self, width: int, context: int) -> float:
+        return _at(self.contexts, self.widths, self.target, width, context)
 
     def draft_time(self, k: int, context: int) -> float:
-        if not self.proposals:
-            return 0.0
-        return _interpolate(
-            self.contexts, [_interpolate(self.proposals, row, k) for row in self.draft], context
-        )
+        return _at(self.contexts, self.proposals, self.draft, k, context) if self.proposals else 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _increasing(xs: list) -> bool:
+    return all(a < b for a, b in zip(xs, xs[1:]))
+
+
+def _at(contexts: list[int], xs: list[int], rows: list[list[float]], x: float, context: int) -> float:
+    """A cost at `context` for x positions: each measured x's cost taken to that context, made never
+    to fall as x grows (extended past the contexts measured, noise could make it), then interpolated."""
+    column = [_interpolate(contexts, [row[i] for row in rows], context) for i in range(len(xs))]
+    return _interpolate(xs, list(itertools.accumulate(column, max)), x)
 
 
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
@@ -94,9 +116,15 @@ class _Odds:
         self.hits = [0.0] * (positions + 1)
         self.trials = [0.0] * (positions + 1)
 
-    def rate(self, j: int) -> float:
-        j = min(j, len(self.hits) - 1)
-        return (self.hits[j] + PRIOR_HITS) / (self.trials[j] + PRIOR_TRIALS)
+    def rates(self, n: int) -> list[float]:
+        """Odds at positions 1..n. A position's prior is the odds of the one before it, so positions that
+        were never reached look no better than those that were."""
+        out, prior = [], PRIOR_HITS / PRIOR_TRIALS
+        for j in range(1, n + 1):
+            j_ = min(j, len(self.hits) - 1)
+            prior = (self.hits[j_] + PRIOR_TRIALS * prior) / (self.trials[j_] + PRIOR_TRIALS)
+            out.append(prior)
+        return out
 
     def discount(self, factor: float) -> None:
         for j in range(1, len(self.hits)):
@@ -163,14 +191,14 @@ class AdaptivePolicy:
         if self.max[LOOKUP] and tokens:
             odds = self.lookup[min(n, 8)]
             rate, k = self._best(
-                [odds.rate(j) for j in range(1, min(len(tokens), self.max[LOOKUP]) + 1)],
+                odds.rates(min(len(tokens), self.max[LOOKUP])),
                 lambda k: 0.0,
                 context,
             )
             options.append((rate, Choice(LOOKUP, k)))
         if self.max[DFLASH]:
             rate, k = self._best(
-                [self.dflash.rate(j) for j in range(1, self.max[DFLASH] + 1)],
+                self.dflash.rates(self.max[DFLASH]),
                 lambda k: self.costs.draft_time(k, context),
                 context,
             )
@@ -179,7 +207,7 @@ class AdaptivePolicy:
         for _, option in options[1:]:
             source = option.source
             if source == choice.source:
-                self.idle[source], self.wait[source] = 0, PROBE_FIRST
+                self.idle[source] = 0
             elif choice.source == PLAIN and self.idle[source] >= self.wait[source]:
                 self.idle[source], self.wait[source] = 0, min(2 * self.wait[source], PROBE_MAX)
                 for odds in (self.dflash,) if source == DFLASH else (self.lookup[min(n, 8)],):
@@ -198,9 +226,8 @@ class AdaptivePolicy:
         the position's own odds."""
         confidence = confidence.tolist()
         rates = []
-        for j, c in enumerate(confidence):
+        for c, prior in zip(confidence, self.dflash.rates(len(confidence))):
             b = self._bin(c)
-            prior = self.dflash.rate(j + 1)
             rates.append((self.bins.hits[b] + PRIOR_TRIALS * prior) / (self.bins.trials[b] + PRIOR_TRIALS))
         drafted = self.costs.draft_time(choice.k, context)
         e = expected_tokens(rates)
@@ -210,8 +237,11 @@ class AdaptivePolicy:
         return best, confidence
 
     def observe(self, choice: Choice, k: int, accepted: int, confidence: list[float], ngram: int) -> None:
+        if accepted:
+            self.wait[choice.source] = PROBE_FIRST  # it pays again: a later parking probes soon
         if choice.source == DFLASH:
-            self.dflash.observe(k, accepted)
+            # A block drafted and then not verified at all cost a draft for nothing: a miss at position 1.
+            self.dflash.observe(max(k, 1), accepted)
             self.bins.discount(DECAY)
             for j, c in enumerate(confidence[: min(accepted + 1, k)]):
                 b = self._bin(c)
@@ -284,13 +314,24 @@ def measure_costs(
 def cost_key(target, draft) -> str:
     """What the costs depend on: the models' shapes and dtypes, this machine and its MLX build."""
 
-    def shape(args) -> dict:
-        return {k: v for k, v in sorted(vars(args).items()) if isinstance(v, (int, float, str, bool))}
+    def quantized(model) -> list:
+        return sorted(
+            {
+                (type(m).__name__, m.bits, m.group_size, getattr(m, "mode", ""))
+                for _, m in model.named_modules()
+                if hasattr(m, "bits")
+            }
+        )
 
     facts = {
-        "method": 2,  # how costs are measured: files from another method are measured again
-        "target": [target.family, shape(target.args), str(target.inner.embed_tokens.weight.dtype)],
-        "draft": None if draft is None else [draft.config.to_dict(), str(draft.dtype)],
+        "method": 3,  # how costs are measured: files from another method are measured again
+        "target": [
+            target.family,
+            vars(target.args),
+            str(target.inner.embed_tokens.weight.dtype),
+            quantized(target.model),
+        ],
+        "draft": None if draft is None else [draft.config.to_dict(), str(draft.dtype), quantized(draft)],
         "machine": [
             platform.machine(),
             platform.processor(),
@@ -313,17 +354,20 @@ def costs_for(target, draft, refresh: bool = False) -> CostModel:
     if not refresh and path.exists():
         try:
             return CostModel(**json.loads(path.read_text()))
-        except (ValueError, TypeError):
-            pass  # unreadable: measure again
+        except (ValueError, TypeError, KeyError):
+            pass  # unreadable or not a cost model: measure again
     costs = measure_costs(target, draft)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(costs.to_dict()))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps(costs.to_dict()))
+    except OSError:
+        pass  # a home that cannot be written: the costs serve this run, and are measured again next time
     return costs
 
 
-def policy_for(target, draft, *, block_size: int | None, lookup: bool, costs: CostModel | None = None):
+def policy_for(target, draft, *, block_size: int | None, lookup: bool):
+    """A fixed block when one is given (or nothing to choose from), else the adaptive policy."""
     if block_size is not None or (draft is None and not lookup):
         return FixedPolicy(block_size or 1, draft is not None)
-    costs = costs or costs_for(target, draft)
-    return AdaptivePolicy(costs, draft.block_size - 1 if draft is not None else 0, lookup)
+    return AdaptivePolicy(costs_for(target, draft), draft.block_size - 1 if draft is not None else 0, lookup)

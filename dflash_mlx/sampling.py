@@ -117,11 +117,28 @@ def rejection_accept(proposals: mx.array, q: mx.array, p: mx.array):
     return n, mx.random.categorical(mx.log(residual))
 
 
+def one_hot_accept(proposals: mx.array, p: mx.array):
+    """Speculative sampling for proposals made with certainty (q one-hot, as prompt lookup's): proposal k
+    survives with probability p_k(x_k); at the first rejection the token is drawn from p_k without x_k
+    (normalize(max(0, p_k - q_k)) for a one-hot q_k); if all survive, from p_{B-1}. Only that one row is
+    renormalised, so no vocabulary-wide q is ever built."""
+    k = mx.arange(proposals.shape[0])
+    px = p[k, proposals]
+    u = mx.random.uniform(shape=px.shape)
+    n = _accepted_prefix(u < px)
+    rejected = mx.concatenate([proposals, mx.array([-1], dtype=proposals.dtype)])[n]  # -1: none rejected
+    row = mx.where(mx.arange(p.shape[-1]) == rejected, 0.0, p[n])
+    total = row.sum()
+    row = mx.where(total > 0, row / mx.maximum(total, 1e-30), p[n])
+    return n, mx.random.categorical(mx.log(row))
+
+
 def acceptance(params: SamplingParams, sampler: Callable | None):
     """Pick the drafting and acceptance rules for these settings.
 
     Returns (draft, accept): draft(logits) -> (proposals, q or None);
-    accept(proposals, q, target_logits) -> (n, next_token).
+    accept(proposals, q, target_logits) -> (n, next_token), where q None marks proposals made with
+    certainty (greedy drafting, prompt lookup).
     """
     if sampler is not None:
 
@@ -147,6 +164,8 @@ def acceptance(params: SamplingParams, sampler: Callable | None):
             return mx.random.categorical(logq), mx.exp(logq)
 
         def accept(x, q, logits):
+            if q is None:
+                return one_hot_accept(x, params.probs(logits))
             return rejection_accept(x, q, params.probs(logits))
 
     return draft, accept

@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import SpeculativeCache
-from .drafters import DFlashDrafter, lookup_proposals
+from .drafters import DFlashDrafter
 from .errors import UserError
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
@@ -211,7 +211,6 @@ def stream_generate(
     draw, accept = acceptance(settings, sampler)
     policy = policy_for(target, draft, block_size=block_size, lookup=lookup)
     dflash = DFlashDrafter(draft, block_size or draft.block_size, compile) if draft is not None else None
-    sampled = sampler is None and not settings.greedy  # rejection sampling: proposals need their q
     pick = (
         (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
         if sampler is not None
@@ -288,7 +287,7 @@ def stream_generate(
             k, confidence = policy.narrow(choice, confidence, context)
             x, q = x[:k], None if q is None else q[:k]
         elif choice.source == LOOKUP:
-            x, q = lookup_proposals(found[0][:k], target.vocab_size, sampled)
+            x = mx.array(found[0][:k], dtype=mx.int32)  # q None: proposed with certainty
             k = x.shape[0]
         logits, features = cache.verify(mx.concatenate([mx.array([last]), x])[None])
         n, nxt = accept(x, q, logits[0]) if k else (mx.array(0), pick(logits[0])[0])

@@ -20,7 +20,6 @@ target's lm_head after the drafter's own final `norm`. The checkpoint layout is 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -291,28 +290,27 @@ class DFlashDraftModel(nn.Module):
         The target's `shared_state` is the tree of arrays behind them; passing it (and our own
         parameters) as compile inputs keeps the compiled step correct if weights change later.
         """
-        embed, lm_head = target.embed, target.lm_head
+        embed = target.embed
 
-        def step(block_tokens, ctx_keys, ctx_values, ctx_len, heads):
-            h = self.denoise(embed(block_tokens).astype(self.dtype), ctx_keys, ctx_values, ctx_len)
-            return lm_head(h[:, 1 : 1 + heads])  # the output head only where proposals will be read
+        def step(block_tokens, ctx_keys, ctx_values, ctx_len):
+            return self.denoise(embed(block_tokens).astype(self.dtype), ctx_keys, ctx_values, ctx_len)
 
-        def compiled(heads: int):
-            def traced_step(*args):
-                self.traces += 1  # runs only while mx.compile traces, never on a cached call
-                return step(*args, heads)
+        def traced_step(*args):
+            self.traces += 1  # runs only while mx.compile traces, never on a cached call
+            return step(*args)
 
-            return mx.compile(traced_step, inputs=[self.state, target.shared_state])
-
+        # The output head stays outside the compiled step: it runs at however many positions a cycle
+        # proposes, and one wide matmul gains nothing from compiling.
+        self._lm_head = target.lm_head
         self._eager_step = step
-        self._compiled_step = functools.cache(compiled)  # one compiled step per number of heads
+        self._compiled_step = mx.compile(traced_step, inputs=[self.state, target.shared_state])
         # Set past nn.Module's __setattr__, which would make the target's model one of our submodules:
         # its weights must be neither our state nor inputs of the compiled step.
         object.__setattr__(self, "_bound_to", target.model)
 
     def unbind(self) -> None:
         """Forget the target (after swapping a layer, so that the next `bind` compiles around it)."""
-        self._compiled_step = self._eager_step = None
+        self._compiled_step = self._eager_step = self._lm_head = None
         object.__setattr__(self, "_bound_to", None)
 
     @property
@@ -336,7 +334,6 @@ class DFlashDraftModel(nn.Module):
         block = mx.array([[last_token] + [self.config.mask_token_id] * (block_size - 1)])
         keys = [c.keys for c in cache]
         values = [c.values for c in cache]
-        args = (block, keys, values, mx.array(cache[0].offset))
-        if not compiled:
-            return self._eager_step(*args, heads)
-        return self._compiled_step(heads)(*args)
+        step = self._compiled_step if compiled else self._eager_step
+        h = step(block, keys, values, mx.array(cache[0].offset))
+        return self._lm_head(h[:, 1 : 1 + heads])  # the output head only where proposals will be read

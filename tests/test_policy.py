@@ -243,9 +243,9 @@ def test_sampled_output_follows_the_target_distribution_with_lookup_and_the_adap
     assert chi_square_p(counts, exact_joint(model, 0.7, 0.9, prompt)) > 1e-3
 
 
-def test_drafting_at_every_width_compiles_the_draft_step_a_handful_of_times(scripted):
+def test_drafting_at_every_width_does_not_compile_the_draft_step_again(scripted):
     scripted([Choice(DFLASH, k) for k in range(1, 16)])
     model, prompt = make_target("llama"), prompt_of(12, seed=4)
     draft = make_draft(block_size=16)
-    generate(model, draft, None, prompt, max_tokens=60)
-    assert draft.traces <= 5  # one trace per head width: 1, 2, 4, 8 and 15
+    generate(model, draft, None, prompt, max_tokens=600)
+    assert draft.traces <= 3  # one trace per size of the drafter's cache buffer (256 rows at a time)
