@@ -47,7 +47,7 @@ def pypi_blas_patterns() -> list[str]:
 
 def _find_blas() -> str | None:
     for pattern in [*_OPENBLAS, *pypi_blas_patterns(), *_SYSTEM_MKL]:
-        hits = sorted(glob.glob(pattern))
+        hits = [h for h in sorted(glob.glob(pattern)) if os.path.exists(h)]  # not a dangling link
         if hits:
             return hits[0]
     return ctypes.util.find_library("openblas")
