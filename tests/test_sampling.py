@@ -13,6 +13,8 @@ from dflash_mlx.sampling import SamplingParams, acceptance
 
 V, T, B, RUNS = 8, 4, 3, 1500
 PROMPT = [1, 5, 3, 6]
+# Drafters for the target below, one layer each: every test here runs RUNS answers.
+DRAFT = dict(vocab=V, target_layers=1, layer_ids=(0,), layers=1)
 
 
 def nucleus_probs(
@@ -108,7 +110,7 @@ def chi_square_p(counts: dict, joint: dict) -> float:
 
 @pytest.fixture(scope="module")
 def model():
-    return make_target("llama", seed=4, vocab_size=V)
+    return make_target("llama", seed=4, vocab_size=V, num_hidden_layers=1)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
@@ -118,9 +120,9 @@ def test_output_follows_the_target_distribution(model, temperature, top_p, draft
     if drafter == "none":  # plain decoding (what block size 1 and a missing drafter both run)
         draft = None
     elif drafter == "bad":
-        draft = make_draft(seed=11, vocab=V)
+        draft = make_draft(seed=11, **DRAFT)
     else:
-        draft = TargetPathDraft(draft_config(vocab=V), model, holder)
+        draft = TargetPathDraft(draft_config(**DRAFT), model, holder)
     joint = exact_joint(model, temperature, top_p)
     p = chi_square_p(sample_counts(model, draft, holder, temperature, top_p), joint)
     assert p > 1e-3, f"chi-square p-value {p:.2e}: output does not follow the target's distribution"
@@ -130,7 +132,7 @@ def test_top_k_and_min_p_are_applied_exactly(model):
     """The two filters the tests above leave at their defaults: with a (random) drafter, the output
     is the target's distribution after top-k and min-p."""
     holder, filters = [None], dict(top_k=3, min_p=0.05)
-    counts = sample_counts(model, make_draft(seed=11, vocab=V), holder, 0.8, 1.0, **filters)
+    counts = sample_counts(model, make_draft(seed=11, **DRAFT), holder, 0.8, 1.0, **filters)
     assert chi_square_p(counts, exact_joint(model, 0.8, 1.0, **filters)) > 1e-3
 
 
@@ -138,7 +140,7 @@ def test_a_seed_makes_a_sampled_answer_repeatable(model):
     tok = make_tokenizer(vocab=V, eos=V + 5)
 
     def answer(seed):
-        draft = make_draft(seed=11, vocab=V)
+        draft = make_draft(seed=11, **DRAFT)
         return generate(model, draft, tok, PROMPT, max_tokens=12, temperature=1.0, seed=seed).tokens
 
     first = answer(3)
@@ -150,7 +152,7 @@ def test_a_custom_sampler_keeps_its_own_distribution(model):
 
     holder = [None]
     counts = sample_counts(
-        model, make_draft(seed=11, vocab=V), holder, 0.0, 1.0, sampler=make_sampler(0.7, top_p=0.9)
+        model, make_draft(seed=11, **DRAFT), holder, 0.0, 1.0, sampler=make_sampler(0.7, top_p=0.9)
     )
     assert chi_square_p(counts, exact_joint(model, 0.7, 0.9)) > 1e-3
 
@@ -171,7 +173,7 @@ def test_the_check_catches_a_lossy_rule(model, monkeypatch):
     monkeypatch.setattr(speculative, "acceptance", accept_all)
     holder = [None]
     joint = exact_joint(model, 1.0, 1.0)
-    p = chi_square_p(sample_counts(model, make_draft(seed=11, vocab=V), holder, 1.0, 1.0), joint)
+    p = chi_square_p(sample_counts(model, make_draft(seed=11, **DRAFT), holder, 1.0, 1.0), joint)
     assert p < 1e-6
 
 
@@ -274,7 +276,7 @@ def test_a_sampler_that_flips_one_coin_per_call_stays_exact(model):
         }
     holder = [None]
     counts = sample_counts(
-        model, TargetPathDraft(draft_config(vocab=V), model, holder), holder, 0.0, 1.0, sampler=coin
+        model, TargetPathDraft(draft_config(**DRAFT), model, holder), holder, 0.0, 1.0, sampler=coin
     )
     assert sum(counts.get(s, 0) for s in joint) == RUNS  # nothing plain decoding could not write
     p = chisquare([counts.get(s, 0) for s in joint], [q * RUNS for q in joint.values()]).pvalue

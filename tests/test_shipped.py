@@ -43,7 +43,7 @@ def test_shipped_drafter_beats_chance_on_humaneval(pair):
     acc = []
     for messages in humaneval_prompts()[:3]:
         acc += generate(
-            model, draft, tokenizer, apply_chat_template(tokenizer, messages), max_tokens=96
+            model, draft, tokenizer, apply_chat_template(tokenizer, messages), max_tokens=48
         ).acceptance_lengths
     assert sum(acc) / len(acc) > TAU_FLOOR
 
