@@ -7,11 +7,11 @@ import tempfile
 import pytest
 
 import dflash_mlx  # noqa: F401
+from dflash_mlx.loading import load, smollm2_gguf
 
 # Converted models and measured costs go to a folder of this run's, not the user's ~/.cache (a test that
 # needs its own home sets DFLASH_MLX_HOME itself).
 os.environ["DFLASH_MLX_HOME"] = tempfile.mkdtemp(prefix="dflash-mlx-test-home-")
-from dflash_mlx.loading import load, smollm2_gguf
 
 
 @pytest.fixture(scope="session")
