@@ -569,7 +569,7 @@ def test_bench_runs_each_setting_once_and_says_n_a_without_a_decode_phase(pair, 
     assert list(results["prompts"][0]["dflash"]) == ["4@0.0"]
     # one token each: no decode phase and no cycle to compare, so no 0.00x (read as "infinitely slower")
     assert row["speedup_decode"] is None and row["tau"] is None and row["identical"] is True
-    assert "| 4 | 0.0 | n/a |" in (tmp_path / "b" / "summary.md").read_text()
+    assert "| block 4 | 0.0 | n/a |" in (tmp_path / "b" / "summary.md").read_text()
 
 
 def png_size(path):
@@ -603,7 +603,7 @@ def test_bench_writes_results_summary_and_plot(pair, tmp_path):
     greedy = [s for s in results["summary"] if s["temperature"] == 0]
     assert all(s["identical"] is True for s in greedy)
     assert results["machine"]["mlx backend"] == "cpu"
-    assert "| 8 | 0.0 |" in (tmp_path / "b" / "summary.md").read_text()
+    assert "| block 8 | 0.0 |" in (tmp_path / "b" / "summary.md").read_text()
     w, h = png_size(tmp_path / "b" / "plot.png")
     assert w > 400 and h > 200
 
@@ -659,6 +659,8 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
         root / "prompts.jsonl",
         "--max-tokens",
         "16",
+        "--block-sizes",
+        "16",  # one run a prompt, so the third is prompt 1's
         "-o",
         tmp_path / "c",
     )
