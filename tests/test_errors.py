@@ -1,11 +1,11 @@
-"""Bad input fails early with a message that names what is wrong."""
+"""Bad input fails early, as a UserError, with a message that names what is wrong."""
 
 import importlib
 
 import pytest
 from tiny import _COMMON, make_draft, make_target, make_tokenizer, prompt_of
 
-from dflash_mlx import generate, stream_generate
+from dflash_mlx import UserError, generate, stream_generate
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +23,13 @@ def model():
     ],
 )
 def test_a_drafter_made_for_another_target_is_refused(model, kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserError, match=message):
         generate(model, make_draft(**kwargs), make_tokenizer(), [5, 6], max_tokens=4)
 
 
 def test_a_mask_token_outside_the_vocabulary_is_refused(model):
     with pytest.raises(
-        ValueError, match=r"drafter mask_token_id 200 is outside the target vocabulary \(size 96\)"
+        UserError, match=r"drafter mask_token_id 200 is outside the target vocabulary \(size 96\)"
     ):
         generate(model, make_draft(mask_token_id=200), make_tokenizer(), [5, 6], max_tokens=4)
 
@@ -37,10 +37,10 @@ def test_a_mask_token_outside_the_vocabulary_is_refused(model):
 def test_a_string_prompt_without_a_tokenizer_and_a_cache_of_another_pair_are_refused(model):
     from dflash_mlx import SpeculativeCache
 
-    with pytest.raises(ValueError, match="a string prompt needs a tokenizer"):
+    with pytest.raises(UserError, match="a string prompt needs a tokenizer"):
         generate(model, make_draft(), None, "w5 w6", max_tokens=4)
     other = SpeculativeCache(model, make_draft())
-    with pytest.raises(ValueError, match="prompt_cache was made for another model pair"):
+    with pytest.raises(UserError, match="prompt_cache was made for another model pair"):
         generate(model, make_draft(), None, [5, 6], max_tokens=4, prompt_cache=other)
 
 
@@ -49,7 +49,7 @@ def test_empty_prompt_is_refused(model):
         "",
         [],
     ):
-        with pytest.raises(ValueError, match="prompt is empty"):
+        with pytest.raises(UserError, match="prompt is empty"):
             generate(model, make_draft(), make_tokenizer(), prompt, max_tokens=4)
 
 
@@ -63,16 +63,16 @@ def test_max_tokens_zero_yields_nothing(model):
 def test_an_unsupported_family_names_itself_and_the_supported_ones():
     module = importlib.import_module("mlx_lm.models.qwen2")
     qwen2 = module.Model(module.ModelArgs.from_dict(dict(_COMMON, model_type="qwen2")))
-    with pytest.raises(ValueError, match=r"family 'qwen2' is not supported.*llama, qwen3, qwen3_moe"):
+    with pytest.raises(UserError, match=r"family 'qwen2' is not supported.*llama, qwen3, qwen3_moe"):
         generate(qwen2, make_draft(), make_tokenizer(), [5, 6], max_tokens=4)
 
 
 def test_bad_block_size_max_tokens_and_prefill_step_are_refused(model):
     for size in (-1, 0, 257):
-        with pytest.raises(ValueError, match=f"block size must be between 1 and 256, got {size}"):
+        with pytest.raises(UserError, match=f"block size must be between 1 and 256, got {size}"):
             generate(model, make_draft(), make_tokenizer(), [5, 6], block_size=size)
-    with pytest.raises(ValueError, match="max_tokens must be >= 0"):
+    with pytest.raises(UserError, match="max_tokens must be >= 0"):
         generate(model, make_draft(), make_tokenizer(), [5, 6], max_tokens=-3)
     for step in (0, -1):
-        with pytest.raises(ValueError, match=f"prefill_step_size must be >= 1, got {step}"):
+        with pytest.raises(UserError, match=f"prefill_step_size must be >= 1, got {step}"):
             generate(model, make_draft(), make_tokenizer(), [5, 6], prefill_step_size=step)

@@ -143,6 +143,13 @@ def test_fast_cpu_cross_entropy_matches_mlx_in_value_and_gradient():
     np.testing.assert_allclose(np.array(ours[1]), np.array(ref[1]), rtol=1e-4, atol=1e-6)
 
 
+def tiny_config(**changes) -> TrainConfig:
+    """A one-layer drafter of blocks of 8 with token 95 as the mask, 8 sequences held out; no checkpoint
+    before the last step."""
+    recipe = dict(block_size=8, num_layers=1, mask_token_id=95, anchors=8, holdout=8, checkpoint_every=1000)
+    return TrainConfig(**{**recipe, **changes})
+
+
 def self_distilled(model, n=40, prompt_len=8, response=48):
     return [
         (p + greedy_reference(model, p, response), prompt_len)
@@ -167,18 +174,7 @@ def real_tau(model, draft, seqs):
 @pytest.mark.parametrize("vocab", ["full", "data"])
 def test_a_tiny_run_lowers_the_loss_and_raises_real_acceptance(tiny_setup, tmp_path, vocab):
     model, seqs = tiny_setup
-    cfg = TrainConfig(
-        block_size=8,
-        num_layers=1,
-        mask_token_id=95,
-        anchors=8,
-        steps=300,
-        lr=3e-3,
-        warmup=20,
-        checkpoint_every=1000,
-        holdout=8,
-        vocab=vocab,
-    )
+    cfg = tiny_config(steps=300, lr=3e-3, warmup=20, vocab=vocab)
     losses = []
     untrained = make_draft(block_size=8, layers=1, layer_ids=(2,))
     before = real_tau(model, untrained, seqs)
@@ -224,17 +220,7 @@ def test_every_supported_family_trains_and_its_features_match_a_cached_prefill(f
     parts = [target(tokens[None, a:b], cache)[1] for a, b in ((0, 17), (17, 20), (20, 33), (33, 40))]
     np.testing.assert_allclose(np.array(mx.concatenate(parts, axis=1)), np.array(whole), rtol=1e-4, atol=1e-4)
     seqs = [(p + greedy_reference(model, p, 32), 8) for p in (prompt_of(8, seed=s) for s in range(12))]
-    cfg = TrainConfig(
-        block_size=8,
-        num_layers=1,
-        mask_token_id=95,
-        anchors=8,
-        steps=60,
-        lr=3e-3,
-        warmup=10,
-        checkpoint_every=1000,
-        holdout=4,
-    )
+    cfg = tiny_config(steps=60, lr=3e-3, warmup=10, holdout=4)
     losses = []
     train(Target(model), make_tokenizer(), seqs, tmp_path, cfg, on_step=lambda r: losses.append(r["loss"]))
     assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:10])
@@ -258,9 +244,7 @@ def test_the_data_vocabulary_option_is_used(tiny_setup, tmp_path):
     seqs = [(prompt_of(8, seed=s) + [3 + (s * k) % 6 for k in range(40)], 8) for s in range(16)]
     first = {}
     for vocab in ("full", "data"):
-        cfg = TrainConfig(
-            block_size=8, num_layers=1, mask_token_id=95, anchors=8, steps=1, warmup=1, holdout=8, vocab=vocab
-        )
+        cfg = tiny_config(steps=1, warmup=1, vocab=vocab)
         train(
             Target(model),
             make_tokenizer(),
@@ -294,17 +278,7 @@ def test_the_mask_token_is_a_spare_special_token():
 
 def test_resume_continues_the_same_run(tiny_setup, tmp_path):
     model, seqs = tiny_setup
-    cfg = TrainConfig(
-        steps=60,
-        block_size=8,
-        num_layers=1,
-        mask_token_id=95,
-        anchors=8,
-        lr=3e-3,
-        warmup=10,
-        checkpoint_every=20,
-        holdout=8,
-    )
+    cfg = tiny_config(steps=60, lr=3e-3, warmup=10, checkpoint_every=20)
     straight = []
     train(
         Target(model),
@@ -370,17 +344,7 @@ def test_resume_continues_the_same_run(tiny_setup, tmp_path):
 
 def test_a_failing_tau_check_is_logged_and_the_run_goes_on(tiny_setup, tmp_path):
     model, seqs = tiny_setup
-    cfg = TrainConfig(
-        steps=12,
-        block_size=8,
-        num_layers=1,
-        mask_token_id=95,
-        anchors=4,
-        warmup=2,
-        checkpoint_every=6,
-        eval_every=6,
-        holdout=8,
-    )
+    cfg = tiny_config(steps=12, anchors=4, warmup=2, checkpoint_every=6, eval_every=6)
     records = []
 
     def evaluate(draft):
@@ -399,17 +363,7 @@ def test_a_failing_tau_check_is_logged_and_the_run_goes_on(tiny_setup, tmp_path)
 
 def test_sequences_with_no_response_inside_max_seq_len_are_not_used(tiny_setup, tmp_path):
     model, seqs = tiny_setup  # 8 prompt + 48 answer tokens each
-    cfg = TrainConfig(
-        block_size=8,
-        num_layers=1,
-        mask_token_id=95,
-        anchors=4,
-        steps=6,
-        holdout=2,
-        max_seq_len=40,
-        checkpoint_every=1000,
-        vocab="data",
-    )
+    cfg = tiny_config(anchors=4, steps=6, holdout=2, max_seq_len=40, vocab="data")
     # Read as prompts of 39 tokens, 10 of them leave one response token inside the first 40: no anchor.
     mixed = [(s, 39) for s, _ in seqs[:10]] + [(s, 37) for s, _ in seqs[10:13]]
     assert usable_sequences(mixed, cfg) == mixed[10:]
@@ -484,9 +438,7 @@ def _absorbed(draft, features):
 
 def test_each_epoch_trains_on_every_sequence_once(tiny_setup, tmp_path):
     model, seqs = tiny_setup
-    cfg = TrainConfig(
-        steps=64, block_size=8, num_layers=1, mask_token_id=95, anchors=2, holdout=8, checkpoint_every=1000
-    )
+    cfg = tiny_config(steps=64, anchors=2)
     drawn = []
     train(
         Target(model),
@@ -514,17 +466,7 @@ def test_target_features_are_kept_only_up_to_the_budget_and_never_change_trainin
     for i, t in enumerate(tokens):  # kept or recomputed, a sequence's features are the same
         assert mx.array_equal(cache(i, t), first[i])
     # 40 steps over 32 training sequences: the second epoch reuses kept features, or recomputes them.
-    cfg = TrainConfig(
-        steps=40,
-        block_size=8,
-        num_layers=1,
-        mask_token_id=95,
-        anchors=4,
-        lr=3e-3,
-        warmup=5,
-        checkpoint_every=1000,
-        holdout=8,
-    )
+    cfg = tiny_config(steps=40, anchors=4, lr=3e-3, warmup=5)
     caches = []
 
     class Watched(FeatureCache):
@@ -552,16 +494,7 @@ def test_target_features_are_kept_only_up_to_the_budget_and_never_change_trainin
 
 def test_drafter_depth_and_mlp_width_are_the_runs_choice(tiny_setup, tmp_path):
     model, seqs = tiny_setup
-    cfg = TrainConfig(
-        block_size=4,
-        num_layers=3,
-        intermediate_size=40,
-        mask_token_id=95,
-        anchors=4,
-        steps=2,
-        warmup=1,
-        holdout=8,
-    )
+    cfg = tiny_config(block_size=4, num_layers=3, intermediate_size=40, anchors=4, steps=2, warmup=1)
     draft = train(Target(model), make_tokenizer(), seqs, tmp_path / "run", cfg)
     assert len(draft.layers) == 3 and draft.layers[0].mlp.gate_proj.weight.shape == (
         40,

@@ -28,47 +28,37 @@ _COMMON = dict(
     rope_theta=10000.0,
 )
 
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_GATED_DELTA = dict(
+    full_attention_interval=2,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+
 CONFIGS = {
     "llama": dict(_COMMON, model_type="llama", tie_word_embeddings=True),
     "qwen3": dict(_COMMON, model_type="qwen3", tie_word_embeddings=False),
     "qwen3_moe": dict(
         _COMMON,
+        **_MOE,
         model_type="qwen3_moe",
         tie_word_embeddings=False,
-        num_experts=4,
-        num_experts_per_tok=2,
         decoder_sparse_step=1,
         mlp_only_layers=[0],
-        moe_intermediate_size=32,
         norm_topk_prob=True,
     ),
-    "qwen3_5": dict(
-        _COMMON,
-        model_type="qwen3_5",
-        tie_word_embeddings=False,
-        full_attention_interval=2,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    ),
+    "qwen3_5": dict(_COMMON, **_GATED_DELTA, model_type="qwen3_5", tie_word_embeddings=False),
     "qwen3_5_moe": dict(
         _COMMON,
+        **_GATED_DELTA,
+        **_MOE,
         model_type="qwen3_5_moe",
         tie_word_embeddings=False,
-        full_attention_interval=2,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
-        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     ),
     "gpt_oss": dict(
         _COMMON,
