@@ -79,7 +79,7 @@ def test_chat_counts_only_drafted_tokens_it_shows(pair):
     model, draft, tokenizer = pair
     cut = False
     for n in range(2, 9):
-        session = ChatSession(model, draft, tokenizer, max_tokens=n)
+        session = ChatSession(model, draft, tokenizer, block_size=16, max_tokens=n)
         responses = list(session.reply("Write a Python function that checks whether a number is prime."))
         turn = session.turns[-1]
         assert turn["tokens"] == n
