@@ -1,12 +1,12 @@
 """What proposes tokens for the target to verify: the DFlash drafter and prompt lookup.
 
-A drafter proposes up to k tokens after the committed context, with the distributions q they were
-drawn from (None where the proposal is a deterministic choice: greedy drafting, or lookup, whose q is
-one-hot). The acceptance rules in sampling.py are exact for any such proposer, so whatever proposes,
-the target's output is unchanged.
+Proposals come with the distributions q they were drawn from, or None where they were made with
+certainty (greedy drafting; prompt lookup, whose q is one-hot). The acceptance rules in sampling.py are
+exact for either, so whatever proposes, the target's output is unchanged.
 
-`propose` returns (tokens, q, confidence): `confidence[i]` is the drafter's own probability of its
-i-th proposal where it has one (the policy learns how well that predicts acceptance), else None.
+`NgramIndex.match` gives lookup's proposals; `DFlashDrafter.propose` gives the drafter's, with each
+position's confidence (the largest probability of the distribution it is drawn from), from which the
+policy learns to predict acceptance.
 """
 
 from __future__ import annotations
