@@ -13,6 +13,7 @@ import ast
 import random
 import sysconfig
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 SETS = ("edit", "adversarial", "long-2k", "long-6k")
@@ -20,21 +21,28 @@ _SKIP = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensure
 _WHOLE = "Reply with the whole function in a Python code block and nothing else."
 
 
-def _stdlib_files() -> list[Path]:
+def stdlib_files(recursive: bool = False) -> list[Path]:
+    """This Python's standard-library modules (tests and GUI packages left out), in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return [p for p in sorted(root.glob("*.py")) if not _SKIP & set(p.relative_to(root).parts)]
+    found = root.rglob("*.py") if recursive else root.glob("*.py")
+    return [p for p in sorted(found) if not _SKIP & set(p.relative_to(root).parts)]
 
 
-def _functions(min_lines: int = 12, max_lines: int = 40) -> list[str]:
-    """Sources of top-level stdlib functions of a moderate length, in a fixed order."""
-    out = []
-    for path in _stdlib_files():
+def parsed_stdlib(recursive: bool = False) -> Iterator[tuple[list[str], ast.Module]]:
+    """(source lines, syntax tree) of each standard-library module that parses."""
+    for path in stdlib_files(recursive):
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        lines = source.splitlines()
+        yield source.splitlines(), tree
+
+
+def _functions(min_lines: int = 12, max_lines: int = 40) -> list[str]:
+    """Sources of top-level stdlib functions of a moderate length, in a fixed order."""
+    out = []
+    for lines, tree in parsed_stdlib():
         for node in tree.body:
             if (
                 isinstance(node, ast.FunctionDef)
@@ -77,7 +85,7 @@ def edit_prompts(n: int = 40) -> list[list[dict]]:
 
 def adversarial_prompts(n: int = 20) -> list[list[dict]]:
     rng = random.Random(0)
-    words = sorted({w for p in _stdlib_files()[:40] for w in p.stem.split("_") if w.isalpha() and len(w) > 3})
+    words = sorted({w for p in stdlib_files()[:40] for w in p.stem.split("_") if w.isalpha() and len(w) > 3})
     prompts = []
     for k in range(n):
         if k % 4 == 0:
@@ -99,7 +107,7 @@ def adversarial_prompts(n: int = 20) -> list[list[dict]]:
 def long_prompts(tokens: int, n: int = 4) -> list[list[dict]]:
     """Module sources cut to about `tokens` tokens (code runs at roughly 3.5 characters a token)."""
     budget = int(tokens * 3.5)
-    files = [p for p in _stdlib_files() if p.stat().st_size > budget]
+    files = [p for p in stdlib_files() if p.stat().st_size > budget]
     prompts = []
     for k, path in enumerate(files[:: max(1, len(files) // n)][:n]):
         source = path.read_text(encoding="utf-8", errors="replace")[:budget]

@@ -15,7 +15,6 @@ import gzip
 import hashlib
 import json
 import os
-import sysconfig
 import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
-from .benchsets import SETS, bench_set
+from .benchsets import SETS, bench_set, parsed_stdlib
 from .chat import apply_chat_template
 from .errors import NotFound, UserError
 
@@ -109,18 +108,8 @@ def python_stdlib_prompts() -> list[list[dict]]:
     """Offline code prompts in HumanEval's style: the signature and docstring of every public,
     undecorated function of this Python's standard library (tests and GUI packages skipped) that has
     a docstring of two or more lines, shuffled in a fixed order, each asking for the function's code."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "site-packages"}
     out = []
-    for path in sorted(root.rglob("*.py")):
-        if skip & set(path.relative_to(root).parts):
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = source.splitlines()
+    for lines, tree in parsed_stdlib(recursive=True):
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.FunctionDef)

@@ -27,6 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .cache import SpeculativeCache
+from .drafters import LOOKUP_MAX
 from .files import atomic_file
 from .loading import cache_home
 from .pairing import context_length
@@ -167,7 +168,7 @@ class FixedPolicy:
 class AdaptivePolicy:
     """The per-cycle choice among a plain step, lookup with k proposals and DFlash with k proposals."""
 
-    def __init__(self, costs: CostModel, max_dflash: int, lookup: bool, max_lookup: int = 16):
+    def __init__(self, costs: CostModel, max_dflash: int, lookup: bool, max_lookup: int = LOOKUP_MAX):
         self.costs = costs
         self.max = {DFLASH: max_dflash, LOOKUP: max_lookup if lookup else 0}
         self.dflash = _Odds(max_dflash)

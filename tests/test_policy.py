@@ -249,3 +249,18 @@ def test_drafting_at_every_width_does_not_compile_the_draft_step_again(scripted)
     draft = make_draft(block_size=16)
     generate(model, draft, None, prompt, max_tokens=600)
     assert draft.traces <= 3  # one trace per size of the drafter's cache buffer (256 rows at a time)
+
+
+def test_the_offline_bench_sets_build_in_a_fixed_order():
+    from dflash_mlx.benchsets import SETS
+    from dflash_mlx.data import prompt_source
+
+    for name in SETS:
+        prompts = prompt_source(name)
+        assert prompts and prompts == prompt_source(name)  # the same prompts every run, so runs compare
+        assert all(len(p) == 1 and p[0]["role"] == "user" and p[0]["content"].strip() for p in prompts)
+    assert all("```python\n" in p[0]["content"] for p in prompt_source("edit"))
+    assert all(
+        len(p[0]["content"]) > len(q[0]["content"])
+        for p, q in zip(prompt_source("long-6k"), prompt_source("long-2k"))
+    )
