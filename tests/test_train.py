@@ -167,7 +167,10 @@ def real_tau(model, draft, seqs):
     """Mean acceptance of real stream_generate runs on prompts the drafter trained on (a random tiny
     target's text is only learnable by heart: what this checks is that training reaches inference)."""
     return np.mean(
-        [generate(model, draft, None, s[:8], max_tokens=48).mean_acceptance for s, _ in seqs[8:16]]
+        [
+            generate(model, draft, None, s[:8], max_tokens=48, block_size=draft.block_size).mean_acceptance
+            for s, _ in seqs[8:16]
+        ]
     )
 
 
