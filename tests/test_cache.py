@@ -64,9 +64,9 @@ def test_a_kept_cache_continues_a_conversation_without_prefilling_it_again():
     draft = OracleDraft(draft_config(block_size=4), prompt + first_ref + follow_up + second_ref, [None, 1])
     tok = no_eos_tokenizer(first_ref + second_ref)
     cache = SpeculativeCache(model, draft)  # as the README shows it: the mlx-lm model itself
-    first = generate(model, draft, tok, prompt, max_tokens=12, prompt_cache=cache)
+    first = generate(model, draft, tok, prompt, max_tokens=12, prompt_cache=cache, block_size=4)
     before = cache.processed
-    second = generate(model, draft, tok, follow_up, max_tokens=12, prompt_cache=cache)
+    second = generate(model, draft, tok, follow_up, max_tokens=12, prompt_cache=cache, block_size=4)
     # The second call prefilled only the pending token and the new prompt.
     assert cache.processed - before == 1 + len(follow_up) + len(second.tokens) - 1
     assert (first.tokens, second.tokens) == (first_ref, second_ref)

@@ -43,7 +43,12 @@ def test_shipped_drafter_beats_chance_on_humaneval(pair):
     acc = []
     for messages in humaneval_prompts()[:3]:
         acc += generate(
-            model, draft, tokenizer, apply_chat_template(tokenizer, messages), max_tokens=48
+            model,
+            draft,
+            tokenizer,
+            apply_chat_template(tokenizer, messages),
+            max_tokens=48,
+            block_size=draft.block_size,
         ).acceptance_lengths
     assert sum(acc) / len(acc) > TAU_FLOOR
 
