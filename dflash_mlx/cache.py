@@ -2,6 +2,10 @@
 
 Invariant between cycles: both caches hold exactly the committed tokens except the newest one
 (`pending`), which the next verify pass feeds to the target as the first position of its block.
+Decoding runs one pass ahead of what it has yielded: the next cycle's verify pass is under way
+(`in_flight`) while a cycle's tokens are handed out, and `cancel` takes it back if they end the
+answer. A plain step's successor is even built before its token is read (`keep` the step, `verify`
+the lazy token with `unrun`, `add` the token once read), and then either run (`launch`) or dropped.
 The target cache holds its usual KV (and recurrent) state; the drafter's cache holds keys/values
 made from the target's hidden features at those same positions, so drafter and target always see
 the same context. Keeping this object alive between calls continues a conversation without
@@ -20,21 +24,39 @@ from .models.targets import Target
 from .pairing import prepare
 
 
+ABSORB_BATCH = 64
+
+
 class SpeculativeCache:
     def __init__(self, model: nn.Module | Target, draft: DFlashDraftModel | None):
         """`model`: the mlx-lm target as `load` returns it (or a Target); `draft`: its drafter, or None."""
         self.target = target = prepare(model, draft)
         self.draft = draft
         self.target_cache = target.make_cache()
-        self.draft_cache = draft.make_cache() if draft is not None else None
+        self._draft_cache = draft.make_cache() if draft is not None else None
+        self.unabsorbed: list[mx.array] = []  # committed positions' features the drafter has yet to take in
         self.tokens: list[int] = []  # every committed token, processed or pending
         self.index = NgramIndex()  # where each short n-gram of `tokens` last occurred (prompt lookup)
         self.processed = 0  # how many of them the target (and drafter) have seen
         self.last_prefill = 0  # tokens the last prefill ran through the target
         self.snapshot = None  # (position, recurrent states) at the end of the last prefill, if any
+        self.undo = None  # how to take back the last verify pass, until it is kept
         # True from the start of a model pass until the cache is consistent again: a pass interrupted
         # in between (Ctrl-C, an exception) leaves the models' caches ahead of `processed`.
         self.broken = False
+
+    @property
+    def draft_cache(self) -> list | None:
+        """The drafter's cache, holding every processed position. The drafter takes in the features of
+        committed positions only when it next drafts (or every ABSORB_BATCH positions): cycles that do
+        not draft pay nothing for it, and a batch of positions costs about what one does."""
+        self._absorb()
+        return self._draft_cache
+
+    def _absorb(self) -> None:
+        if self.unabsorbed:
+            self.draft.absorb(mx.concatenate(self.unabsorbed, axis=1), self._draft_cache)
+            self.unabsorbed = []
 
     @property
     def pending(self) -> list[int]:
@@ -61,7 +83,7 @@ class SpeculativeCache:
         for start in range(0, len(todo), step):
             chunk = mx.array([todo[start : start + step]])
             logits, features = self.target(chunk, self.target_cache, last_logits_only=True)
-            if self.draft_cache is not None:
+            if self.draft is not None:
                 self.draft.absorb(features, self.draft_cache)
             mx.eval(logits, [c.state for c in self.target_cache], [c.state for c in self.draft_cache or []])
             self.processed += chunk.shape[1]
@@ -75,10 +97,17 @@ class SpeculativeCache:
         self.broken = False
         return logits[:, -1]
 
-    def verify(self, block: mx.array):
-        """Run the target over a block whose first token is the pending one: (logits, features)."""
+    def verify(self, block: mx.array, unrun: bool = False):
+        """Run the target over a block whose first token is the pending one: (logits, features).
+        `unrun`: the pass is only built; `launch` runs it, `cancel` drops it."""
         self.broken = True  # until commit
-        return self.target(block, self.target_cache)
+        logits, features, self.undo = self.target.verify(block, self.target_cache, unrun)
+        return logits, features
+
+    def launch(self, *arrays) -> None:
+        """Start computing a pass built with `unrun` (the arrays it yields) without waiting for it."""
+        self.undo.buffers = None  # (see Target.verify)
+        mx.async_eval(*arrays)
 
     def commit(self, features: mx.array | None, new_tokens: list[int]) -> None:
         """After a verify pass: keep its first len(new_tokens) positions, and commit new_tokens.
@@ -86,12 +115,30 @@ class SpeculativeCache:
         The block was [pending, x_1, ...]; the emitted tokens are x_1 .. x_{m-1} (accepted) and one
         more, which becomes the new pending token. So positions 0 .. m-1 of the block stay.
         """
-        keep = len(new_tokens)
-        self.target.rollback(self.target_cache, keep)
-        if self.draft_cache is not None and features is not None:
-            self.draft.absorb(features[:, :keep], self.draft_cache)
+        self.keep(features, len(new_tokens))
         self.add(new_tokens)
-        self.processed += keep
+
+    def keep(self, features: mx.array | None, m: int) -> None:
+        """The models' half of `commit`: keep the first m positions of the last verify pass. The m
+        committed tokens follow with `add`, which may come after the next pass is launched."""
+        self.target.rollback(self.target_cache, self.undo, m)
+        self.undo = None
+        if self.draft is not None and features is not None:
+            self.unabsorbed.append(features[:, :m])
+            if sum(f.shape[1] for f in self.unabsorbed) >= ABSORB_BATCH:
+                self._absorb()
+        self.processed += m
+        self.broken = False
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a verify pass is under way (or built) that is neither kept nor cancelled yet."""
+        return self.undo is not None
+
+    def cancel(self) -> None:
+        """Take back the last verify pass as a whole: a cycle that is not wanted after all."""
+        self.target.rollback(self.target_cache, self.undo, 0)
+        self.undo = None
         self.broken = False
 
     def truncate(self, n: int) -> bool:

@@ -31,12 +31,14 @@ class NgramIndex:
     def __init__(self, sizes=LOOKUP_NGRAMS):
         self.sizes = tuple(sorted(sizes, reverse=True))
         self.tokens: list[int] = []
-        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
+        # The (n - 1)-grams too: whether a match can follow the next token (`possible`).
+        tracked = set(self.sizes) | {n - 1 for n in self.sizes if n > 1}
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in sorted(tracked, reverse=True)}
 
     def extend(self, tokens) -> None:
         for t in tokens:
             i = len(self.tokens)  # the new token's index: the n-gram before it is followed by it
-            for n in self.sizes:
+            for n in self.latest:
                 if i >= n:
                     self.latest[n][tuple(self.tokens[i - n : i])] = i
             self.tokens.append(int(t))
@@ -46,6 +48,16 @@ class NgramIndex:
             kept = self.tokens[:length]
             self.__init__(self.sizes)
             self.extend(kept)
+
+    def possible(self) -> list[int]:
+        """The suffix lengths, longest first, at which the next token, whatever it is, may give a match:
+        those whose last n - 1 tokens occurred before, followed by something."""
+        end = len(self.tokens)
+        return [
+            n
+            for n in self.sizes
+            if 1 < n <= end + 1 and tuple(self.tokens[end - n + 1 :]) in self.latest[n - 1]
+        ]
 
     def match(self, cap: int = LOOKUP_MAX) -> tuple[list[int], int]:
         """-> (up to `cap` tokens that followed the latest earlier occurrence of the longest suffix that

@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .cache import SpeculativeCache
-from .drafters import LOOKUP_MAX
+from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS
 from .files import atomic_file
 from .loading import cache_home
 from .pairing import context_length
@@ -61,10 +61,16 @@ class CostModel:
     target: list[list[float]]  # [context][width]
     proposals: list[int]  # draft pass proposal counts measured ([] without a drafter)
     draft: list[list[float]]  # [context][proposals]
+    # [context]: a plain step after a plain step, launched before that one's token is read (ahead), or
+    # built while that one runs and launched once its token is read (built): see speculative.py.
+    ahead: list[float]
+    built: list[float]
 
     def __post_init__(self):
         ok = (
             self.contexts
+            and len(self.ahead) == len(self.built) == len(self.contexts)
+            and all(t > 0 for t in self.ahead + self.built)
             and _increasing(self.contexts)
             and self.widths[:1] == [1]
             and _increasing(self.widths)
@@ -80,6 +86,11 @@ class CostModel:
 
     def target_time(self, width: int, context: int) -> float:
         return _at(self.contexts, self.widths, self.target, width, context)
+
+    def step_time(self, context: int, after: str | None = None) -> float:
+        """A plain step's seconds; `after` "ahead" or "built" for one following a plain step."""
+        times = {None: [row[0] for row in self.target], "ahead": self.ahead, "built": self.built}[after]
+        return _interpolate(self.contexts, times, context)
 
     def draft_time(self, k: int, context: int) -> float:
         return _at(self.contexts, self.proposals, self.draft, k, context) if self.proposals else 0.0
@@ -155,8 +166,11 @@ class FixedPolicy:
     def __init__(self, block_size: int, drafting: bool):
         self.k = block_size - 1 if drafting else 0
 
-    def choose(self, context: int, lookup: tuple[list[int], int]) -> Choice:
+    def choose(self, context: int, lookup: tuple[list[int], int], built: bool = False) -> Choice:
         return Choice(DFLASH, self.k) if self.k else Choice(PLAIN, 0)
+
+    def plain_next(self, context: int, index) -> bool:
+        return not self.k
 
     def narrow(self, choice: Choice, confidence: mx.array, context: int) -> tuple[int, list[float]]:
         return choice.k, []
@@ -173,6 +187,8 @@ class AdaptivePolicy:
         self.max = {DFLASH: max_dflash, LOOKUP: max_lookup if lookup else 0}
         self.dflash = _Odds(max_dflash)
         self.lookup = {n: _Odds(max_lookup) for n in range(1, 9)}  # by matched suffix length
+        self.follows = {n: _Odds(1) for n in LOOKUP_NGRAMS}  # the chance a match follows where one may
+        self.waited_for: list[int] = []  # the suffix lengths plain_next waited for a match at
         self.bins = _Odds(CONFIDENCE_BINS)  # acceptance by the drafter's confidence (bins 1..10)
         self.idle = {DFLASH: 0, LOOKUP: 0}  # cycles an available option was not chosen
         self.wait = {DFLASH: PROBE_FIRST, LOOKUP: PROBE_FIRST}
@@ -186,9 +202,17 @@ class AdaptivePolicy:
             best = max(best, (e[k] / t, -k))
         return best[0], -best[1]
 
-    def choose(self, context: int, lookup: tuple[list[int], int]) -> Choice:
-        options = [(1.0 / self.costs.target_time(1, context), Choice(PLAIN, 0))]
+    def choose(self, context: int, lookup: tuple[list[int], int], built: bool = False) -> Choice:
+        """`built`: a plain step is built already, which makes it cheaper."""
         tokens, n = lookup
+        for m in self.waited_for:  # where plain_next waited for a match: did one follow?
+            if n > m:
+                break
+            self.follows[m].observe(1, n == m)
+            if n == m:
+                break
+        self.waited_for = []
+        options = [(1.0 / self.costs.step_time(context, "built" if built else None), Choice(PLAIN, 0))]
         if self.max[LOOKUP] and tokens:
             odds = self.lookup[min(n, 8)]
             rate, k = self._best(
@@ -217,6 +241,32 @@ class AdaptivePolicy:
             else:
                 self.idle[source] += 1
         return choice
+
+    def plain_next(self, context: int, index) -> bool:
+        """Whether to start the next cycle's plain step before this cycle's token is read, which makes
+        it cheaper still than a step built in advance (`CostModel`). Not when the drafter is due a probe
+        or would beat it, nor when lookup, which needs that token, is worth waiting for: at each suffix
+        length a match may follow at, the learnt chance that one does times what it would gain."""
+        ahead = 1.0 / self.costs.step_time(context, "ahead")
+        if self.max[DFLASH]:
+            if self.idle[DFLASH] >= self.wait[DFLASH]:
+                return False
+            rates = self.dflash.rates(self.max[DFLASH])
+            if self._best(rates, lambda k: self.costs.draft_time(k, context), context)[0] > ahead:
+                return False
+        lengths = index.possible() if self.max[LOOKUP] else []
+        if lengths and self.idle[LOOKUP] >= self.wait[LOOKUP]:
+            return False
+        step = 1.0 / self.costs.step_time(context, "built")
+        waiting, rest = 0.0, 1.0
+        for n in lengths:
+            chance = rest * self.follows[n].rates(1)[0]
+            lookup = self._best(self.lookup[min(n, 8)].rates(self.max[LOOKUP]), lambda k: 0.0, context)[0]
+            waiting, rest = waiting + chance * max(lookup, step), rest - chance
+        if waiting + rest * step > ahead:
+            self.waited_for = lengths
+            return False
+        return True
 
     def _bin(self, c: float) -> int:
         return 1 + min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
@@ -283,6 +333,28 @@ def _verify_pass(target, cache, block: mx.array):
     return run
 
 
+def _plain_steps(target, cache, ahead: bool, steps: int = 8):
+    """Plain steps, each built while the one before runs, and launched before (`ahead`) or after that
+    one's token is read, as decoding runs them (-> the seconds of `steps` of them)."""
+
+    def run():
+        y = mx.array([1])
+        mx.eval(y)
+        for _ in range(steps):
+            nxt = mx.argmax(target(y.reshape(1, 1), cache.target_cache)[0][0, -1:], axis=-1)
+            if ahead:
+                mx.async_eval(nxt)
+            y.item()
+            mx.async_eval(nxt)
+            y = nxt
+        y.item()
+        for c in cache.target_cache:
+            if c.is_trimmable():
+                c.trim(steps)
+
+    return run
+
+
 def _draft_pass(draft, cache, k: int):
     return lambda: mx.eval(draft.propose_logits(1, cache.draft_cache, draft.block_size, True, heads=k))
 
@@ -297,7 +369,7 @@ def measure_costs(
     vocab = target.vocab_size
     proposals = [k for k in proposals if k < draft.block_size] if draft is not None else []
     key = mx.random.key(0)  # random ids without touching the global generator (a seeded run's draws)
-    table, drafts = [], []
+    table, drafts, ahead, built = [], [], [], []
     for context in contexts:
         cache = SpeculativeCache(target, draft)
         cache.prefill(mx.random.randint(0, vocab, (context,), key=key).tolist())
@@ -307,9 +379,15 @@ def measure_costs(
                 for w in widths
             ]
         )
+        ahead.append(_seconds(_plain_steps(target, cache, True), repeats) / 8)
+        built.append(_seconds(_plain_steps(target, cache, False), repeats) / 8)
         if proposals:
             drafts.append([_seconds(_draft_pass(draft, cache, k), repeats) for k in proposals])
-    return CostModel(list(contexts), list(widths), _monotone(table), proposals, _monotone(drafts))
+    table = _monotone(table)
+    # Never dearer than a step alone (a noisy moment could make them look it), ahead never dearer than built.
+    built = [min(b, row[0]) for b, row in zip(built, table)]
+    ahead = [min(a, b) for a, b in zip(ahead, built)]
+    return CostModel(list(contexts), list(widths), table, proposals, _monotone(drafts), ahead, built)
 
 
 def cost_key(target, draft) -> str:
@@ -325,7 +403,7 @@ def cost_key(target, draft) -> str:
         )
 
     facts = {
-        "method": 3,  # how costs are measured: files from another method are measured again
+        "method": 4,  # how costs are measured: files from another method are measured again
         "target": [
             target.family,
             vars(target.args),

@@ -135,7 +135,7 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
     def verify():
         logits, features = cache.verify(block)
         mx.eval(logits, features)
-        target.rollback(cache.target_cache, 1)
+        cache.keep(None, 1)
 
     def draft_step(compiled):
         mx.eval(draft.propose_logits(prompt[0], cache.draft_cache, block_size, compiled))

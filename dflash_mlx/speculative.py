@@ -273,31 +273,74 @@ def stream_generate(
                 return new[: i + 1], "stop"
         return new, ("length" if len(new) == room else None)
 
+    def launch(ready, started: bool):
+        """Choose the next cycle and start it -> (choice, proposals, confidences, lookup's match, features,
+        accepted count, next token), the last three still being computed. `ready`: a plain step built
+        already on the pending token (`started` already), run if the choice is a plain step."""
+        last, context = cache.pending[-1], len(cache.tokens)
+        found = cache.index.match() if lookup and block_size is None and not started else ([], 0)
+        choice = policy.choose(context, found, ready is not None)
+        x, q, confidence = mx.array([], dtype=mx.int32), None, []
+        if ready is not None:
+            if choice.source == PLAIN:
+                if not started:
+                    cache.launch(*ready)
+                return choice, x, confidence, found, ready[0], mx.array(0), ready[1]
+            cache.cancel()
+        if choice.source == DFLASH:
+            x, q, confidence = dflash.propose(last, cache.draft_cache, choice.k, draw)
+            k, confidence = policy.narrow(choice, confidence, context)
+            x, q = x[:k], None if q is None else q[:k]
+        elif choice.source == LOOKUP:
+            x = mx.array(found[0][: choice.k], dtype=mx.int32)  # q None: proposed with certainty
+        logits, features = cache.verify(mx.concatenate([mx.array([last]), x])[None])
+        n, nxt = accept(x, q, logits[0]) if x.size else (mx.array(0), pick(logits[0])[0])
+        mx.async_eval(n, nxt)
+        return choice, x, confidence, found, features, n, nxt
+
+    def plain_step(token: mx.array):
+        """Build (not run) a plain step on a token not yet computed -> (features, next token)."""
+        logits, features = cache.verify(token.reshape(1, 1), unrun=True)
+        return features, pick(logits[0])[0]
+
     new, finish = finish_reason([first])
     cache.add([first])
     response = respond(new, None, finish)
     yield response
-    while response.finish_reason is None:
-        last, context = cache.pending[-1], len(cache.tokens)
-        found = cache.index.match() if lookup and block_size is None else ([], 0)
-        choice = policy.choose(context, found)
-        k, x, q, confidence = choice.k, mx.array([], dtype=mx.int32), None, []
-        if choice.source == DFLASH:
-            x, q, confidence = dflash.propose(last, cache.draft_cache, k, draw)
-            k, confidence = policy.narrow(choice, confidence, context)
-            x, q = x[:k], None if q is None else q[:k]
-        elif choice.source == LOOKUP:
-            x = mx.array(found[0][:k], dtype=mx.int32)  # q None: proposed with certainty
-            k = x.shape[0]
-        logits, features = cache.verify(mx.concatenate([mx.array([last]), x])[None])
-        n, nxt = accept(x, q, logits[0]) if k else (mx.array(0), pick(logits[0])[0])
-        mx.eval(n, nxt, x)
-        n, tokens = n.item(), x.tolist()
-        policy.observe(choice, k, n, confidence, found[1])
-        new, finish = finish_reason(tokens[:n] + [nxt.item()])
-        cache.commit(features, new)
-        response = respond(new, n + 1, finish, choice.source if k else PLAIN, k)
-        yield response
+    cycle = launch(None, False) if finish is None else None
+    try:
+        # The next cycle starts before this one's tokens are handed out, and a plain step's successor is
+        # built while it runs (and started, if the policy is sure of it), so that Python's work overlaps
+        # the models', as in plain decoding.
+        while cycle is not None:
+            choice, x, confidence, found, features, n, nxt = cycle
+            k, ready, started = x.size, None, False
+            if not k and produced + 1 < max_tokens:
+                cache.keep(features, 1)
+                ready = plain_step(nxt)
+                if policy.plain_next(len(cache.tokens) + 1, cache.index):
+                    cache.launch(*ready)
+                    started = True
+            mx.eval(n, nxt, x)
+            n, tokens = n.item(), x.tolist()
+            policy.observe(choice, k, n, confidence, found[1])
+            new, finish = finish_reason(tokens[:n] + [nxt.item()])
+            if ready is None:
+                cache.commit(features, new)
+            else:
+                cache.add(new)
+            cycle = launch(ready, started) if finish is None else None
+            if ready is not None and cycle is None:
+                cache.cancel()
+            response = respond(new, n + 1, finish, choice.source if k else PLAIN, k)
+            if response.finish_reason is not None and cycle is not None:  # a stop string ended it
+                cache.cancel()
+                cycle = None
+            yield response
+    except GeneratorExit:  # the caller stopped between two cycles: the cache goes on from there
+        if cycle is not None:
+            cache.cancel()
+        raise
 
 
 def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs) -> GenerationResult:

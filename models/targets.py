@@ -15,6 +15,7 @@ that prefix would have left.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -51,6 +52,19 @@ def _replay_gated_delta(layer, x: mx.array, cache: ArraysCache) -> None:
     layer.linear_attn(layer.input_layernorm(x), None, cache)
 
 
+@dataclass
+class Undo:
+    """What taking back a verify pass needs: its width, and each recurrent layer's inputs to the pass
+    and state before it (the pass's own record, so several caches can share one Target). For a pass
+    built but maybe never run, also each attention layer's buffers before it (`buffers`): trimming
+    alone would leave the pass's writes in them, to be computed when a later pass reads them."""
+
+    width: int
+    inputs: dict[int, mx.array]
+    states: dict[int, list]
+    buffers: dict[int, tuple] | None = None
+
+
 class Target:
     """An mlx-lm model seen as a speculative-decoding target."""
 
@@ -79,7 +93,6 @@ class Target:
         self._recurrent = [
             i for i, layer in enumerate(self.inner.layers) if getattr(layer, "is_linear", False)
         ]
-        self._last = None  # (tokens, recorded layer inputs, recurrent states before the call)
 
     # The drafter shares these two with the target.
     def embed(self, tokens: mx.array) -> mx.array:
@@ -128,14 +141,36 @@ class Target:
         """Run the target over tokens (shape (1, n)) -> (logits, features). cache None: no cache.
 
         features is (1, n, len(layer_ids) * hidden_size): the tapped layers' outputs, concatenated.
-        A call with `last_logits_only` (a prefill) cannot be rolled back, so it keeps nothing for that:
-        a recurrent layer's inputs over a long prefill chunk would be a lot of memory.
+        Such a call (a prefill) cannot be rolled back; `verify` makes one that can.
         """
+        logits, features, _ = self._run(tokens, cache, last_logits_only, [])
+        return logits, features
+
+    def verify(
+        self, tokens: mx.array, cache: list, unrun: bool = False
+    ) -> tuple[mx.array, mx.array | None, Undo]:
+        """A pass that `rollback` can take back in part or whole: (logits, features, its Undo).
+        `unrun`: the pass may be dropped before it runs (`rollback` to 0 then restores the buffers)."""
+        states = {i: list(cache[i].cache) for i in self._recurrent}
+        buffers = None
+        if unrun:
+            # stop_gradient: a second handle on each buffer as it is now, which the pass's in-place
+            # writes do not change. Drop it (`Undo.buffers = None`) before the pass runs: while it lives
+            # the writes copy the whole buffer instead of updating it in place.
+            buffers = {
+                i: (c.keys, c.values, c.offset) if c.keys is None else
+                (mx.stop_gradient(c.keys), mx.stop_gradient(c.values), c.offset)
+                for i, c in enumerate(cache)
+                if i not in states
+            }
+        logits, features, record = self._run(tokens, cache, False, self._recurrent)
+        inputs = {i: record[i][0] for i in self._recurrent}
+        return logits, features, Undo(tokens.shape[1], inputs, states, buffers)
+
+    def _run(self, tokens, cache, last_logits_only: bool, recurrent: list[int]):
         record: dict[int, Any] = {}
         layers = self.inner.layers
-        recurrent = [] if last_logits_only else self._recurrent
         watched = set(self.layer_ids) | set(recurrent)
-        states = {i: list(cache[i].cache) for i in recurrent} if cache is not None else {}
         self.inner.layers = [
             _Tap(layer, i, record) if i in watched else layer for i, layer in enumerate(layers)
         ]
@@ -145,26 +180,22 @@ class Target:
             self.inner.layers = layers
         logits = self.lm_head(h[:, -1:] if last_logits_only else h)
         features = mx.concatenate([record[i][1] for i in self.layer_ids], axis=-1) if self.layer_ids else None
-        self._last = (
-            None if last_logits_only else (tokens.shape[1], {i: record[i][0] for i in recurrent}, states)
-        )
-        return logits, features
+        return logits, features, record
 
-    def rollback(self, cache: list, keep: int) -> None:
-        """Keep only the first `keep` positions of the last call (a verify pass) in the cache."""
-        if self._last is None:
-            raise ValueError(
-                "nothing to roll back: the last call was a prefill, or it was rolled back already"
-            )
-        n, inputs, states = self._last
+    def rollback(self, cache: list, undo: Undo, keep: int) -> None:
+        """Keep only the first `keep` positions of the verify pass `undo` belongs to (0: none of it).
+        It must be the last pass over this cache."""
+        n = undo.width
         if keep == n:
             return
-        if not 0 < keep < n:
+        if not 0 <= keep < n:
             raise ValueError(f"cannot keep {keep} of the {n} positions of the last call")
         for i, c in enumerate(cache):
-            if i in inputs:
-                c.cache = list(states[i])
-                _replay_gated_delta(self.inner.layers[i], inputs[i][:, :keep], c)
+            if i in undo.inputs:
+                c.cache = list(undo.states[i])
+                if keep:
+                    _replay_gated_delta(self.inner.layers[i], undo.inputs[i][:, :keep], c)
+            elif undo.buffers is not None and not keep:
+                c.keys, c.values, c.offset = undo.buffers[i]
             else:
                 c.trim(n - keep)
-        self._last = None

@@ -57,12 +57,15 @@ class ScriptedPolicy(FixedPolicy):
     def __init__(self, script):
         self.script, self.cycle = script, 0
 
-    def choose(self, context, lookup):
+    def choose(self, context, lookup, built=False):
         choice = self.script[self.cycle % len(self.script)]
         self.cycle += 1
         if choice.source == LOOKUP and not lookup[0]:
             return Choice(PLAIN, 0)
         return choice
+
+    def plain_next(self, context, index):  # start a plain step early whenever the script has one next
+        return self.script[self.cycle % len(self.script)].source == PLAIN
 
 
 SCRIPT = [
@@ -146,10 +149,22 @@ def test_lookup_proposals_cut_by_eos_stop_strings_and_max_tokens(scripted):
 # Costs in units of one plain step: a Mac-like target (a wide verify pass costs little more than a step)
 # and this project's CPU (measured with SmolLM2-135M float32; see docs/policy.md).
 MAC = CostModel(
-    [64], [1, 2, 4, 8, 16], [[1.0, 1.01, 1.03, 1.06, 1.1]], [1, 3, 7, 15], [[0.1, 0.1, 0.11, 0.12]]
+    [64],
+    [1, 2, 4, 8, 16],
+    [[1.0, 1.01, 1.03, 1.06, 1.1]],
+    [1, 3, 7, 15],
+    [[0.1, 0.1, 0.11, 0.12]],
+    [0.9],
+    [0.95],
 )
 CPU = CostModel(
-    [64], [1, 2, 4, 8, 16], [[1.0, 1.12, 1.40, 1.56, 1.98]], [1, 3, 7, 15], [[0.27, 0.3, 0.32, 0.42]]
+    [64],
+    [1, 2, 4, 8, 16],
+    [[1.0, 1.12, 1.40, 1.56, 1.98]],
+    [1, 3, 7, 15],
+    [[0.27, 0.3, 0.32, 0.42]],
+    [0.9],
+    [0.95],
 )
 
 
@@ -213,11 +228,12 @@ def test_lookup_is_chosen_where_it_pays_and_left_where_it_does_not():
 
 
 def test_costs_are_interpolated_over_width_and_context():
-    costs = CostModel([100, 1100], [1, 16], [[1.0, 2.0], [2.0, 4.0]], [], [])
+    costs = CostModel([100, 1100], [1, 16], [[1.0, 2.0], [2.0, 4.0]], [], [], [0.9, 1.8], [0.95, 1.9])
     assert costs.target_time(1, 100) == 1.0 and costs.target_time(16, 1100) == 4.0
     assert costs.target_time(8.5, 600) == pytest.approx(2.25)
     assert costs.target_time(1, 2100) == pytest.approx(3.0)  # extended past the longest context measured
     assert costs.draft_time(5, 100) == 0.0
+    assert costs.step_time(600) == pytest.approx(1.5) and costs.step_time(600, "ahead") == pytest.approx(1.35)
 
 
 @pytest.mark.parametrize("mode", ["lookup", "adaptive"])
