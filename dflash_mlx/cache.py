@@ -23,7 +23,6 @@ from .models.dflash import DFlashDraftModel
 from .models.targets import Target
 from .pairing import prepare
 
-
 ABSORB_BATCH = 64
 
 
