@@ -69,12 +69,18 @@ def _pair(model: str, draft: str | None, as_json: bool) -> None:
     t.add_column("context")
     for w in costs["widths"]:
         t.add_column(f"target, {w} wide", justify="right")
+    t.add_column("step after a step: started early", justify="right")
+    t.add_column("built early", justify="right")
     for k in costs["proposals"]:
         t.add_column(f"drafter, {k}", justify="right")
-    for c, row, drafts in zip(
-        costs["contexts"], costs["target"], costs["draft"] or [[]] * len(costs["contexts"])
+    for c, row, ahead, built, drafts in zip(
+        costs["contexts"],
+        costs["target"],
+        costs["ahead"],
+        costs["built"],
+        costs["draft"] or [[]] * len(costs["contexts"]),
     ):
-        t.add_row(str(c), *[f"{x / step:.2f}" for x in row], *[f"{x / step:.2f}" for x in drafts])
+        t.add_row(str(c), *[f"{x / step:.2f}" for x in row + [ahead, built] + drafts])
     Console().print(t)
     typer.echo(
         f"policy: {1e6 * r['policy_s']:.0f} us a cycle ({r['policy_share_of_a_step']:.2%} of a plain step)"

@@ -71,6 +71,13 @@ class NgramIndex:
         return [], 0
 
 
+def draft_block(k: int, block_size: int) -> int:
+    """The block a drafter pass proposing k tokens runs over: the smallest power of two above k, at most
+    the drafter's own block. A few sizes, each compiled once; a pass over fewer masked positions costs
+    less, and the first positions' proposals barely change with the block's length."""
+    return min(1 << k.bit_length(), block_size)
+
+
 class DFlashDrafter:
     """The block-diffusion drafter: one parallel pass over [last, MASK * (B - 1)] after its context
     cache; only the first k positions go through the (wide) output head."""
@@ -82,7 +89,8 @@ class DFlashDrafter:
         """-> (k proposals, their q or None, confidences). A position's confidence is the largest
         probability of the distribution it is drawn from: it never depends on the draw itself, so a
         width chosen from it keeps rejection sampling exact."""
-        logits = self.model.propose_logits(last, cache, self.block_size, self.compiled, heads=k)[0]
+        block = draft_block(k, self.block_size)
+        logits = self.model.propose_logits(last, cache, block, self.compiled, heads=k)[0]
         x, q = draw(logits)
         if q is None:
             confidence = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))

@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .cache import SpeculativeCache
-from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS
+from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS, draft_block
 from .files import atomic_file
 from .loading import cache_home
 from .pairing import context_length
@@ -356,11 +356,17 @@ def _plain_steps(target, cache, ahead: bool, steps: int = 8):
 
 
 def _draft_pass(draft, cache, k: int):
-    return lambda: mx.eval(draft.propose_logits(1, cache.draft_cache, draft.block_size, True, heads=k))
+    block = draft_block(k, draft.block_size)
+    return lambda: mx.eval(draft.propose_logits(1, cache.draft_cache, block, True, heads=k))
 
 
 def measure_costs(
-    target, draft, contexts=(64, 1024), widths=(1, 2, 4, 8, 16), proposals=(1, 2, 4, 8, 15), repeats: int = 5
+    target,
+    draft,
+    contexts=(64, 1024),
+    widths=(1, 2, 4, 8, 16),
+    proposals=(1, 2, 3, 4, 7, 8, 15),
+    repeats: int = 5,
 ) -> CostModel:
     """Time the target's passes by width and the drafter's by proposals, after random prompts of each
     context length (capped by the model's context)."""
@@ -403,7 +409,7 @@ def cost_key(target, draft) -> str:
         )
 
     facts = {
-        "method": 4,  # how costs are measured: files from another method are measured again
+        "method": 5,  # how costs are measured: files from another method are measured again
         "target": [
             target.family,
             vars(target.args),

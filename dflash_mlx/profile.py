@@ -29,7 +29,7 @@ from .errors import UserError
 from .models.dflash import DFlashConfig, DFlashDraftModel
 from .pairing import prepare
 from .platform import DISABLE_ENV, blas
-from .policy import DFLASH, AdaptivePolicy, CostModel, costs_for, costs_path
+from .policy import DFLASH, PLAIN, AdaptivePolicy, CostModel, costs_for, costs_path
 from .speculative import stream_generate
 
 
@@ -183,6 +183,8 @@ def policy_overhead_s(costs: CostModel, max_dflash: int, context: int = 1000, cy
         k, conf = choice.k, []
         if choice.source == DFLASH:
             k, conf = policy.narrow(choice, confidence[:k], context)
+        elif choice.source == PLAIN:
+            policy.plain_next(context + 1, index)
         policy.observe(choice, k, rng.randrange(k + 1), conf, found[1])
         index.extend([rng.randrange(50)])
     return (time.perf_counter() - tic) / cycles

@@ -14,6 +14,7 @@ from tiny import (
     make_draft,
     make_target,
     make_tokenizer,
+    no_eos_tokenizer,
     prompt_of,
 )
 
@@ -34,6 +35,17 @@ def brute_force_match(tokens, sizes, cap):
     return [], 0
 
 
+def brute_force_possible(tokens, sizes):
+    """Suffix lengths n at which some next token would complete an n-gram that occurred before."""
+    return [
+        n
+        for n in sorted(sizes, reverse=True)
+        if n > 1
+        and len(tokens) >= n - 1
+        and any(tokens[i - n + 1 : i] == tokens[len(tokens) - n + 1 :] for i in range(n - 1, len(tokens)))
+    ]
+
+
 def test_the_lookup_index_finds_what_a_search_of_the_whole_context_finds():
     rng = random.Random(0)
     for _ in range(200):
@@ -46,6 +58,7 @@ def test_the_lookup_index_finds_what_a_search_of_the_whole_context_finds():
             index.extend(new)
             tokens += new
             assert index.match(cap) == brute_force_match(tokens, sizes, cap)
+            assert index.possible() == brute_force_possible(tokens, sizes)
         cut = rng.randrange(len(tokens) + 1)
         index.truncate(cut)
         assert index.match(cap) == brute_force_match(tokens[:cut], sizes, cap)
@@ -64,13 +77,21 @@ class ScriptedPolicy(FixedPolicy):
             return Choice(PLAIN, 0)
         return choice
 
-    def plain_next(self, context, index):  # start a plain step early whenever the script has one next
-        return self.script[self.cycle % len(self.script)].source == PLAIN
+    def plain_next(self, context, index):
+        """Start every other plain step the script has next before the step before it is read; the others
+        are built and then launched, and a plain step followed by something else is built and dropped:
+        every path a plain step can take."""
+        self.early = not getattr(self, "early", False)
+        plain = self.script[self.cycle % len(self.script)].source == PLAIN
+        self.paths = getattr(self, "paths", set()) | {(plain, self.early)}
+        return plain and self.early
 
 
 SCRIPT = [
     Choice(DFLASH, 15),
     Choice(LOOKUP, 3),
+    Choice(PLAIN, 0),
+    Choice(PLAIN, 0),
     Choice(PLAIN, 0),
     Choice(DFLASH, 1),
     Choice(LOOKUP, 16),
@@ -101,7 +122,8 @@ class OracleIndex(NgramIndex):
 @pytest.fixture
 def scripted(monkeypatch):
     def use(script):
-        monkeypatch.setattr(speculative, "policy_for", lambda *a, **k: ScriptedPolicy(script))
+        policy = ScriptedPolicy(script)
+        monkeypatch.setattr(speculative, "policy_for", lambda *a, **k: policy)
 
     return use
 
@@ -124,8 +146,37 @@ def test_every_choice_and_every_switch_between_them_is_lossless(family, scripted
         assert_same_caches(cache, fresh)
         sources.append((piece.source, piece.proposed))
     assert cache.tokens[len(prompt) :] == ref[:60]
+    assert speculative.policy_for().paths == {(True, True), (True, False), (False, True), (False, False)}
     assert {s for s, _ in sources[1:]} == {PLAIN, LOOKUP, DFLASH}
     assert len({k for s, k in sources if s == DFLASH}) > 1 and len({k for s, k in sources if s == LOOKUP}) > 1
+
+
+@pytest.mark.parametrize("end", ["eos", "stop", "max_tokens"])
+def test_an_answer_that_ends_with_the_next_cycle_under_way_leaves_a_cache_to_go_on_from(end, scripted):
+    """Decoding starts the next cycle before it hands out a cycle's tokens: when those end the answer,
+    that cycle is taken back, and the conversation goes on as if it had never started."""
+    scripted([Choice(PLAIN, 0), Choice(PLAIN, 0), Choice(DFLASH, 3)])
+    model, prompt, more = make_target("qwen3_5"), prompt_of(9, seed=8), prompt_of(5, seed=12)
+    ref = greedy_reference(model, prompt, 40)
+    draft = make_draft(block_size=4)
+    cut = next(i for i in range(12, 30) if ref[i] not in ref[:i])
+    no_eos = no_eos_tokenizer(ref)
+    tok, kwargs = {
+        "eos": (make_tokenizer(eos=ref[cut]), dict(max_tokens=40)),
+        "stop": (no_eos, dict(max_tokens=40, stop=[f"w{ref[cut]} "])),  # (the text of that token)
+        "max_tokens": (no_eos, dict(max_tokens=cut + 1)),
+    }[end]
+    cache = SpeculativeCache(model, draft)
+    out = generate(model, draft, tok, prompt, prompt_cache=cache, **kwargs)
+    assert out.tokens[: cut + 1] == ref[: cut + 1] and out.finish_reason in ("stop", "length")
+    assert not cache.in_flight and not cache.broken
+    fresh = SpeculativeCache(model, draft)
+    fresh.prefill(cache.tokens[: cache.processed])
+    assert_same_caches(cache, fresh)
+    want = greedy_reference(model, cache.tokens + more, 12)
+    assert (
+        generate(model, draft, no_eos_tokenizer(want), more, max_tokens=12, prompt_cache=cache).tokens == want
+    )
 
 
 def test_lookup_proposals_cut_by_eos_stop_strings_and_max_tokens(scripted):
@@ -227,6 +278,30 @@ def test_lookup_is_chosen_where_it_pays_and_left_where_it_does_not():
     assert policy.choose(500, ([7] * 16, 2)).source == PLAIN
 
 
+def test_a_plain_step_starts_early_unless_a_lookup_match_worth_waiting_for_may_follow():
+    index = NgramIndex()
+    index.extend([5, 6, 7, 8, 9, 5, 6, 7])  # a match of 4 may follow: [5, 6, 7] + 8 occurred
+    fresh = NgramIndex()
+    fresh.extend([1, 2, 3])
+    policy = AdaptivePolicy(CPU, 15, lookup=True)
+    for _ in range(40):  # the drafter loses, so it is parked
+        choice = policy.choose(500, ([], 0))
+        policy.observe(choice, choice.k, 0, [], 0)
+    for _ in range(20):  # four-token matches whose first proposal is right, and no more
+        choice = policy.choose(500, ([7] * 16, 4))
+        policy.observe(choice, choice.k, min(choice.k, 1), [], 4)
+    policy.idle[DFLASH] = 0  # (no probe due)
+    assert policy.plain_next(500, fresh)  # nothing to wait for
+    assert not policy.plain_next(500, index)  # a match may follow, and it would pay
+    for _ in range(60):  # ... but none ever does
+        assert policy.choose(500, ([], 0), built=True) == Choice(PLAIN, 0)
+        policy.idle[DFLASH] = 0
+        if policy.plain_next(500, index):
+            break
+    else:
+        pytest.fail("plain steps never started early where the matches waited for never came")
+
+
 def test_costs_are_interpolated_over_width_and_context():
     costs = CostModel([100, 1100], [1, 16], [[1.0, 2.0], [2.0, 4.0]], [], [], [0.9, 1.8], [0.95, 1.9])
     assert costs.target_time(1, 100) == 1.0 and costs.target_time(16, 1100) == 4.0
@@ -264,7 +339,8 @@ def test_drafting_at_every_width_does_not_compile_the_draft_step_again(scripted)
     model, prompt = make_target("llama"), prompt_of(12, seed=4)
     draft = make_draft(block_size=16)
     generate(model, draft, None, prompt, max_tokens=600)
-    assert draft.traces <= 3  # one trace per size of the drafter's cache buffer (256 rows at a time)
+    # One trace per drafting block (2, 4, 8, 16) and size of the cache buffer (256 rows at a time).
+    assert draft.traces <= 4 * 3
 
 
 def test_the_offline_bench_sets_build_in_a_fixed_order():
