@@ -6,7 +6,7 @@ from importlib.metadata import version as installed
 
 import typer
 
-from . import bench, chat, convert, doctor, generate, models, profile, train
+from . import bench, chat, convert, doctor, generate, models, profile, serve, train
 
 app = typer.Typer(
     help="DFlash speculative decoding for MLX.",
@@ -35,6 +35,7 @@ for command in (
     bench.bench,
     version,
     profile.profile,
+    serve.serve,
 ):
     app.command()(command)
 app.add_typer(train.app, name="train")

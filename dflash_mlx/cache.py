@@ -14,8 +14,11 @@ prefilling it again.
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 
 from .drafters import NgramIndex
 from .errors import UserError
@@ -24,6 +27,17 @@ from .models.targets import Target
 from .pairing import prepare
 
 ABSORB_BATCH = 64
+
+
+def _layer_copy(c):
+    """One layer's cache, separately writable: a KV cache's buffers behind new handles, a recurrent
+    layer's list of arrays anew (its arrays are replaced, never written to)."""
+    other = copy.copy(c)
+    if isinstance(c, ArraysCache):
+        other.cache = list(c.cache)
+    elif c.keys is not None:
+        other.keys, other.values = mx.stop_gradient(c.keys), mx.stop_gradient(c.values)
+    return other
 
 
 class SpeculativeCache:
@@ -139,6 +153,28 @@ class SpeculativeCache:
         self.target.rollback(self.target_cache, self.undo, 0)
         self.undo = None
         self.broken = False
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the cache holds (its buffers as allocated, not just the positions in use)."""
+        layers = self.target_cache + (self._draft_cache or [])
+        return sum(c.nbytes for c in layers) + sum(f.nbytes for f in self.unabsorbed)
+
+    def copy(self) -> SpeculativeCache:
+        """A cache holding the same tokens, to go on from separately (a conversation that branches).
+        The arrays are shared until one of the two writes to them: MLX then copies what is written to,
+        because a second handle on an array (stop_gradient) keeps it from being updated in place."""
+        if self.broken or self.undo is not None:
+            raise ValueError("only a cache between two calls can be copied")
+        other = copy.copy(self)
+        other.target_cache = [_layer_copy(c) for c in self.target_cache]
+        other._draft_cache = (
+            None if self._draft_cache is None else [_layer_copy(c) for c in self._draft_cache]
+        )
+        other.unabsorbed = list(self.unabsorbed)
+        other.tokens = list(self.tokens)
+        other.index = copy.deepcopy(self.index)
+        return other
 
     def truncate(self, n: int) -> bool:
         """Keep only the first n committed tokens (what chat does before each turn). Recurrent state

@@ -98,6 +98,20 @@ class CostModel:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def extended(self, context: int, target: list[float], draft: list[float]) -> CostModel:
+        """These costs and a row measured at a longer context (plain steps after a plain step scaled
+        from the longest context before, as they are not measured on a live cache)."""
+        scale = target[0] / self.target[-1][0]
+        return CostModel(
+            [*self.contexts, context],
+            self.widths,
+            _monotone([*self.target, target]),
+            self.proposals,
+            _monotone([*self.draft, draft]) if self.proposals else [],
+            [*self.ahead, self.ahead[-1] * scale],
+            [*self.built, self.built[-1] * scale],
+        )
+
 
 def _increasing(xs: list) -> bool:
     return all(a < b for a, b in zip(xs, xs[1:]))
@@ -178,12 +192,17 @@ class FixedPolicy:
     def observe(self, choice: Choice, k: int, accepted: int, confidence, ngram: int) -> None:
         pass
 
+    def measure(self, cache) -> None:
+        pass
+
 
 class AdaptivePolicy:
     """The per-cycle choice among a plain step, lookup with k proposals and DFlash with k proposals."""
 
-    def __init__(self, costs: CostModel, max_dflash: int, lookup: bool, max_lookup: int = LOOKUP_MAX):
-        self.costs = costs
+    def __init__(
+        self, costs: CostModel, max_dflash: int, lookup: bool, max_lookup: int = LOOKUP_MAX, keep=None
+    ):
+        self.costs, self.keep = costs, keep  # keep(costs): where costs measured later are kept
         self.max = {DFLASH: max_dflash, LOOKUP: max_lookup if lookup else 0}
         self.dflash = _Odds(max_dflash)
         self.lookup = {n: _Odds(max_lookup) for n in range(1, 9)}  # by matched suffix length
@@ -268,6 +287,17 @@ class AdaptivePolicy:
             return False
         return True
 
+    def measure(self, cache: SpeculativeCache) -> None:
+        """Measure the costs at this cache's context when it is past twice the longest one measured:
+        wide passes grow with the context faster than the rest (attention over it), so extrapolated
+        costs would price them too low. The cache is as it was after; the costs are kept."""
+        context = len(cache.tokens)
+        if context < 2 * self.costs.contexts[-1]:
+            return
+        self.costs = self.costs.extended(context, *_live_row(cache, self.costs))
+        if self.keep is not None:
+            self.keep(self.costs)
+
     def _bin(self, c: float) -> int:
         return 1 + min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
 
@@ -333,7 +363,7 @@ def _verify_pass(target, cache, block: mx.array):
     return run
 
 
-def _plain_steps(target, cache, ahead: bool, steps: int = 8):
+def _plain_steps(target, cache, ahead: bool, steps: int):
     """Plain steps, each built while the one before runs, and launched before (`ahead`) or after that
     one's token is read, as decoding runs them (-> the seconds of `steps` of them)."""
 
@@ -355,6 +385,23 @@ def _plain_steps(target, cache, ahead: bool, steps: int = 8):
     return run
 
 
+def _live_row(cache: SpeculativeCache, costs: CostModel, repeats: int = 2) -> tuple[list, list]:
+    """The target's passes by width and the drafter's by proposals over a live cache (whose pending token
+    each pass starts from), each taken back after (-> the two rows)."""
+    block = [cache.pending[-1]] * max(costs.widths)
+
+    def verify(w):
+        def run():
+            mx.eval(cache.verify(mx.array([block[:w]]))[0])
+            cache.cancel()
+
+        return run
+
+    target = [_seconds(verify(w), repeats) for w in costs.widths]
+    draft = [_seconds(_draft_pass(cache.draft, cache, k), repeats) for k in costs.proposals]
+    return target, draft
+
+
 def _draft_pass(draft, cache, k: int):
     block = draft_block(k, draft.block_size)
     return lambda: mx.eval(draft.propose_logits(1, cache.draft_cache, block, True, heads=k))
@@ -366,7 +413,7 @@ def measure_costs(
     contexts=(64, 1024),
     widths=(1, 2, 4, 8, 16),
     proposals=(1, 2, 3, 4, 7, 8, 15),
-    repeats: int = 5,
+    repeats: int = 3,
 ) -> CostModel:
     """Time the target's passes by width and the drafter's by proposals, after random prompts of each
     context length (capped by the model's context)."""
@@ -385,8 +432,8 @@ def measure_costs(
                 for w in widths
             ]
         )
-        ahead.append(_seconds(_plain_steps(target, cache, True), repeats) / 8)
-        built.append(_seconds(_plain_steps(target, cache, False), repeats) / 8)
+        ahead.append(_seconds(_plain_steps(target, cache, True, steps=4), repeats) / 4)
+        built.append(_seconds(_plain_steps(target, cache, False, steps=4), repeats) / 4)
         if proposals:
             drafts.append([_seconds(_draft_pass(draft, cache, k), repeats) for k in proposals])
     table = _monotone(table)
@@ -442,17 +489,27 @@ def costs_for(target, draft, refresh: bool = False) -> CostModel:
         except (ValueError, TypeError, KeyError):
             pass  # unreadable or not a cost model: measure again
     costs = measure_costs(target, draft)
+    keep_costs(path, costs)
+    return costs
+
+
+def keep_costs(path: Path, costs: CostModel) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(path) as tmp:
             tmp.write_text(json.dumps(costs.to_dict()))
     except OSError:
         pass  # a home that cannot be written: the costs serve this run, and are measured again next time
-    return costs
 
 
 def policy_for(target, draft, *, block_size: int | None, lookup: bool):
     """A fixed block when one is given (or nothing to choose from), else the adaptive policy."""
     if block_size is not None or (draft is None and not lookup):
         return FixedPolicy(block_size or 1, draft is not None)
-    return AdaptivePolicy(costs_for(target, draft), draft.block_size - 1 if draft is not None else 0, lookup)
+    path = costs_path(target, draft)
+    return AdaptivePolicy(
+        costs_for(target, draft),
+        draft.block_size - 1 if draft is not None else 0,
+        lookup,
+        keep=lambda costs: keep_costs(path, costs),
+    )

@@ -86,7 +86,8 @@ class GenerationResult:
         return dict(Counter(self.sources))
 
 
-def _encode(tokenizer: TokenizerWrapper, prompt) -> list[int]:
+def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> list[int]:
+    """A prompt as token ids: a string tokenised as is (with BOS unless it starts with one), ids as given."""
     if isinstance(prompt, mx.array):
         return prompt.reshape(-1).tolist()
     if isinstance(prompt, str):
@@ -187,7 +188,7 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     if tokenizer is None and isinstance(prompt, str):
         raise UserError("a string prompt needs a tokenizer")
-    prompt_ids = _encode(tokenizer, prompt)
+    prompt_ids = encode_prompt(tokenizer, prompt)
     if not prompt_ids and (prompt_cache is None or not prompt_cache.pending):
         raise UserError("the prompt is empty: give at least one token")
     target = prepare(model, draft)
@@ -277,6 +278,8 @@ def stream_generate(
         """Choose the next cycle and start it -> (choice, proposals, confidences, lookup's match, features,
         accepted count, next token), the last three still being computed. `ready`: a plain step built
         already on the pending token (`started` already), run if the choice is a plain step."""
+        if ready is None:
+            policy.measure(cache)  # (only past the contexts its costs were measured at)
         last, context = cache.pending[-1], len(cache.tokens)
         found = cache.index.match() if lookup and block_size is None and not started else ([], 0)
         choice = policy.choose(context, found, ready is not None)
@@ -358,7 +361,7 @@ def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs
         print()
     if last is None:  # max_tokens=0: nothing generated, the prompt still counted
         return GenerationResult(
-            "", [], "length", len(_encode(tokenizer, prompt)), 0.0, 0, 0.0, mx.get_peak_memory() / 1e9
+            "", [], "length", len(encode_prompt(tokenizer, prompt)), 0.0, 0, 0.0, mx.get_peak_memory() / 1e9
         )
     return GenerationResult(
         "".join(text),

@@ -1,0 +1,101 @@
+"""`dflash-mlx serve`: the pair behind an OpenAI- and Anthropic-compatible HTTP API."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import typer
+import uvicorn
+
+from dflash_mlx.errors import UserError
+from dflash_mlx.loading import draft_for, load_pair, template_kwargs
+from dflash_mlx.pairing import prepare
+from dflash_mlx.policy import costs_for
+from dflash_mlx.server.app import ServerConfig, create_app
+from dflash_mlx.settings import GenerationSettings
+
+from .options import (
+    DEMO,
+    BlockSize,
+    Draft,
+    MaxTokens,
+    MinP,
+    Model,
+    NoLookup,
+    Temp,
+    Think,
+    TopK,
+    TopP,
+    stderr,
+    user_errors,
+)
+
+
+def _check_port(host: str, port: int) -> None:
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise UserError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port"
+        ) from None
+
+
+def serve(
+    model: Model = DEMO,
+    draft: Draft = None,
+    host: str = typer.Option(
+        "127.0.0.1", help="Address to listen on (another than loopback lets other machines in)."
+    ),
+    port: int = typer.Option(8080, help="Port to listen on."),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require this key (Bearer or x-api-key)."
+    ),
+    max_concurrency: int = typer.Option(4, help="Requests generated at once (interleaved cycle by cycle)."),
+    max_queue: int = typer.Option(16, help="Requests waiting beyond those; past that: 429."),
+    cache_gb: float = typer.Option(4.0, help="Memory for kept prompt caches (0: keep none)."),
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    min_p: MinP = 0.0,
+    max_tokens: MaxTokens = 2048,
+    block_size: BlockSize = None,
+    no_lookup: NoLookup = False,
+    think: Think = None,
+    name: str | None = typer.Option(None, help="The model name clients use (default: --model)."),
+):
+    """Serve the pair over HTTP: OpenAI chat completions and completions, Anthropic messages."""
+    with user_errors():
+        if not 1 <= max_concurrency <= 256 or not 0 <= max_queue <= 10_000 or cache_gb < 0:
+            raise UserError("--max-concurrency must be 1-256, --max-queue 0-10000 and --cache-gb at least 0")
+        defaults = GenerationSettings(
+            temperature=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            max_tokens=max_tokens,
+            block_size=block_size,
+            lookup=not no_lookup,
+        ).answering()
+        _check_port(host, port)  # before minutes of loading, not after
+        target, drafter, tokenizer = load_pair(model, draft)
+        if block_size is None:  # measured now, not in the first request's time
+            with stderr().status("measuring this machine's costs for the pair (once) ..."):
+                costs_for(prepare(target, drafter), drafter)
+        config = ServerConfig(
+            model_id=name or model,
+            defaults=defaults,
+            template_kwargs=template_kwargs(model, think),
+            api_key=api_key,
+            max_active=max_concurrency,
+            max_waiting=max_queue,
+            cache_bytes=int(cache_gb * (1 << 30)),
+        )
+        app = create_app(target, drafter, tokenizer, config)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    stderr().print(
+        f"serving [bold]{config.model_id}[/bold] with drafter {draft_for(model, draft)} on "
+        f"http://{host}:{port}/v1 (OpenAI) and /v1/messages (Anthropic); Ctrl-C stops"
+    )
+    uvicorn.run(app, host=host, port=port, log_level="warning")

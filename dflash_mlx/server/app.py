@@ -1,0 +1,598 @@
+"""The HTTP API: OpenAI's chat completions, completions and models, Anthropic's messages, health and
+metrics, over one model pair (FastAPI).
+
+Every request becomes token ids (the chat template, with tools where the template takes them), goes to
+the scheduler, and streams back what `stream_generate` yields, split into reasoning, answer and tool
+calls. Errors are answered in the shape of the API that was called, with a 4xx for what the client can
+fix; the server goes on serving either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..chat import apply_chat_template
+from ..errors import UserError
+from ..pairing import context_room
+from ..settings import GenerationSettings
+from ..speculative import GenerationResponse, encode_prompt
+from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_reasoning
+from .metrics import Metrics
+from .pool import PromptCachePool
+from .scheduler import Busy, Finished, Scheduler, Started
+from .scheduler import Request as Job
+from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
+
+log = logging.getLogger("dflash_mlx.server")
+ANTHROPIC = "/v1/messages"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str  # the name /v1/models lists and requests must use
+    defaults: GenerationSettings  # sampling and max_tokens where a request does not say
+    template_kwargs: dict = field(default_factory=dict)
+    api_key: str | None = None
+    max_active: int = 4
+    max_waiting: int = 16
+    cache_bytes: int = 4 << 30
+    max_body_bytes: int = 8 << 20
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+}
+
+
+def error_body(path: str, status: int, message: str, param=None, code=None) -> dict:
+    if path.startswith(ANTHROPIC):
+        return {
+            "type": "error",
+            "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": message},
+        }
+    kind = "server_error" if status >= 500 else _OPENAI_TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(path: str, status: int, message: str, **kw) -> JSONResponse:
+    return JSONResponse(error_body(path, status, message, **kw), status_code=status)
+
+
+class Guard:
+    """ASGI middleware in front of every route: the API key (every path but /health), a cap on the
+    request body's size (read whole before the route runs, so an oversized body gets its 413), and the
+    count of answers by status. Plain ASGI rather than Starlette's BaseHTTPMiddleware, which gets in the
+    way of streaming and of noticing that a client has gone."""
+
+    def __init__(self, app, api_key: str | None, max_body: int, metrics: Metrics):
+        self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        api = "anthropic" if path.startswith(ANTHROPIC) else "openai"
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start" and path.startswith("/v1/"):
+                self.metrics.requests.labels(api, str(message["status"])).inc()
+            await send(message)
+
+        headers = dict(scope["headers"])
+        if self.api_key and path != "/health" and not self._authorized(headers):
+            message = "a valid API key is needed: Authorization: Bearer <key>"
+            reply = error_response(path, 401, message, code="invalid_api_key")
+            return await reply(scope, receive, counted_send)
+        body, more, messages = 0, True, []
+        while more and scope["method"] in ("POST", "PUT", "PATCH"):
+            message = await receive()
+            if message["type"] != "http.request":
+                messages.append(message)
+                break
+            messages.append(message)
+            body += len(message.get("body", b""))
+            more = message.get("more_body", False)
+            if body > self.max_body:
+                reply = error_response(path, 413, f"the request body is over {self.max_body} bytes")
+                return await reply(scope, receive, counted_send)
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, counted_send)
+
+    def _authorized(self, headers: dict) -> bool:
+        bearer = headers.get(b"authorization", b"").decode(errors="replace")
+        key = headers.get(b"x-api-key", b"").decode(errors="replace")
+        return bearer == f"Bearer {self.api_key}" or key == self.api_key
+
+
+class Generation:
+    """One request's events on the event loop: submitted to the scheduler, read as they come, and
+    stopped when the reader stops reading (a client that went away)."""
+
+    def __init__(
+        self, scheduler: Scheduler, prompt: list[int], settings: GenerationSettings, stop: list[str]
+    ):
+        loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
+        self.job = Job(prompt, settings, stop, lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e))
+        self.prompt, self.stop, self.started = prompt, stop, Started(len(prompt), 0)
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        try:
+            scheduler.submit(self.job)
+        except Busy:
+            raise ApiError(
+                429, "the server is busy: every slot and the queue are taken, try again shortly"
+            ) from None
+
+    async def responses(self) -> AsyncIterator[GenerationResponse]:
+        try:
+            while True:
+                event = await self.queue.get()
+                if isinstance(event, Started):
+                    self.started = event
+                elif isinstance(event, Finished):
+                    if event.error is not None:
+                        raise event.error
+                    return
+                else:
+                    self.tokens += event.tokens
+                    self.text += event.text
+                    self.finish_reason = event.finish_reason or self.finish_reason
+                    yield event
+        finally:
+            self.job.cancelled.set()  # done, or the reader stopped: either way nothing more is wanted
+
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt tokens, generated tokens, prompt tokens a kept cache held)."""
+        return len(self.prompt), len(self.tokens), self.started.cached_tokens
+
+    def stop_sequence(self, tokenizer) -> str | None:
+        """The stop string that ended the answer, if one did (rather than EOS or the length)."""
+        if (
+            self.finish_reason != "stop"
+            or not self.stop
+            or (self.tokens and self.tokens[-1] in tokenizer.eos_token_ids)
+        ):
+            return None
+        full = tokenizer.decode(self.tokens)
+        found = [(full.find(s, max(0, len(self.text) - 1)), s) for s in self.stop]
+        return min(((at, s) for at, s in found if at >= 0), default=(0, self.stop[0]))[1]
+
+
+async def _watch(request: Request, generation: Generation) -> None:
+    """Stop a non-streamed request's generation if its client goes away."""
+    while not generation.job.cancelled.is_set():
+        if await request.is_disconnected():
+            generation.job.cancelled.set()
+            return
+        await asyncio.sleep(0.1)
+
+
+def sse(data: dict | str, event: str | None = None) -> str:
+    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "") + f"data: {body}\n\n"
+
+
+def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
+    metrics = Metrics()
+    pool = PromptCachePool(target, draft, config.cache_bytes)
+    scheduler = Scheduler(target, draft, tokenizer, pool, metrics, config.max_active, config.max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="dflash-mlx", lifespan=lifespan)
+    app.add_middleware(Guard, api_key=config.api_key, max_body=config.max_body_bytes, metrics=metrics)
+    app.state.scheduler, app.state.pool, app.state.metrics = scheduler, pool, metrics
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return error_response(request.url.path, e.status, e.message, param=e.param, code=e.code)
+
+    @app.exception_handler(UserError)
+    async def user_error(request: Request, e: UserError):
+        return error_response(request.url.path, 400, str(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid":
+            return error_response(request.url.path, 400, "the request body is not valid JSON")
+        return error_response(
+            request.url.path, 400, f"{where or 'body'}: {first.get('msg')}", param=where or None
+        )
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return error_response(request.url.path, e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return error_response(request.url.path, 500, "internal server error (logged on the server)")
+
+    def check_model(name: str) -> None:
+        if name != config.model_id:
+            raise ApiError(
+                404,
+                f"model {name!r} is not served here; this server serves {config.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def settings_for(body, max_tokens: int | None) -> GenerationSettings:
+        d = config.defaults
+        return GenerationSettings(
+            temperature=d.temperature if body.temperature is None else body.temperature,
+            top_p=d.top_p if body.top_p is None else body.top_p,
+            top_k=d.top_k if body.top_k is None else body.top_k,
+            min_p=d.min_p if getattr(body, "min_p", None) is None else body.min_p,
+            max_tokens=max_tokens or d.max_tokens,
+            block_size=d.block_size,
+            lookup=d.lookup,
+            seed=body.seed,
+        )
+
+    def start(prompt: list[int], settings: GenerationSettings, stop: list[str]) -> Generation:
+        if not prompt:
+            raise ApiError(400, "the prompt is empty")
+        context_room(target, len(prompt))  # a prompt the context cannot hold is refused here
+        return Generation(scheduler, prompt, settings, stop)
+
+    def render(messages: list[dict], tools, extra: dict | None) -> list[int]:
+        kwargs = dict(config.template_kwargs, **(extra or {}))
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            return apply_chat_template(tokenizer, messages, **kwargs)
+        except Exception as e:  # a template that raises on these messages (jinja's own errors, mostly)
+            raise ApiError(400, f"the chat template cannot render these messages: {e}") from None
+
+    async def answer(request: Request, generation: Generation) -> None:
+        """Run a non-streamed request to the end, stopping it if the client goes away."""
+        watcher = asyncio.create_task(_watch(request, generation))
+        try:
+            async for _ in generation.responses():
+                pass
+        finally:
+            watcher.cancel()
+            with suppress(asyncio.CancelledError):
+                await watcher
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": config.model_id}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": config.model_id, "object": "model", "created": 0, "owned_by": "dflash-mlx"}],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        if body.n != 1:
+            raise ApiError(400, "n must be 1: this server makes one choice per request", param="n")
+        tools = body.tools if body.tool_choice != "none" else None
+        prompt = render(body.conversation(), tools, body.chat_template_kwargs)
+        generation = start(
+            prompt, settings_for(body, body.max_completion_tokens or body.max_tokens), body.stops
+        )
+        channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)
+        reply = _OpenAIReply(config.model_id, "chat.completion")
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _stream(reply.chat_stream(generation, channels, include_usage))
+        await answer(request, generation)
+        return reply.chat(generation, channels)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        if body.n != 1:
+            raise ApiError(400, "n must be 1: this server makes one choice per request", param="n")
+        generation = start(
+            encode_prompt(tokenizer, body.prompt), settings_for(body, body.max_tokens), body.stops
+        )
+        reply = _OpenAIReply(config.model_id, "text_completion")
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _stream(reply.completion_stream(generation, include_usage))
+        await answer(request, generation)
+        return reply.completion(generation)
+
+    @app.post(ANTHROPIC)
+    async def messages(body: MessagesRequest, request: Request):
+        check_model(body.model)
+        thinking = (body.thinking or {}).get("type")
+        extra = {"enable_thinking": thinking == "enabled"} if thinking in ("enabled", "disabled") else None
+        tools = body.function_tools()
+        prompt = render(body.conversation(), tools, extra)
+        settings = settings_for(body, body.max_tokens)
+        generation = start(prompt, settings, body.stop_sequences or [])
+        channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)
+        reply = _AnthropicReply(config.model_id, tokenizer)
+        if body.stream:
+            return _stream(reply.stream(generation, channels))
+        await answer(request, generation)
+        return reply.message(generation, channels)
+
+    return app
+
+
+def _stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _drain(channels: Channels, text: str, finished: bool) -> list[tuple]:
+    events = channels.feed(text)
+    return events + channels.finish() if finished else events
+
+
+class _OpenAIReply:
+    def __init__(self, model: str, kind: str):
+        self.model, self.kind = model, kind
+        self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _usage(self, generation: Generation) -> dict:
+        prompt, completion, cached = generation.usage()
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def _finish(generation: Generation, calls: int) -> str | None:
+        if generation.finish_reason == "stop" and calls:
+            return "tool_calls"
+        return generation.finish_reason
+
+    def chat(self, generation: Generation, channels: Channels) -> dict:
+        parts = {CONTENT: [], REASONING: [], TOOL: []}
+        for kind, value in _drain(channels, generation.text, True):
+            parts[kind].append(value)
+        message = {"role": "assistant", "content": "".join(parts[CONTENT]) or (None if parts[TOOL] else "")}
+        if parts[REASONING]:
+            message["reasoning_content"] = "".join(parts[REASONING])
+        if parts[TOOL]:
+            message["tool_calls"] = [_openai_call(c) for c in parts[TOOL]]
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": self._finish(generation, len(parts[TOOL])),
+            "logprobs": None,
+        }
+        return {**self._head("chat.completion"), "choices": [choice], "usage": self._usage(generation)}
+
+    async def chat_stream(self, generation: Generation, channels: Channels, include_usage: bool):
+        def chunk(delta: dict, finish=None) -> str:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return sse({**self._head("chat.completion.chunk"), "choices": [choice]})
+
+        calls = 0
+        yield chunk({"role": "assistant", "content": ""})
+        try:
+            async for response in generation.responses():
+                for kind, value in _drain(channels, response.text, response.finish_reason is not None):
+                    if kind == TOOL:
+                        yield chunk({"tool_calls": [dict(_openai_call(value), index=calls)]})
+                        calls += 1
+                    else:
+                        yield chunk({"reasoning_content" if kind == REASONING else "content": value})
+        except Exception as e:  # noqa: BLE001  (the stream has begun: the error goes in it)
+            yield sse(
+                error_body("/v1/chat/completions", 500 if not isinstance(e, UserError) else 400, str(e))
+            )
+            return
+        yield chunk({}, self._finish(generation, calls))
+        if include_usage:
+            yield sse(
+                {**self._head("chat.completion.chunk"), "choices": [], "usage": self._usage(generation)}
+            )
+        yield sse("[DONE]")
+
+    def completion(self, generation: Generation) -> dict:
+        choice = {
+            "index": 0,
+            "text": generation.text,
+            "finish_reason": generation.finish_reason,
+            "logprobs": None,
+        }
+        return {**self._head("text_completion"), "choices": [choice], "usage": self._usage(generation)}
+
+    async def completion_stream(self, generation: Generation, include_usage: bool):
+        def chunk(text: str, finish=None) -> str:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            return sse({**self._head("text_completion"), "choices": [choice]})
+
+        try:
+            async for response in generation.responses():
+                if response.text:
+                    yield chunk(response.text)
+        except Exception as e:  # noqa: BLE001
+            yield sse(error_body("/v1/completions", 500 if not isinstance(e, UserError) else 400, str(e)))
+            return
+        yield chunk("", generation.finish_reason)
+        if include_usage:
+            yield sse({**self._head("text_completion"), "choices": [], "usage": self._usage(generation)})
+        yield sse("[DONE]")
+
+
+def _openai_call(call: ToolCall) -> dict:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments_json},
+    }
+
+
+class _AnthropicReply:
+    def __init__(self, model: str, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+
+    def _stop(self, generation: Generation, calls: int) -> tuple[str, str | None]:
+        if generation.finish_reason == "length":
+            return "max_tokens", None
+        if calls:
+            return "tool_use", None
+        hit = generation.stop_sequence(self.tokenizer)
+        return ("stop_sequence", hit) if hit is not None else ("end_turn", None)
+
+    def _usage(self, generation: Generation) -> dict:
+        prompt, completion, cached = generation.usage()
+        return {
+            "input_tokens": prompt - cached,
+            "output_tokens": completion,
+            "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0,
+        }
+
+    def message(self, generation: Generation, channels: Channels) -> dict:
+        content, calls = [], 0
+        for kind, value in _drain(channels, generation.text, True):
+            if kind == TOOL:
+                content.append(
+                    {"type": "tool_use", "id": _tool_id(value), "name": value.name, "input": _input(value)}
+                )
+                calls += 1
+            elif content and content[-1]["type"] == _BLOCK[kind]:
+                content[-1][_FIELD[kind]] += value
+            else:
+                content.append(_block(kind, value))
+        reason, sequence = self._stop(generation, calls)
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": self._usage(generation),
+        }
+
+    async def stream(self, generation: Generation, channels: Channels):
+        index, open_kind, calls = -1, None, 0
+        head = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": len(generation.prompt), "output_tokens": 0},
+        }
+        yield sse({"type": "message_start", "message": head}, "message_start")
+        yield sse({"type": "ping"}, "ping")
+        try:
+            async for response in generation.responses():
+                for kind, value in _drain(channels, response.text, response.finish_reason is not None):
+                    if kind != open_kind or kind == TOOL:
+                        if open_kind is not None:
+                            yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+                        index, open_kind = index + 1, kind
+                        if kind == TOOL:
+                            block = {
+                                "type": "tool_use",
+                                "id": _tool_id(value),
+                                "name": value.name,
+                                "input": {},
+                            }
+                        else:
+                            block = _block(kind, "")
+                        yield sse(
+                            {"type": "content_block_start", "index": index, "content_block": block},
+                            "content_block_start",
+                        )
+                    if kind == TOOL:
+                        delta = {
+                            "type": "input_json_delta",
+                            "partial_json": json.dumps(_input(value), ensure_ascii=False),
+                        }
+                        calls += 1
+                    else:
+                        delta = {"type": _DELTA[kind], _FIELD[kind]: value}
+                    yield sse(
+                        {"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta"
+                    )
+        except Exception as e:  # noqa: BLE001  (the stream has begun: the error goes in it)
+            yield sse(error_body(ANTHROPIC, 500 if not isinstance(e, UserError) else 400, str(e)), "error")
+            return
+        if open_kind is not None:
+            yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+        reason, sequence = self._stop(generation, calls)
+        usage = self._usage(generation)
+        yield sse(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": usage,
+            },
+            "message_delta",
+        )
+        yield sse({"type": "message_stop"}, "message_stop")
+
+
+_BLOCK = {CONTENT: "text", REASONING: "thinking", TOOL: "tool_use"}
+_FIELD = {CONTENT: "text", REASONING: "thinking"}
+_DELTA = {CONTENT: "text_delta", REASONING: "thinking_delta"}
+
+
+def _block(kind: str, text: str) -> dict:
+    return (
+        {"type": "text", "text": text}
+        if kind == CONTENT
+        else {"type": "thinking", "thinking": text, "signature": ""}
+    )
+
+
+def _tool_id(call: ToolCall) -> str:
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+def _input(call: ToolCall) -> dict:
+    return call.arguments if isinstance(call.arguments, dict) else {"arguments": call.arguments}

@@ -1,0 +1,90 @@
+"""The server's counters, served at /metrics in Prometheus' text format (prometheus_client)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from ..speculative import GenerationResponse
+
+WINDOW_S = 10.0  # tokens per second are counted over the last this many seconds
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "dflash_mlx_requests",
+            "HTTP requests answered, by API and status code",
+            ["api", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "dflash_mlx_prompt_tokens", "Prompt tokens of requests started", registry=r
+        )
+        self.cached_tokens = Counter(
+            "dflash_mlx_cached_prompt_tokens",
+            "Prompt tokens a kept cache already held (not prefilled)",
+            registry=r,
+        )
+        self.generated = Counter("dflash_mlx_generated_tokens", "Tokens generated", registry=r)
+        self.busy = Counter(
+            "dflash_mlx_busy_seconds",
+            "Seconds the generation worker spent prefilling and decoding",
+            registry=r,
+        )
+        self.cycles = Counter(
+            "dflash_mlx_cycles", "Speculative cycles, by what proposed their tokens", ["source"], registry=r
+        )
+        self.cycle_tokens = Counter(
+            "dflash_mlx_cycle_accepted_tokens",
+            "Tokens the target accepted in those cycles (divided by cycles: the acceptance length tau)",
+            ["source"],
+            registry=r,
+        )
+        self.cancelled = Counter(
+            "dflash_mlx_cancelled_requests", "Requests stopped because their client went away", registry=r
+        )
+        self.cache_lookups = Counter(
+            "dflash_mlx_prefix_cache_lookups",
+            "Prompt-cache lookups, by result (hit or miss)",
+            ["result"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "dflash_mlx_prefix_cache_evictions", "Kept caches dropped to stay within --cache-gb", registry=r
+        )
+        self.cache_bytes = Gauge("dflash_mlx_prefix_cache_bytes", "Bytes the kept caches hold", registry=r)
+        self.waiting = Gauge("dflash_mlx_queue_length", "Requests waiting for a slot", registry=r)
+        self.active = Gauge("dflash_mlx_active_requests", "Requests being generated", registry=r)
+        tps = Gauge(
+            "dflash_mlx_tokens_per_second",
+            f"Tokens generated per second over the last {WINDOW_S:g} seconds, all requests together",
+            registry=r,
+        )
+        tps.set_function(self._tokens_per_second)
+        self._recent: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def record(self, response: GenerationResponse, seconds: float) -> None:
+        """One turn of the generation worker: its tokens, its time, its cycle."""
+        self.generated.inc(len(response.tokens))
+        self.busy.inc(seconds)
+        if response.accepted is not None:
+            self.cycles.labels(response.source).inc()
+            self.cycle_tokens.labels(response.source).inc(response.accepted)
+        with self._lock:
+            self._recent.append((time.monotonic(), len(response.tokens)))
+
+    def _tokens_per_second(self) -> float:
+        with self._lock:
+            now = time.monotonic()
+            while self._recent and self._recent[0][0] < now - WINDOW_S:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / WINDOW_S
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

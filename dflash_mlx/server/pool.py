@@ -1,0 +1,66 @@
+"""Speculative caches of finished requests, kept for later requests that start with the same tokens.
+
+A request takes the cache sharing the longest prefix with its prompt and prefills only the rest. When
+the prompt goes on from all of a cache's tokens (the next turn of that conversation), the request takes
+the cache itself; when it branches off earlier, it takes a copy cut back to where they part, and the
+cache stays for its own conversation. A cache of a target with recurrent layers can only go back to
+where its recurrent state was kept (the end of its last prompt). The least recently used caches go
+when the pool holds more than its budget of bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cache import SpeculativeCache
+from ..chat import common_prefix
+
+# A cache whose tokens go on past the shared prefix by at most this many is taken rather than copied: a
+# conversation's next turn renders the last answer through the template, which may end it a little
+# differently than it was generated.
+SAME_CONVERSATION = 16
+
+
+@dataclass
+class Taken:
+    cache: SpeculativeCache
+    reused: int  # prompt tokens the cache holds already (processed: nothing to prefill for them)
+
+
+class PromptCachePool:
+    def __init__(self, target, draft, max_bytes: int):
+        self.target, self.draft, self.max_bytes = target, draft, max_bytes
+        self.caches: list[SpeculativeCache] = []  # least recently used first
+        self.hits = self.misses = self.evictions = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def take(self, prompt: list[int]) -> Taken:
+        """A cache to answer `prompt` with: its tokens are a prefix of the prompt, leaving at least one
+        token of the prompt to prefill."""
+        best, shared = None, 0
+        for cache in self.caches:
+            n = min(common_prefix(cache.tokens, prompt), len(prompt) - 1)
+            if n > shared:
+                best, shared = cache, n
+        if best is not None:
+            if len(best.tokens) - shared <= SAME_CONVERSATION:
+                self.caches.remove(best)
+            else:
+                best = best.copy()
+            if best.truncate(shared) and best.processed > 0:
+                self.hits += 1
+                return Taken(best, best.processed)
+        self.misses += 1
+        return Taken(SpeculativeCache(self.target, self.draft), 0)
+
+    def put(self, cache: SpeculativeCache) -> None:
+        """Keep a finished request's cache (a cache an interrupted pass left half-updated is dropped)."""
+        if cache.broken or cache.in_flight or not cache.tokens:
+            return
+        self.caches.append(cache)
+        while self.caches and self.nbytes > self.max_bytes:
+            self.caches.pop(0)
+            self.evictions += 1

@@ -1,0 +1,529 @@
+"""`dflash-mlx serve`: the official openai and anthropic clients, and plain HTTP, against a real server
+on a free loopback port."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import httpx
+import openai
+import psutil
+import pytest
+from serving import CALL, chat_tokenizer, scripted_pair, serving
+from tiny import make_draft, make_target
+
+from dflash_mlx import SpeculativeCache, apply_chat_template, generate
+from dflash_mlx.server.app import ServerConfig, create_app
+from dflash_mlx.server.channels import CONTENT, REASONING, TOOL, Channels
+from dflash_mlx.server.pool import PromptCachePool
+from dflash_mlx.settings import GenerationSettings
+
+MAX = 24  # tokens per answer unless a test says otherwise
+
+
+def config(**kw) -> ServerConfig:
+    return ServerConfig(**{"model_id": "tiny", "defaults": GenerationSettings(max_tokens=MAX), **kw})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(target, drafter, tokenizer): the tiny pair with a chat template."""
+    return make_target("llama"), make_draft(), chat_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    """The tiny pair served with 4 requests at once; -> (base URL, app)."""
+    app = create_app(*tiny, config(max_body_bytes=64 << 10))
+    with serving(app) as url:
+        yield url, app
+
+
+def clients(url, key="none"):
+    return (
+        openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60),
+        anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60),
+    )
+
+
+def expected(tiny, messages, max_tokens=MAX, **kw):
+    target, draft, tok = tiny
+    return generate(target, draft, tok, apply_chat_template(tok, messages), max_tokens=max_tokens, **kw)
+
+
+def words(seed: int, n: int = 6) -> str:
+    return " ".join(f"w{7 + (seed * 13 + i * 5) % 80}" for i in range(n))
+
+
+def test_openai_chat_streamed_and_not_gives_the_text_of_generate(tiny, server):
+    url, _ = server
+    client, _ = clients(url)
+    messages = [{"role": "system", "content": words(1)}, {"role": "user", "content": words(2)}]
+    want = expected(tiny, messages)
+    r = client.chat.completions.create(model="tiny", messages=messages, temperature=0)
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want.prompt_tokens, len(want.tokens))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(want.tokens)
+    # The second time the whole prompt but its last token came from the kept cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == want.prompt_tokens - 1
+
+
+def test_completions_and_models(tiny, server):
+    url, _ = server
+    client, _ = clients(url)
+    target, draft, tok = tiny
+    want = generate(target, draft, tok, words(3), max_tokens=10)
+    r = client.completions.create(model="tiny", prompt=words(3), max_tokens=10)
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.tokens)
+    streamed = client.completions.create(model="tiny", prompt=words(3), max_tokens=10, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_anthropic_messages_streamed_and_not_gives_the_text_of_generate(tiny, server):
+    url, _ = server
+    _, client = clients(url)
+    want = expected(tiny, [{"role": "system", "content": words(4)}, {"role": "user", "content": words(5)}])
+    kw = dict(model="tiny", system=words(4), messages=[{"role": "user", "content": words(5)}], max_tokens=MAX)
+    r = client.messages.create(**kw)
+    assert r.content[0].text == want.text
+    assert r.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[want.finish_reason]
+    assert r.usage.output_tokens == len(want.tokens)
+    with client.messages.stream(**kw) as stream:
+        assert "".join(stream.text_stream) == want.text
+        final = stream.get_final_message()
+    assert final.usage.cache_read_input_tokens == want.prompt_tokens - 1
+    assert final.usage.input_tokens == 1
+
+
+def test_stop_strings_end_the_text_where_they_start(tiny, server):
+    url, _ = server
+    oai, ant = clients(url)
+    messages = [{"role": "user", "content": words(6)}]
+    full = expected(tiny, messages, max_tokens=MAX).text
+    stop = next(s for s in (" ".join(full.split()[i : i + 2]) for i in range(4, 20)) if full.index(s) > 0)
+    want = expected(tiny, messages, stop=[stop])
+    r = oai.chat.completions.create(model="tiny", messages=messages, stop=[stop, "never"])
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
+    m = ant.messages.create(model="tiny", messages=messages, max_tokens=MAX, stop_sequences=["never", stop])
+    assert m.content[0].text == want.text
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    """A model whose reply is reasoning, an answer and a tool call, served; -> base URL."""
+    model, tok = scripted_pair(tmp_path_factory.mktemp("scripted"))
+    draft = make_draft(hidden=128, vocab=model.args.vocab_size, block_size=4)
+    with serving(create_app(model, draft, tok, config(defaults=GenerationSettings(max_tokens=40)))) as url:
+        yield url
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_reasoning_and_tool_calls_are_split_from_the_answer_in_openai_replies(scripted):
+    client, _ = clients(scripted)
+    messages = [{"role": "user", "content": "weather Paris"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+    message = r.choices[0].message
+    assert message.model_extra["reasoning_content"].strip() == "hmm"
+    assert message.content.strip() == "it is sunny"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        (CALL["name"], CALL["arguments"])
+    ]
+    assert r.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas).strip() == "hmm"
+    assert "".join(d.content or "" for d in deltas).strip() == "it is sunny"
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (CALL["name"], CALL["arguments"])
+    ]
+    # The call goes back into the conversation with its result, through the template.
+    follow = messages + [
+        {"role": "assistant", "content": "", "tool_calls": [c.model_dump() for c in message.tool_calls]},
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"},
+    ]
+    assert client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS).choices
+
+
+def test_reasoning_and_tool_calls_are_blocks_of_their_own_in_anthropic_replies(scripted):
+    _, client = clients(scripted)
+    tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    kw = dict(
+        model="tiny", max_tokens=40, tools=tools, messages=[{"role": "user", "content": "weather Paris"}]
+    )
+    r = client.messages.create(**kw)
+    assert [b.type for b in r.content] == ["thinking", "text", "tool_use"]
+    assert r.content[0].thinking.strip() == "hmm" and r.content[1].text.strip() == "it is sunny"
+    assert (r.content[2].name, r.content[2].input) == (CALL["name"], CALL["arguments"])
+    assert r.stop_reason == "tool_use"
+    with client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[2].input == CALL["arguments"] and final.stop_reason == "tool_use"
+    follow = kw["messages"] + [
+        {"role": "assistant", "content": [b.model_dump() for b in r.content[1:]]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": r.content[2].id, "content": "sunny"}],
+        },
+    ]
+    assert client.messages.create(**dict(kw, messages=follow)).content
+
+
+def test_four_streams_at_once_each_get_their_own_text_and_a_first_token_before_any_ends(tiny, server):
+    url, _ = server
+    client, _ = clients(url)
+    conversations = [[{"role": "user", "content": words(10 + i, 5 + i)}] for i in range(4)]
+    wants = [expected(tiny, c, max_tokens=40).text for c in conversations]
+    firsts, ends, texts = [None] * 4, [None] * 4, [""] * 4
+    barrier = threading.Barrier(4)
+
+    def run(i):
+        barrier.wait()
+        for chunk in client.chat.completions.create(
+            model="tiny", messages=conversations[i], max_tokens=40, stream=True
+        ):
+            if chunk.choices and chunk.choices[0].delta.content:
+                firsts[i] = firsts[i] or time.monotonic()
+                texts[i] += chunk.choices[0].delta.content
+        ends[i] = time.monotonic()
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(run, range(4)))
+    assert texts == wants
+    assert max(firsts) < min(ends)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_client_that_goes_away_has_its_generation_stopped(tiny, server):
+    url, _ = server
+    before_cancelled, before_tokens = (
+        metric(url, "dflash_mlx_cancelled_requests_total"),
+        metric(url, "dflash_mlx_generated_tokens_total"),
+    )
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": words(20)}],
+        "max_tokens": 2000,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+    deadline = time.monotonic() + 20
+    while metric(url, "dflash_mlx_cancelled_requests_total") == before_cancelled:
+        assert time.monotonic() < deadline, "the generation went on after its client left"
+        time.sleep(0.05)
+    assert metric(url, "dflash_mlx_generated_tokens_total") - before_tokens < 200
+    messages = [{"role": "user", "content": words(21)}]
+    client, _ = clients(url)
+    assert (
+        client.chat.completions.create(model="tiny", messages=messages).choices[0].message.content
+        == expected(tiny, messages).text
+    )
+
+
+def test_the_second_turn_of_a_conversation_prefills_only_its_new_tokens(tiny, server):
+    url, app = server
+    client, _ = clients(url)
+    messages = [{"role": "user", "content": words(30, 12)}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": words(31)},
+    ]
+    target, draft, tok = tiny
+    prompt = apply_chat_template(tok, messages)
+    before = metric(url, "dflash_mlx_prompt_tokens_total") - metric(
+        url, "dflash_mlx_cached_prompt_tokens_total"
+    )
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20)
+    prefilled = (
+        metric(url, "dflash_mlx_prompt_tokens_total")
+        - metric(url, "dflash_mlx_cached_prompt_tokens_total")
+        - before
+    )
+    # The first turn's prompt and answer came from its cache (but for the answer's last token, which the
+    # first turn never ran through the target); only the rest was prefilled.
+    first_turn = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == first_turn - 1
+    assert prefilled == len(prompt) - first_turn + 1
+    assert second.choices[0].message.content == expected(tiny, messages, max_tokens=20).text
+
+
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "temperature": "hot"},
+        400,
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "max_tokens": -3},
+        400,
+    ),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "n": 2}, 400),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "w5"}]}, 404),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5 " * 5000}]}, 400),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "w5 " * 30000}]},
+        413,
+    ),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400),
+    ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "w5"}]}, 400),
+    (
+        "/v1/messages",
+        {"model": "tiny", "max_tokens": 5, "messages": [{"role": "robot", "content": "w5"}]},
+        400,
+    ),
+    (
+        "/v1/messages",
+        {"model": "claude", "max_tokens": 5, "messages": [{"role": "user", "content": "w5"}]},
+        404,
+    ),
+    ("/v1/nothing", {}, 404),
+]
+
+
+@pytest.mark.parametrize("path, body, status", BAD)
+def test_bad_requests_get_a_4xx_with_an_error_body_and_the_server_goes_on(tiny, server, path, body, status):
+    url, _ = server
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{url}{path}", content=content, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status
+    error = r.json()["error"]
+    if path == "/v1/messages":
+        assert r.json()["type"] == "error" and error["type"] and error["message"]
+    else:
+        assert error["message"] and error["type"]
+    messages = [{"role": "user", "content": words(40)}]
+    client, _ = clients(url)
+    assert (
+        client.chat.completions.create(model="tiny", messages=messages).choices[0].message.content
+        == expected(tiny, messages).text
+    )
+
+
+def test_an_api_key_guards_every_endpoint_but_health(tiny):
+    with serving(create_app(*tiny, config(api_key="s3cret"))) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        r = httpx.get(f"{url}/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            clients(url, "wrong")[0].models.list()
+        with pytest.raises(anthropic.AuthenticationError):
+            clients(url, "wrong")[1].messages.create(
+                model="tiny", max_tokens=4, messages=[{"role": "user", "content": "w5"}]
+            )
+        oai, ant = clients(url, "s3cret")  # Bearer and x-api-key
+        assert [m.id for m in oai.models.list()] == ["tiny"]
+        assert ant.messages.create(
+            model="tiny", max_tokens=4, messages=[{"role": "user", "content": "w5"}]
+        ).content
+
+
+def test_past_the_slots_and_the_queue_requests_get_429(tmp_path):
+    # A wider target, plain steps and no EOS: the one slot stays taken for many seconds.
+    target = make_target("llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8, head_dim=64)
+    tok = chat_tokenizer(tmp_path)
+    tok.eos_token_ids = set()
+    one = config(max_active=1, max_waiting=0, defaults=GenerationSettings(max_tokens=MAX, lookup=False))
+    with serving(create_app(target, None, tok, one)) as url:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": words(50)}], "max_tokens": 4000}
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json=dict(body, stream=True), timeout=60
+        ) as r:
+            next(r.iter_lines())
+            refused = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+        deadline = time.monotonic() + 20  # the stream's client has gone: its slot frees
+        while metric(url, "dflash_mlx_active_requests") > 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        client, _ = clients(url)
+        assert client.chat.completions.create(model="tiny", messages=body["messages"], max_tokens=4).choices
+
+
+def test_a_bounded_load_of_200_requests_from_8_clients(tiny):
+    """Every answer right, no error, and the server's memory flat once warm (caches bounded by the pool)."""
+    conversations = [[{"role": "user", "content": words(60 + i, 4 + i % 7)}] for i in range(25)]
+    wants = [expected(tiny, c, max_tokens=8).text for c in conversations]
+    process = psutil.Process()
+    with serving(create_app(*tiny, config(max_active=4, cache_bytes=16 << 20))) as url:
+        client, _ = clients(url)
+        rss = []
+
+        def run(i):
+            reply = client.chat.completions.create(model="tiny", messages=conversations[i % 25], max_tokens=8)
+            if i % 25 == 24:
+                rss.append(process.memory_info().rss)
+            return reply.choices[0].message.content == wants[i % 25]
+
+        tic = time.monotonic()
+        with ThreadPoolExecutor(8) as pool:
+            ok = list(pool.map(run, range(200)))
+        assert time.monotonic() - tic < 240
+    assert all(ok)
+    assert max(rss[2:]) - rss[2] < 64 << 20  # after warm-up, under 64 MB of growth
+
+
+def test_the_smollm2_pair_served_gives_the_text_of_generate(smollm2):
+    from dflash_mlx import load_draft
+
+    model, tok, _ = smollm2
+    draft = load_draft("smollm2-135m-instruct-dflash")
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    want = generate(model, draft, tok, apply_chat_template(tok, messages), max_tokens=40)
+    with serving(create_app(model, draft, tok, config(model_id="smollm2"))) as url:
+        r = clients(url)[0].chat.completions.create(model="smollm2", messages=messages, max_tokens=40)
+    assert r.choices[0].message.content == want.text
+
+
+# ---- the parts --------------------------------------------------------------------------------------
+
+
+class Markers:
+    has_thinking, think_start, think_end = True, "<think>", "</think>"
+    has_tool_calling, tool_call_start, tool_call_end = True, "<tool_call>", "</tool_call>"
+
+    @staticmethod
+    def tool_parser(text, tools):
+        return json.loads(text)
+
+
+def test_channels_split_the_same_way_whatever_the_pieces():
+    call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    text = f"<think>why not</think>it is{call} <tool and done"
+    want = [(REASONING, "why not"), (CONTENT, "it is"), (TOOL, ("f", {"x": 1})), (CONTENT, " <tool and done")]
+
+    def merged(events):
+        out = []
+        for kind, value in events:
+            value = (value.name, value.arguments) if kind == TOOL else value
+            if out and kind == out[-1][0] != TOOL:
+                out[-1] = (kind, out[-1][1] + value)
+            else:
+                out.append((kind, value))
+        return out
+
+    for step in (1, 2, 3, 5, 7, len(text)):
+        channels = Channels(Markers, False, tools=[{}])
+        events = [e for i in range(0, len(text), step) for e in channels.feed(text[i : i + step])]
+        assert merged(events + channels.finish()) == want
+    channels = Channels(Markers, True, tools=None)  # no tools: tool markers are text; starts in reasoning
+    assert merged(channels.feed("a</think><tool_call>b") + channels.finish()) == [
+        (REASONING, "a"),
+        (CONTENT, "<tool_call>b"),
+    ]
+
+
+def test_the_pool_gives_a_conversation_its_cache_and_a_branch_a_copy_and_stays_within_its_bytes():
+    target, draft = make_target("llama"), make_draft()
+    conversation = list(range(5, 45))
+    cache = SpeculativeCache(target, draft)
+    generate(target, draft, None, conversation, max_tokens=6, prompt_cache=cache)
+    pool = PromptCachePool(target, draft, max_bytes=1 << 40)
+    pool.put(cache)
+    taken = pool.take(cache.tokens + [7, 8])  # the next turn: the cache itself
+    assert taken.cache is cache and taken.reused == cache.processed and not pool.caches
+    pool.put(cache)
+    branch = pool.take(conversation[:20] + [9, 9, 9])  # a branch: a copy cut back, the original kept
+    assert branch.cache is not cache and branch.reused == 20 and pool.caches == [cache]
+    out = generate(target, draft, None, [9, 9, 9], max_tokens=5, prompt_cache=branch.cache)
+    assert out.tokens == generate(target, draft, None, conversation[:20] + [9, 9, 9], max_tokens=5).tokens
+    assert cache.tokens[: len(conversation)] == conversation  # the original is untouched by the branch
+    fresh = SpeculativeCache(target, draft)
+    fresh.prefill(cache.tokens[: cache.processed])
+    from test_cache import assert_same_caches
+
+    assert_same_caches(cache, fresh)
+    small = PromptCachePool(target, draft, max_bytes=max(cache.nbytes, branch.cache.nbytes) + 1)
+    small.put(cache)
+    small.put(branch.cache)
+    assert small.caches == [branch.cache] and small.evictions == 1
+
+
+def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
+    from mlx_lm.utils import save_config, save_model
+    from test_drafter import write_zlab_checkpoint
+    from tiny import CONFIGS
+
+    model = make_target("llama")
+    save_model(tmp_path / "target", model)
+    save_config(dict(CONFIGS["llama"], eos_token_id=95), tmp_path / "target" / "config.json")
+    chat_tokenizer(tmp_path / "target")
+    write_zlab_checkpoint(tmp_path / "draft", make_draft())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "dflash_mlx.cli.main",
+        "serve",
+        "-m",
+        str(tmp_path / "target"),
+        "-d",
+        str(tmp_path / "draft"),
+        "--port",
+        str(port),
+        "--name",
+        "tiny",
+        "--block-size",
+        "4",
+    ]
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        command_on_taken = [str(taken.getsockname()[1]) if a == str(port) else a for a in command]
+        busy = subprocess.run(command_on_taken, capture_output=True, text=True, timeout=120)
+    assert busy.returncode == 1 and busy.stderr.strip().splitlines()[-1].startswith("error: cannot listen")
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        messages = [{"role": "user", "content": words(70)}]
+        body = {"model": "tiny", "messages": messages, "max_tokens": 24}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+        tok = chat_tokenizer(tmp_path / "tok")
+        want = generate(model, None, tok, apply_chat_template(tok, messages), max_tokens=24, block_size=1)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want.text
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=60)
+    assert server.returncode == 0, err
+    assert "serving tiny" in err
