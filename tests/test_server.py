@@ -332,6 +332,31 @@ def test_bad_requests_get_a_4xx_with_an_error_body_and_the_server_goes_on(tiny, 
     )
 
 
+def test_an_internal_error_is_a_500_and_the_server_goes_on(tiny, server, monkeypatch):
+    import dflash_mlx.server.scheduler as scheduler
+
+    real = scheduler.stream_generate
+
+    def failing(*args, **kwargs):  # fails on its first step, as a bug inside a model pass would
+        if kwargs["max_tokens"] == 13:
+            raise RuntimeError("a bug")
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "stream_generate", failing)
+    url, _ = server
+    messages = [{"role": "user", "content": words(41)}]
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": 13},
+        timeout=60,
+    )
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    client, _ = clients(url)
+    assert client.chat.completions.create(model="tiny", messages=messages).choices[0].message.content == (
+        expected(tiny, messages).text
+    )
+
+
 def test_an_api_key_guards_every_endpoint_but_health(tiny):
     with serving(create_app(*tiny, config(api_key="s3cret"))) as url:
         assert httpx.get(f"{url}/health").status_code == 200
@@ -362,9 +387,15 @@ def test_past_the_slots_and_the_queue_requests_get_429(tmp_path):
         with httpx.stream(
             "POST", f"{url}/v1/chat/completions", json=dict(body, stream=True), timeout=60
         ) as r:
-            next(r.iter_lines())
+            lines = r.iter_lines()
+            next(lines)
             refused = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-            assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+            if refused.status_code != 429:
+                rest = list(lines)
+                raise AssertionError(
+                    f"{refused.status_code} {len(rest)} {rest[:2]} {rest[-3:]} {refused.text[:300]}"
+                )
+            assert refused.json()["error"]["type"] == "rate_limit_error"
         deadline = time.monotonic() + 20  # the stream's client has gone: its slot frees
         while metric(url, "dflash_mlx_active_requests") > 0:
             assert time.monotonic() < deadline
@@ -470,6 +501,22 @@ def test_the_pool_gives_a_conversation_its_cache_and_a_branch_a_copy_and_stays_w
     small.put(cache)
     small.put(branch.cache)
     assert small.caches == [branch.cache] and small.evictions == 1
+
+
+def test_a_target_with_recurrent_layers_reuses_a_cache_back_to_where_its_state_was_kept():
+    target, draft = make_target("qwen3_5"), make_draft()
+    prompt = list(range(5, 35))
+    cache = SpeculativeCache(target, draft)
+    generate(target, draft, None, prompt, max_tokens=6, prompt_cache=cache)
+    pool = PromptCachePool(target, draft, max_bytes=1 << 40)
+    pool.put(cache)
+    more = [t for t in (7, 8, 9) if t != cache.tokens[len(prompt)]][:2]  # parts from the answer at once
+    taken = pool.take(prompt + more)  # back within the answer: to the end of the prompt, kept there
+    assert taken.cache is cache and taken.reused == len(prompt)
+    out = generate(target, draft, None, more, max_tokens=5, prompt_cache=taken.cache)
+    assert out.tokens == generate(target, draft, None, prompt + more, max_tokens=5).tokens
+    pool.put(taken.cache)
+    assert pool.take(prompt[:10] + [9]).reused == 0  # before it: nothing to go back to
 
 
 def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):

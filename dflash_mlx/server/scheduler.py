@@ -130,20 +130,26 @@ class Scheduler:
             self._release()
             request.emit(Finished())
             return
-        taken = self.pool.take(request.prompt)
-        cache = taken.cache
+        try:
+            taken = self.pool.take(request.prompt)
+            cache = taken.cache
+            generator = stream_generate(
+                self.target,
+                self.draft,
+                self.tokenizer,
+                request.prompt[len(cache.tokens) :],
+                prompt_cache=cache,
+                stop=request.stop,
+                **asdict(request.settings),
+            )
+        except Exception as e:  # noqa: BLE001  (the server goes on; the request gets the error)
+            log.exception("a request could not start")
+            self._release()
+            request.emit(Finished(e))
+            return
         self.metrics.prompt_tokens.inc(len(request.prompt))
         self.metrics.cached_tokens.inc(taken.reused)
         self.metrics.cache_lookups.labels("hit" if taken.reused else "miss").inc()
-        generator = stream_generate(
-            self.target,
-            self.draft,
-            self.tokenizer,
-            request.prompt[len(cache.tokens) :],
-            prompt_cache=cache,
-            stop=request.stop,
-            **asdict(request.settings),
-        )
         request.emit(Started(len(request.prompt), taken.reused))
         self.active.append(_Job(request, cache, generator, level))
 
