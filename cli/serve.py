@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import socket
 
@@ -98,4 +99,7 @@ def serve(
         f"serving [bold]{config.model_id}[/bold] with drafter {draft_for(model, draft)} on "
         f"http://{host}:{port}/v1 (OpenAI) and /v1/messages (Anthropic); Ctrl-C stops"
     )
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    # A second Ctrl-C skips the app's shutdown: the worker is still stopped before the process ends, as
+    # MLX aborts a process that ends with model work running.
+    atexit.register(app.state.scheduler.stop)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

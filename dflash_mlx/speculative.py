@@ -50,6 +50,7 @@ class GenerationResponse:
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running
     source: str | None = None  # what proposed this cycle's tokens: "plain", "lookup" or "dflash"
     proposed: int = 0  # how many proposals this cycle's verify pass checked
+    stop: str | None = None  # the stop string that ended the text, if one did
 
 
 @dataclass
@@ -120,17 +121,18 @@ class _StopText:
         self.stops = [s for s in stops if s]
         self.held = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """-> (text safe to show now, whether a stop string was hit)."""
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """-> (text safe to show now, the stop string hit or None)."""
         text = self.held + text
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return text[: min(hits)], True
+            at, stop = min(hits)
+            return text[:at], stop
         keep = max((len(s) - 1 for s in self.stops), default=0)
         cut = len(text) - keep if keep else len(text)
         self.held = text[cut:]
-        return text[:cut], False
+        return text[:cut], None
 
     def flush(self) -> str:
         out, self.held = self.held, ""
@@ -246,10 +248,10 @@ def stream_generate(
         if finish is not None:
             detok.finalize()
         text, hit = stops.feed(detok.last_segment)
-        if hit:
+        if hit is not None:
             finish = "stop"
-        if finish is not None:
-            text += "" if hit else stops.flush()
+        elif finish is not None:
+            text += stops.flush()
         elapsed = time.perf_counter() - tic
         return GenerationResponse(
             text,
@@ -263,6 +265,7 @@ def stream_generate(
             finish,
             source,
             proposed,
+            hit,
         )
 
     def finish_reason(new: list[int]) -> tuple[list[int], str | None]:

@@ -112,6 +112,18 @@ def test_anthropic_messages_streamed_and_not_gives_the_text_of_generate(tiny, se
     assert final.usage.input_tokens == 1
 
 
+def test_an_anthropic_reply_goes_on_from_an_assistant_message_that_ends_the_conversation(tiny, server):
+    url, _ = server
+    _, client = clients(url)
+    messages = [{"role": "user", "content": words(90)}, {"role": "assistant", "content": words(91, 3)}]
+    target, draft, tok = tiny
+    prompt = apply_chat_template(tok, messages, add_generation_prompt=False, continue_final_message=True)
+    assert prompt[-3:] == tok.encode(words(91, 3), add_special_tokens=False)  # the reply goes on from there
+    want = generate(target, draft, tok, prompt, max_tokens=MAX)
+    r = client.messages.create(model="tiny", max_tokens=MAX, messages=messages)
+    assert r.content[0].text == want.text
+
+
 def test_stop_strings_end_the_text_where_they_start(tiny, server):
     url, _ = server
     oai, ant = clients(url)
@@ -298,6 +310,7 @@ BAD = [
         413,
     ),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400),
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 100000]}, 400),
     ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "w5"}]}, 400),
     (
         "/v1/messages",
@@ -357,6 +370,22 @@ def test_an_internal_error_is_a_500_and_the_server_goes_on(tiny, server, monkeyp
     )
 
 
+def test_a_seeded_request_draws_the_same_whatever_runs_beside_it(tiny, server):
+    url, _ = server
+    client, _ = clients(url)
+    kw = dict(model="tiny", max_tokens=30, temperature=1.0, seed=1234)
+    messages = [{"role": "user", "content": words(80)}]
+    alone = client.chat.completions.create(messages=messages, **kw).choices[0].message.content
+    others = [[{"role": "user", "content": words(81 + i)}] for i in range(3)]
+    with ThreadPoolExecutor(4) as pool:
+        beside = [
+            pool.submit(client.chat.completions.create, messages=m, **dict(kw, seed=None)) for m in others
+        ]
+        together = client.chat.completions.create(messages=messages, **kw).choices[0].message.content
+        [f.result() for f in beside]
+    assert together == alone
+
+
 def test_an_api_key_guards_every_endpoint_but_health(tiny):
     with serving(create_app(*tiny, config(api_key="s3cret"))) as url:
         assert httpx.get(f"{url}/health").status_code == 200
@@ -376,27 +405,30 @@ def test_an_api_key_guards_every_endpoint_but_health(tiny):
         ).content
 
 
-def test_past_the_slots_and_the_queue_requests_get_429(tmp_path):
-    # A wider target, plain steps and no EOS: the one slot stays taken for many seconds.
-    target = make_target("llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8, head_dim=64)
-    tok = chat_tokenizer(tmp_path)
-    tok.eos_token_ids = set()
-    one = config(max_active=1, max_waiting=0, defaults=GenerationSettings(max_tokens=MAX, lookup=False))
-    with serving(create_app(target, None, tok, one)) as url:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": words(50)}], "max_tokens": 4000}
+def test_past_the_slots_and_the_queue_requests_get_429(tiny, monkeypatch):
+    import dflash_mlx.server.scheduler as scheduler
+
+    real, release = scheduler.stream_generate, threading.Event()
+
+    def held(*args, **kwargs):  # the first answer's first cycle, then the one slot stays taken
+        responses = real(*args, **kwargs)
+        yield next(responses)
+        release.wait(60)
+        yield from responses
+
+    monkeypatch.setattr(scheduler, "stream_generate", held)
+    with serving(create_app(*tiny, config(max_active=1, max_waiting=0))) as url:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": words(50)}], "max_tokens": 8}
         with httpx.stream(
             "POST", f"{url}/v1/chat/completions", json=dict(body, stream=True), timeout=60
         ) as r:
+            assert r.status_code == 200
             lines = r.iter_lines()
-            next(lines)
+            while "w" not in next(lines):  # the first token arrived: the request holds the slot
+                pass
             refused = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-            # (on a failure, how the first stream ended tells why its slot was free)
-            assert refused.status_code == 429, (refused.text[:200], list(lines)[-3:])
-            assert refused.json()["error"]["type"] == "rate_limit_error"
-        deadline = time.monotonic() + 20  # the stream's client has gone: its slot frees
-        while metric(url, "dflash_mlx_active_requests") > 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+            release.set()
         client, _ = clients(url)
         assert client.chat.completions.create(model="tiny", messages=body["messages"], max_tokens=4).choices
 
@@ -467,6 +499,23 @@ def test_channels_split_the_same_way_whatever_the_pieces():
         channels = Channels(Markers, False, tools=[{}])
         events = [e for i in range(0, len(text), step) for e in channels.feed(text[i : i + step])]
         assert merged(events + channels.finish()) == want
+    channels = Channels(Markers, False, tools=[{}])  # a call cut off by the end of the reply is still read
+    assert merged(channels.feed('a<tool_call>{"name": "f", "arguments": {}}') + channels.finish()) == [
+        (CONTENT, "a"),
+        (TOOL, ("f", {})),
+    ]
+    channels = Channels(Markers, False, tools=[{}])  # what the parser cannot read stays text
+    assert merged(channels.feed("<tool_call>[1, 2]</tool_call>") + channels.finish()) == [
+        (CONTENT, "<tool_call>[1, 2]</tool_call>")
+    ]
+    unended = type("Unended", (Markers,), {"tool_call_start": "[TOOL_CALLS]", "tool_call_end": ""})
+    channels = Channels(unended, False, tools=[{}])  # formats whose calls have no end marker
+    assert merged(
+        channels.feed('ok[TOOL_CALLS]{"name": "g", "arguments": {"y": 2}}') + channels.finish()
+    ) == [
+        (CONTENT, "ok"),
+        (TOOL, ("g", {"y": 2})),
+    ]
     channels = Channels(Markers, True, tools=None)  # no tools: tool markers are text; starts in reasoning
     assert merged(channels.feed("a</think><tool_call>b") + channels.finish()) == [
         (REASONING, "a"),

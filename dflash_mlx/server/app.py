@@ -10,6 +10,7 @@ fix; the server goes on serving either way.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -125,9 +126,9 @@ class Guard:
         await self.app(scope, replay, counted_send)
 
     def _authorized(self, headers: dict) -> bool:
-        bearer = headers.get(b"authorization", b"").decode(errors="replace")
-        key = headers.get(b"x-api-key", b"").decode(errors="replace")
-        return bearer == f"Bearer {self.api_key}" or key == self.api_key
+        key = self.api_key.encode()
+        bearer, given = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+        return hmac.compare_digest(bearer, b"Bearer " + key) or hmac.compare_digest(given, key)
 
 
 class Generation:
@@ -138,11 +139,14 @@ class Generation:
         self, scheduler: Scheduler, prompt: list[int], settings: GenerationSettings, stop: list[str]
     ):
         loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
-        self.job = Job(prompt, settings, stop, lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e))
-        self.prompt, self.stop, self.started = prompt, stop, Started(len(prompt), 0)
+        emit = lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e)  # noqa: E731
+        self.job = Job(prompt, settings, stop, emit, backlog=self.queue.qsize)
+        self.prompt, self.started = prompt, Started(len(prompt), 0)
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None
+        self.first = None  # an event `begin` read past
         try:
             scheduler.submit(self.job)
         except Busy:
@@ -150,10 +154,22 @@ class Generation:
                 429, "the server is busy: every slot and the queue are taken, try again shortly"
             ) from None
 
+    def cancel(self) -> None:
+        self.job.cancelled.set()
+
+    async def begin(self) -> None:
+        """Wait for the request's turn to start (it then knows how much of its prompt was cached)."""
+        if self.first is None:
+            event = await self.queue.get()
+            if isinstance(event, Started):
+                self.started = event
+            else:
+                self.first = event
+
     async def responses(self) -> AsyncIterator[GenerationResponse]:
         try:
             while True:
-                event = await self.queue.get()
+                event, self.first = self.first or await self.queue.get(), None
                 if isinstance(event, Started):
                     self.started = event
                 elif isinstance(event, Finished):
@@ -164,25 +180,29 @@ class Generation:
                     self.tokens += event.tokens
                     self.text += event.text
                     self.finish_reason = event.finish_reason or self.finish_reason
+                    self.stop_string = event.stop or self.stop_string
                     yield event
         finally:
-            self.job.cancelled.set()  # done, or the reader stopped: either way nothing more is wanted
+            self.cancel()  # done, or the reader stopped: either way nothing more is wanted
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt tokens, generated tokens, prompt tokens a kept cache held)."""
         return len(self.prompt), len(self.tokens), self.started.cached_tokens
 
-    def stop_sequence(self, tokenizer) -> str | None:
-        """The stop string that ended the answer, if one did (rather than EOS or the length)."""
-        if (
-            self.finish_reason != "stop"
-            or not self.stop
-            or (self.tokens and self.tokens[-1] in tokenizer.eos_token_ids)
-        ):
-            return None
-        full = tokenizer.decode(self.tokens)
-        found = [(full.find(s, max(0, len(self.text) - 1)), s) for s in self.stop]
-        return min(((at, s) for at, s in found if at >= 0), default=(0, self.stop[0]))[1]
+
+class _Stream(StreamingResponse):
+    """Server-sent events of one request, whose generation stops when the response ends, however it
+    ends (Starlette does not close the events' generator when the client goes away)."""
+
+    def __init__(self, events: AsyncIterator[str], generation: Generation):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.cancel()
 
 
 async def _watch(request: Request, generation: Generation) -> None:
@@ -208,7 +228,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     async def lifespan(app):
         scheduler.start()
         yield
-        scheduler.stop()
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
 
     app = FastAPI(title="dflash-mlx", lifespan=lifespan)
     app.add_middleware(Guard, api_key=config.api_key, max_body=config.max_body_bytes, metrics=metrics)
@@ -238,8 +258,12 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception):
+        # (answered outside the Guard middleware, so counted here)
         log.exception("internal error on %s", request.url.path)
-        return error_response(request.url.path, 500, "internal server error (logged on the server)")
+        metrics.requests.labels(
+            "anthropic" if request.url.path.startswith(ANTHROPIC) else "openai", "500"
+        ).inc()
+        return error_response(request.url.path, 500, INTERNAL)
 
     def check_model(name: str) -> None:
         if name != config.model_id:
@@ -269,10 +293,13 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         context_room(target, len(prompt))  # a prompt the context cannot hold is refused here
         return Generation(scheduler, prompt, settings, stop)
 
-    def render(messages: list[dict], tools, extra: dict | None) -> list[int]:
+    def render(messages: list[dict], tools, extra: dict | None, go_on: bool = False) -> list[int]:
+        """The conversation as token ids; `go_on`: the reply continues its last (assistant) message."""
         kwargs = dict(config.template_kwargs, **(extra or {}))
         if tools:
             kwargs["tools"] = tools
+        if go_on:
+            kwargs.update(add_generation_prompt=False, continue_final_message=True)
         try:
             return apply_chat_template(tokenizer, messages, **kwargs)
         except Exception as e:  # a template that raises on these messages (jinja's own errors, mostly)
@@ -311,14 +338,13 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             raise ApiError(400, "n must be 1: this server makes one choice per request", param="n")
         tools = body.tools if body.tool_choice != "none" else None
         prompt = render(body.conversation(), tools, body.chat_template_kwargs)
-        generation = start(
-            prompt, settings_for(body, body.max_completion_tokens or body.max_tokens), body.stops
-        )
+        settings = settings_for(body, body.max_completion_tokens or body.max_tokens)
         channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)
         reply = _OpenAIReply(config.model_id, "chat.completion")
+        generation = start(prompt, settings, body.stops)  # (last: nothing may fail between it and the reply)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _stream(reply.chat_stream(generation, channels, include_usage))
+            return _Stream(reply.chat_stream(generation, channels, include_usage), generation)
         await answer(request, generation)
         return reply.chat(generation, channels)
 
@@ -327,13 +353,15 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         check_model(body.model)
         if body.n != 1:
             raise ApiError(400, "n must be 1: this server makes one choice per request", param="n")
-        generation = start(
-            encode_prompt(tokenizer, body.prompt), settings_for(body, body.max_tokens), body.stops
-        )
+        vocab = target.args.vocab_size
+        if isinstance(body.prompt, list) and not all(0 <= t < vocab for t in body.prompt):
+            raise ApiError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
+        prompt, settings = encode_prompt(tokenizer, body.prompt), settings_for(body, body.max_tokens)
         reply = _OpenAIReply(config.model_id, "text_completion")
+        generation = start(prompt, settings, body.stops)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _stream(reply.completion_stream(generation, include_usage))
+            return _Stream(reply.completion_stream(generation, include_usage), generation)
         await answer(request, generation)
         return reply.completion(generation)
 
@@ -343,21 +371,28 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         thinking = (body.thinking or {}).get("type")
         extra = {"enable_thinking": thinking == "enabled"} if thinking in ("enabled", "disabled") else None
         tools = body.function_tools()
-        prompt = render(body.conversation(), tools, extra)
+        go_on = body.messages[-1].role == "assistant"  # Anthropic's way to start the reply for the model
+        prompt = render(body.conversation(), tools, extra, go_on)
         settings = settings_for(body, body.max_tokens)
-        generation = start(prompt, settings, body.stop_sequences or [])
         channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)
-        reply = _AnthropicReply(config.model_id, tokenizer)
+        reply = _AnthropicReply(config.model_id)
+        generation = start(prompt, settings, body.stop_sequences or [])
         if body.stream:
-            return _stream(reply.stream(generation, channels))
+            return _Stream(reply.stream(generation, channels), generation)
         await answer(request, generation)
         return reply.message(generation, channels)
 
     return app
 
 
-def _stream(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+INTERNAL = "internal server error (logged on the server)"
+
+
+def _stream_error(path: str, e: Exception) -> dict:
+    if isinstance(e, UserError):
+        return error_body(path, 400, str(e))
+    log.error("generation failed on %s", path, exc_info=e)
+    return error_body(path, 500, INTERNAL)
 
 
 def _drain(channels: Channels, text: str, finished: bool) -> list[tuple]:
@@ -422,9 +457,7 @@ class _OpenAIReply:
                     else:
                         yield chunk({"reasoning_content" if kind == REASONING else "content": value})
         except Exception as e:  # noqa: BLE001  (the stream has begun: the error goes in it)
-            yield sse(
-                error_body("/v1/chat/completions", 500 if not isinstance(e, UserError) else 400, str(e))
-            )
+            yield sse(_stream_error("/v1/chat/completions", e))
             return
         yield chunk({}, self._finish(generation, calls))
         if include_usage:
@@ -452,7 +485,7 @@ class _OpenAIReply:
                 if response.text:
                     yield chunk(response.text)
         except Exception as e:  # noqa: BLE001
-            yield sse(error_body("/v1/completions", 500 if not isinstance(e, UserError) else 400, str(e)))
+            yield sse(_stream_error("/v1/completions", e))
             return
         yield chunk("", generation.finish_reason)
         if include_usage:
@@ -469,8 +502,8 @@ def _openai_call(call: ToolCall) -> dict:
 
 
 class _AnthropicReply:
-    def __init__(self, model: str, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model: str):
+        self.model = model
         self.id = "msg_" + uuid.uuid4().hex[:24]
 
     def _stop(self, generation: Generation, calls: int) -> tuple[str, str | None]:
@@ -478,7 +511,7 @@ class _AnthropicReply:
             return "max_tokens", None
         if calls:
             return "tool_use", None
-        hit = generation.stop_sequence(self.tokenizer)
+        hit = generation.stop_string
         return ("stop_sequence", hit) if hit is not None else ("end_turn", None)
 
     def _usage(self, generation: Generation) -> dict:
@@ -516,6 +549,7 @@ class _AnthropicReply:
 
     async def stream(self, generation: Generation, channels: Channels):
         index, open_kind, calls = -1, None, 0
+        await generation.begin()  # (how much of the prompt was cached goes in message_start)
         head = {
             "id": self.id,
             "type": "message",
@@ -524,7 +558,7 @@ class _AnthropicReply:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": len(generation.prompt), "output_tokens": 0},
+            "usage": {**self._usage(generation), "output_tokens": 0},
         }
         yield sse({"type": "message_start", "message": head}, "message_start")
         yield sse({"type": "ping"}, "ping")
@@ -560,7 +594,7 @@ class _AnthropicReply:
                         {"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta"
                     )
         except Exception as e:  # noqa: BLE001  (the stream has begun: the error goes in it)
-            yield sse(error_body(ANTHROPIC, 500 if not isinstance(e, UserError) else 400, str(e)), "error")
+            yield sse(_stream_error(ANTHROPIC, e), "error")
             return
         if open_kind is not None:
             yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")

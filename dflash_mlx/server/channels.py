@@ -77,13 +77,14 @@ class Channels:
         return events + self._emit(buf[: len(buf) - keep])
 
     def finish(self) -> list[tuple]:
-        """The end of the reply: held text goes out; a tool call never closed is shown as text."""
+        """The end of the reply: held text goes out, and a tool call still open is read as far as it
+        goes (formats whose calls have no end marker end with the reply; a call the parser cannot read
+        is shown as text)."""
         events = self._emit(self.held)
         self.held = ""
         if self.state == TOOL:
-            start = next(m for m, channel in self.starts.items() if channel == TOOL)
-            events.append((CONTENT, start + self.call))
-            self.call = ""
+            events += self._tool_call(closed=False)
+            self.state = CONTENT
         return events
 
     def _emit(self, text: str) -> list[tuple]:
@@ -94,15 +95,18 @@ class Channels:
             return []
         return [(self.state, text)]
 
-    def _tool_call(self) -> list[tuple]:
+    def _tool_call(self, closed: bool = True) -> list[tuple]:
         text, self.call = self.call, ""
         try:
             parsed = self.parser(text, self.tools)
-        except (ValueError, KeyError, TypeError):  # not a call the parser reads: keep it as text
+            calls = [
+                ToolCall(c["name"], c.get("arguments", {}))
+                for c in (parsed if isinstance(parsed, list) else [parsed])
+            ]
+        except (ValueError, KeyError, TypeError, AttributeError):  # not a call the parser reads: text
             start = next(m for m, channel in self.starts.items() if channel == TOOL)
-            return [(CONTENT, start + text + self.ends[TOOL])]
-        calls = parsed if isinstance(parsed, list) else [parsed]
-        return [(TOOL, ToolCall(c["name"], c.get("arguments", {}))) for c in calls]
+            return [(CONTENT, start + text + (self.ends[TOOL] if closed else ""))]
+        return [(TOOL, call) for call in calls]
 
 
 def _overlap(text: str, marker: str) -> int:

@@ -69,21 +69,23 @@ class Metrics:
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
 
-    def record(self, response: GenerationResponse, seconds: float) -> None:
-        """One turn of the generation worker: its tokens, its time, its cycle."""
+    def record(self, response: GenerationResponse) -> None:
+        """A response of the generation worker: its tokens, its cycle."""
         self.generated.inc(len(response.tokens))
-        self.busy.inc(seconds)
         if response.accepted is not None:
             self.cycles.labels(response.source).inc()
             self.cycle_tokens.labels(response.source).inc(response.accepted)
         with self._lock:
             self._recent.append((time.monotonic(), len(response.tokens)))
+            self._prune()
+
+    def _prune(self) -> None:
+        while self._recent and self._recent[0][0] < time.monotonic() - WINDOW_S:
+            self._recent.popleft()
 
     def _tokens_per_second(self) -> float:
         with self._lock:
-            now = time.monotonic()
-            while self._recent and self._recent[0][0] < now - WINDOW_S:
-                self._recent.popleft()
+            self._prune()
             return sum(n for _, n in self._recent) / WINDOW_S
 
     def text(self) -> bytes:

@@ -1,11 +1,16 @@
 """One generation worker for every request.
 
-The models run on one thread. Requests in flight are interleaved cycle by cycle: each turn goes to the
+The models run on one thread. Requests in flight are interleaved turn by turn: each turn goes to the
 request that has received the fewest tokens (a cycle commits anywhere from one token to a whole block,
 so counting cycles would favour the requests whose drafts are accepted); a request that joins starts
-level with the least served one. Past `max_active` requests in flight, new ones wait in a queue of
-`max_waiting`; past that they are refused (`Busy`). A request whose client has gone is stopped before
-its next cycle; its cache, left consistent, goes back to the pool like any other.
+level with the least served one. A long prompt is prefilled a chunk per turn, each chunk counting as
+one token served, so it does not hold up the streams under way. A request whose reader has fallen
+behind (a slow client) waits its turns out. Past `max_active` requests in flight, new ones wait in a
+queue of `max_waiting`; past that they are refused (`Busy`). A request whose client has gone is stopped
+before its next turn; its cache, left consistent, goes back to the pool like any other.
+
+A request with a seed draws from a random stream of its own, so interleaving neither changes its draws
+nor lets its seed reset anyone else's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from .metrics import Metrics
 from .pool import PromptCachePool
 
 log = logging.getLogger("dflash_mlx.server")
+
+PREFILL_CHUNK = 512  # prompt tokens prefilled in one turn
+MAX_BACKLOG = 64  # events a request's reader may leave unread before its turns are skipped
 
 
 class Busy(Exception):
@@ -53,6 +61,7 @@ class Request:
     settings: GenerationSettings
     stop: list[str]
     emit: Callable[[object], None]  # gets Started, each GenerationResponse, then Finished (worker thread)
+    backlog: Callable[[], int] = lambda: 0  # events emitted and not yet read
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -60,9 +69,19 @@ class Request:
 class _Job:
     request: Request
     cache: object
-    generator: object
-    served: float  # tokens received, plus the level it started at
+    prefill: list[int]  # prompt tokens to prefill in turns of their own before the answer starts
+    served: float  # tokens received (a prefill chunk counts one), plus the level it started at
+    generator: object = None
+    key: mx.array | None = None  # a seeded request's random key between its turns
     turn: int = 0  # when it last had a turn (ties go to the one waiting longest)
+
+
+def _swap_key(key: mx.array) -> mx.array:
+    """Make `key` MLX's global random key; -> the one it replaces."""
+    state = mx.random.state[0]
+    old = mx.array(state)
+    state[...] = key
+    return old
 
 
 class Scheduler:
@@ -90,13 +109,19 @@ class Scheduler:
         self.thread.start()
 
     def stop(self) -> None:
+        """Stop every request (their clients get what they had) and the worker."""
         with self.lock:
             self.stopping = True
             self.lock.notify()
-        self.thread.join()
+        if self.thread.is_alive():
+            self.thread.join()
 
     def submit(self, request: Request) -> None:
         with self.lock:
+            for gone in [r for r in self.waiting if r.cancelled.is_set()]:  # their clients left
+                self.waiting.remove(gone)
+                self.admitted -= 1
+                gone.emit(Finished())
             if self.admitted >= self.max_active + self.max_waiting:
                 raise Busy
             self.admitted += 1
@@ -118,11 +143,19 @@ class Scheduler:
             level = min((job.served for job in self.active), default=0.0)
             for request in joining:
                 self._start(request, level)
-            if self.active:
-                self._turn(min(self.active, key=lambda job: (job.served, job.turn)))
+            ready = [
+                j for j in self.active if j.request.cancelled.is_set() or j.request.backlog() < MAX_BACKLOG
+            ]
+            if ready:
+                self._turn(min(ready, key=lambda job: (job.served, job.turn)))
+            elif self.active:
+                time.sleep(0.005)  # every reader is behind: let them catch up
             self.metrics.active.set(len(self.active))
-        for job in self.active:
-            job.generator.close()
+        for job in list(self.active):
+            self._end(job, None)
+        with self.lock:
+            while self.waiting:
+                self.waiting.popleft().emit(Finished())
         mx.synchronize()  # no model work left running when the process ends (MLX would abort)
 
     def _start(self, request: Request, level: float) -> None:
@@ -132,16 +165,6 @@ class Scheduler:
             return
         try:
             taken = self.pool.take(request.prompt)
-            cache = taken.cache
-            generator = stream_generate(
-                self.target,
-                self.draft,
-                self.tokenizer,
-                request.prompt[len(cache.tokens) :],
-                prompt_cache=cache,
-                stop=request.stop,
-                **asdict(request.settings),
-            )
         except Exception as e:  # noqa: BLE001  (the server goes on; the request gets the error)
             log.exception("a request could not start")
             self._release()
@@ -151,7 +174,9 @@ class Scheduler:
         self.metrics.cached_tokens.inc(taken.reused)
         self.metrics.cache_lookups.labels("hit" if taken.reused else "miss").inc()
         request.emit(Started(len(request.prompt), taken.reused))
-        self.active.append(_Job(request, cache, generator, level))
+        new = request.prompt[len(taken.cache.tokens) :]
+        prefill = new[:-1] if len(new) > PREFILL_CHUNK else []  # a short one goes with the first cycle
+        self.active.append(_Job(request, taken.cache, prefill, level))
 
     def _turn(self, job: _Job) -> None:
         self.turns += 1
@@ -160,25 +185,56 @@ class Scheduler:
             self.metrics.cancelled.inc()
             self._end(job, None)
             return
+        seeded = job.request.settings.seed is not None
+        if seeded:  # its own key in, the shared one kept aside
+            outside = _swap_key(job.key) if job.key is not None else mx.array(mx.random.state[0])
         tic = time.perf_counter()
         try:
-            response: GenerationResponse = next(job.generator)
+            response = self._step(job)
         except StopIteration:
-            self._end(job, None)
-            return
+            response = None
         except Exception as e:  # noqa: BLE001  (the server goes on; the request gets the error)
             if not isinstance(e, UserError):
                 log.exception("generation failed")
             self._end(job, e)
             return
-        self.metrics.record(response, time.perf_counter() - tic)
-        job.served += len(response.tokens)
-        job.request.emit(response)
-        if response.finish_reason is not None:
+        finally:
+            if seeded:
+                job.key = _swap_key(outside)
+        if response is None:
             self._end(job, None)
+            return
+        self.metrics.busy.inc(time.perf_counter() - tic)
+        if isinstance(response, GenerationResponse):
+            self.metrics.record(response)
+            job.served += len(response.tokens)
+            job.request.emit(response)
+            if response.finish_reason is not None:
+                self._end(job, None)
+        else:
+            job.served += 1  # a prefill chunk
+
+    def _step(self, job: _Job):
+        """One turn's work: a chunk of the prompt, or the next cycle (-> its response)."""
+        if job.prefill:
+            chunk, job.prefill = job.prefill[:PREFILL_CHUNK], job.prefill[PREFILL_CHUNK:]
+            job.cache.prefill(chunk, PREFILL_CHUNK)
+            return chunk
+        if job.generator is None:
+            job.generator = stream_generate(
+                self.target,
+                self.draft,
+                self.tokenizer,
+                job.request.prompt[len(job.cache.tokens) :],
+                prompt_cache=job.cache,
+                stop=job.request.stop,
+                **asdict(job.request.settings),
+            )
+        return next(job.generator)
 
     def _end(self, job: _Job, error: BaseException | None) -> None:
-        job.generator.close()  # a cycle under way is taken back: the cache stays consistent
+        if job.generator is not None:
+            job.generator.close()  # a cycle under way is taken back: the cache stays consistent
         self.active.remove(job)
         evicted = self.pool.evictions
         self.pool.put(job.cache)
