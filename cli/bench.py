@@ -16,6 +16,7 @@ from dflash_mlx.loading import draft_for, load_pair, template_kwargs
 from .options import (
     DEMO,
     Draft,
+    DraftWindow,
     MaxTokens,
     Model,
     NoLookup,
@@ -40,6 +41,7 @@ def bench(
         help="Comma-separated policies: fixed block sizes, and 'adaptive' (each cycle chooses).",
     ),
     no_lookup: NoLookup = False,
+    draft_window: DraftWindow = None,
     temps: str = typer.Option("0", help="Comma-separated temperatures (identity is checked at 0)."),
     max_tokens: MaxTokens = 256,
     out: str = typer.Option(
@@ -57,7 +59,7 @@ def bench(
                 f"--block-sizes takes block sizes and 'adaptive', --temps numbers, comma-separated, e.g. "
                 f"4,16,adaptive and 0,1; got {block_sizes!r} and {temps!r}"
             ) from None
-        grid = settings_grid(bs, ts, max_tokens, lookup=not no_lookup)
+        grid = settings_grid(bs, ts, max_tokens, lookup=not no_lookup, draft_window=draft_window)
         folder = Path(out).expanduser()
         if folder.exists() and not folder.is_dir():
             raise UserError(f"--out {out} is a file: give a folder for the results")
@@ -90,6 +92,7 @@ def bench(
                     ps,
                     block_sizes=bs,
                     lookup=not no_lookup,
+                    draft_window=draft_window,
                     temperatures=ts,
                     max_tokens=max_tokens,
                     template_kwargs=template_kwargs(model, think),

@@ -21,6 +21,7 @@ from .options import (
     DEMO,
     BlockSize,
     Draft,
+    DraftWindow,
     MaxTokens,
     Model,
     NoLookup,
@@ -51,6 +52,7 @@ def chat(
     temp: Temp = 0.0,
     block_size: BlockSize = None,
     no_lookup: NoLookup = False,
+    draft_window: DraftWindow = None,
     max_tokens: MaxTokens = 1024,
     think: Think = None,
     hide_thinking: bool = typer.Option(False, help="Do not show thinking text (it is shown dimmed)."),
@@ -59,7 +61,11 @@ def chat(
     console = Console(highlight=False)
     with user_errors():
         GenerationSettings(
-            temperature=temp, block_size=block_size, lookup=not no_lookup, max_tokens=max_tokens
+            temperature=temp,
+            block_size=block_size,
+            lookup=not no_lookup,
+            max_tokens=max_tokens,
+            draft_window=draft_window,
         ).answering()  # before loading
         with console.status(f"loading {model} ..."):
             target, drafter, tokenizer = load_pair(model, draft)
@@ -73,6 +79,7 @@ def chat(
             block_size=block_size,
             lookup=not no_lookup,
             max_tokens=max_tokens,
+            draft_window=draft_window,
             template_kwargs=template_kwargs(model, think),
         )
     run(session, console, f"[bold]dflash-mlx chat[/bold] · {model} + {name} · {backend()}", hide_thinking)

@@ -24,6 +24,7 @@ from .options import (
     DEMO,
     BlockSize,
     Draft,
+    DraftWindow,
     Json,
     MaxTokens,
     MinP,
@@ -52,6 +53,7 @@ def generate(
     seed: Seed = None,
     block_size: BlockSize = None,
     no_lookup: NoLookup = False,
+    draft_window: DraftWindow = None,
     no_draft: bool = typer.Option(
         False, "--no-draft", help="Plain mlx-lm decoding of the target (baseline)."
     ),
@@ -78,10 +80,12 @@ def generate(
             block_size=block_size,
             lookup=not no_lookup,
             seed=seed,
+            draft_window=draft_window,
         )  # checked before loading, for both paths
-        if no_draft and (draft is not None or block_size is not None or no_lookup):
+        if no_draft and (draft is not None or block_size is not None or no_lookup or draft_window):
             raise UserError(
-                "--no-draft is mlx-lm's plain decoding: drop --draft, --block-size and --no-lookup"
+                "--no-draft is mlx-lm's plain decoding: drop --draft, --block-size, --no-lookup and "
+                "--draft-window"
             )
         if (system is not None or think is not None) and not chat_template:
             raise UserError("--system and --think/--no-think need the chat template: drop --no-chat-template")

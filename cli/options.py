@@ -36,6 +36,13 @@ BlockSize = Annotated[
     ),
 ]
 NoLookup = Annotated[bool, typer.Option("--no-lookup", help="Leave prompt lookup out of the choices.")]
+DraftWindow = Annotated[
+    int | None,
+    typer.Option(
+        "--draft-window",
+        help="The drafter keeps only the latest N context positions (long prompts; default: all).",
+    ),
+]
 Think = Annotated[
     bool | None,
     typer.Option(

@@ -8,11 +8,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dflash_mlx.errors import UserError
 from dflash_mlx.loading import load_pair
+from dflash_mlx.pairing import context_length
+from dflash_mlx.profile import draft_window_profile, profile_pair
 from dflash_mlx.profile import profile as measure
-from dflash_mlx.profile import profile_pair
 
-from .options import Draft, Json, stderr, user_errors
+from .options import DEMO, Draft, DraftWindow, Json, stderr, user_errors
 
 
 def profile(
@@ -24,6 +26,7 @@ def profile(
         "and show it, with the policy's own overhead. Without it: a random target.",
     ),
     draft: Draft = None,
+    draft_window: DraftWindow = None,
     hidden: int = typer.Option(1024, help="Width of the random target."),
     layers: int = typer.Option(8, help="Decoder layers of the random target."),
     vocab: int = typer.Option(32000, help="Vocabulary size."),
@@ -33,6 +36,8 @@ def profile(
 ):
     """Time one speculative cycle against its two model passes (random float32 models), or measure a
     pair's cost model (--model)."""
+    if draft_window is not None:
+        return _window(model or DEMO, draft, draft_window, as_json)
     if model is not None:
         return _pair(model, draft, as_json)
     with user_errors(), stderr().status("timing cycles, verify and draft passes ..."):
@@ -86,3 +91,24 @@ def _pair(model: str, draft: str | None, as_json: bool) -> None:
         f"policy: {1e6 * r['policy_s']:.0f} us a cycle ({r['policy_share_of_a_step']:.2%} of a plain step)"
     )
     typer.echo(f"kept in {r['costs_file']}")
+
+
+def _window(model: str, draft: str | None, window: int, as_json: bool) -> None:
+    with user_errors():
+        if window < 1:
+            raise UserError(f"draft_window must be >= 1, got {window}")
+        target, drafter, _ = load_pair(model, draft)
+        room = (context_length(target) or 1 << 62) - drafter.block_size
+        contexts = [c for c in (500, 2000, 8000) if c <= room]
+        with stderr().status("timing draft passes over long contexts ..."):
+            rows = draft_window_profile(target, drafter, window, contexts)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    t = Table(title=f"{model}: a draft pass ({drafter.block_size - 1} proposals), ms")
+    t.add_column("context")
+    t.add_column("whole context", justify="right")
+    t.add_column(f"draft window {window}", justify="right")
+    for r in rows:
+        t.add_row(str(r["context"]), f"{1000 * r['whole_s']:.1f}", f"{1000 * r['window_s']:.1f}")
+    Console().print(t)

@@ -20,6 +20,7 @@ from .options import (
     DEMO,
     BlockSize,
     Draft,
+    DraftWindow,
     MaxTokens,
     MinP,
     Model,
@@ -63,6 +64,7 @@ def serve(
     max_tokens: MaxTokens = 2048,
     block_size: BlockSize = None,
     no_lookup: NoLookup = False,
+    draft_window: DraftWindow = None,
     think: Think = None,
     name: str | None = typer.Option(None, help="The model name clients use (default: --model)."),
 ):
@@ -78,6 +80,7 @@ def serve(
             max_tokens=max_tokens,
             block_size=block_size,
             lookup=not no_lookup,
+            draft_window=draft_window,
         ).answering()
         _check_port(host, port)  # before minutes of loading, not after
         target, drafter, tokenizer = load_pair(model, draft)

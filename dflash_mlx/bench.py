@@ -70,13 +70,20 @@ def _record(tokens, tic, first, end, acc):
     }
 
 
-def settings_grid(block_sizes, temperatures, max_tokens: int, seed: int = 0, lookup: bool = True) -> dict:
+def settings_grid(
+    block_sizes, temperatures, max_tokens: int, seed: int = 0, lookup: bool = True, draft_window=None
+) -> dict:
     """{(block size or None for the adaptive policy, temperature): its settings}, checked before anything
     runs; each setting once (a repeated one would be run again and overwrite its own record)."""
     sizes = dict.fromkeys(None if b is None else int(b) for b in block_sizes)
     return {
         (b, t): GenerationSettings(
-            temperature=t, block_size=b, lookup=lookup, max_tokens=max_tokens, seed=seed
+            temperature=t,
+            block_size=b,
+            lookup=lookup,
+            max_tokens=max_tokens,
+            seed=seed,
+            draft_window=draft_window,
         ).answering()
         for t in dict.fromkeys(float(t) for t in temperatures)
         for b in sizes
@@ -91,6 +98,7 @@ def run_bench(
     *,
     block_sizes=(16, None),
     lookup: bool = True,
+    draft_window: int | None = None,
     temperatures=(0.0,),
     max_tokens: int = 256,
     seed: int = 0,
@@ -99,7 +107,7 @@ def run_bench(
 ) -> dict:
     """-> results: per prompt and configuration, a summary per configuration, and the machine.
     `template_kwargs` reach the chat template (e.g. enable_thinking=False)."""
-    grid = settings_grid(block_sizes, temperatures, max_tokens, seed, lookup)
+    grid = settings_grid(block_sizes, temperatures, max_tokens, seed, lookup, draft_window)
     temperatures, configs = list(dict.fromkeys(t for _, t in grid)), list(grid)
     target = prepare(model, draft)
     encoded = [apply_chat_template(tokenizer, p, **(template_kwargs or {})) for p in prompts]

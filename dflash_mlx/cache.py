@@ -41,12 +41,16 @@ def _layer_copy(c):
 
 
 class SpeculativeCache:
-    def __init__(self, model: nn.Module | Target, draft: DFlashDraftModel | None):
-        """`model`: the mlx-lm target as `load` returns it (or a Target); `draft`: its drafter, or None."""
+    def __init__(
+        self, model: nn.Module | Target, draft: DFlashDraftModel | None, draft_window: int | None = None
+    ):
+        """`model`: the mlx-lm target as `load` returns it (or a Target); `draft`: its drafter, or None;
+        `draft_window`: how many of the latest context positions the drafter keeps (None: all)."""
         self.target = target = prepare(model, draft)
         self.draft = draft
+        self.draft_window = draft_window
         self.target_cache = target.make_cache()
-        self._draft_cache = draft.make_cache() if draft is not None else None
+        self._draft_cache = draft.make_cache(draft_window) if draft is not None else None
         self.unabsorbed: list[mx.array] = []  # committed positions' features the drafter has yet to take in
         self.tokens: list[int] = []  # every committed token, processed or pending
         self.index = NgramIndex()  # where each short n-gram of `tokens` last occurred (prompt lookup)
@@ -60,7 +64,8 @@ class SpeculativeCache:
 
     @property
     def draft_cache(self) -> list | None:
-        """The drafter's cache, holding every processed position. The drafter takes in the features of
+        """The drafter's cache, holding every processed position (or the latest, under a draft window).
+        The drafter takes in the features of
         committed positions only when it next drafts (or every ABSORB_BATCH positions): cycles that do
         not draft pay nothing for it, and a batch of positions costs about what one does."""
         self._absorb()
@@ -180,20 +185,22 @@ class SpeculativeCache:
         """Keep only the first n committed tokens (what chat does before each turn). Recurrent state
         cannot be trimmed, only put back as it was at the end of the last prefill; the tokens between
         there and n are then prefilled again by the next call. Returns False (and changes nothing) when n
-        is before that point, or when an interrupted pass left the cache broken: start a new cache then."""
+        is before that point or before the draft window, or when an interrupted pass left the cache broken:
+        start a new cache then."""
         if self.broken:
             return False
         if n >= self.processed:
             del self.tokens[n:]
             self.index.truncate(n)
             return True
-        caches = self.target_cache + (self.draft_cache or [])
-        if all(c.is_trimmable() for c in caches):
+        if all(c.is_trimmable() for c in self.target_cache):
             back, states = n, [None] * len(self.target_cache)
         elif self.snapshot is not None and self.snapshot[0] <= n:
             back, states = self.snapshot
         else:
             return False
+        if not all(c.can_trim(self.processed - back) for c in self.draft_cache or []):
+            return False  # back before the draft window
         for c, state in zip(self.target_cache, states):
             if state is None:
                 c.trim(self.processed - back)

@@ -71,9 +71,14 @@ class ChatSession:
         max_tokens: int = 1024,
         max_context: int | None = None,
         template_kwargs: dict | None = None,
+        draft_window: int | None = None,
     ):
         self.settings = GenerationSettings(
-            temperature=temperature, block_size=block_size, lookup=lookup, max_tokens=max_tokens
+            temperature=temperature,
+            block_size=block_size,
+            lookup=lookup,
+            max_tokens=max_tokens,
+            draft_window=draft_window,
         )
         self.target = prepare(model, draft)
         self.draft, self.tokenizer, self.system = draft, tokenizer, system
@@ -85,12 +90,15 @@ class ChatSession:
             )
         self.template_kwargs = template_kwargs or {}
         self.messages: list[dict] = []
-        self.cache = SpeculativeCache(self.target, draft)
+        self.cache = self.new_cache()
         self.turns: list[dict] = []  # per-turn statistics
+
+    def new_cache(self) -> SpeculativeCache:
+        return SpeculativeCache(self.target, self.draft, self.settings.draft_window)
 
     def reset(self) -> None:
         self.messages, self.turns = [], []
-        self.cache = SpeculativeCache(self.target, self.draft)
+        self.cache = self.new_cache()
 
     def conversation(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
@@ -143,7 +151,7 @@ class ChatSession:
             # whole of `ids` (the message and a partial answer), and an empty prompt would be refused.
             keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
             if not self.cache.truncate(keep):
-                self.cache, keep = SpeculativeCache(self.target, self.draft), 0
+                self.cache, keep = self.new_cache(), 0
             for last in stream_generate(
                 self.target,
                 self.draft,
@@ -169,7 +177,7 @@ class ChatSession:
         except (Exception, KeyboardInterrupt):  # no answer: the message goes, and so does a cache
             self.messages.pop()  # that an interrupted pass left half-updated
             if self.cache.broken:
-                self.cache = SpeculativeCache(self.target, self.draft)
+                self.cache = self.new_cache()
             raise
         record(stopped=False)
 

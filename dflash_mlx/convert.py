@@ -18,8 +18,9 @@ from mlx_lm.convert import convert as mlx_lm_convert
 from .errors import NotFound, UserError
 from .files import atomic_folder
 from .gguf import convert_gguf
-from .loading import check_model_type, is_gguf, load_draft, read_config, resolve
+from .loading import check_model_type, is_gguf, load_draft, read_config, resolve, resolve_draft
 from .models.dflash import is_drafter_config
+from .models.formats import drafter_format
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -55,18 +56,19 @@ def convert_draft(
 
 
 def export_draft(source: str, dest: str | Path, force: bool = False) -> Path:
-    """An MLX drafter -> z-lab's Hugging Face layout (config.json + bf16 safetensors), which
-    vLLM and SGLang read. Not transformers: z-lab's checkpoints load there through their own remote code
-    (`auto_map`, dflash.py), which is not ours to ship, so `auto_map` is left out rather than pointing
-    at a file that is not there."""
+    """An MLX drafter -> its Hugging Face layout (config.json + bf16 safetensors): z-lab's, which vLLM and
+    SGLang read, or the one it was published in (a Muse-Glimmer assistant stays one). Not transformers:
+    z-lab's checkpoints load there through their own remote code (`auto_map`, dflash.py), which is not
+    ours to ship, so `auto_map` is left out rather than pointing at a file that is not there."""
+    layout = drafter_format(read_config(resolve_draft(source)))  # exported in the layout it came in
     draft = load_draft(source, dtype=None)
     if any(".scales" in k for k, _ in tree_flatten(draft.parameters())):
         raise UserError("cannot export a quantized drafter: export the float one it came from")
-    config = draft.config.to_dict()
+    config = layout.write_config(draft.config)
     config.pop("quantization", None)
     config.pop("auto_map", None)
     config["torch_dtype"] = "bfloat16"
-    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(draft.parameters())}
+    weights = layout.weights_out({k: v.astype(mx.bfloat16) for k, v in tree_flatten(draft.parameters())})
     with atomic_folder(dest, force) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

@@ -33,6 +33,7 @@ from .errors import NotFound, UserError
 from .files import atomic_folder
 from .gguf import convert_gguf
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
+from .models.formats import drafter_format
 from .pairing import prepare
 from .platform import backend, warn_if_slow_blas
 
@@ -285,19 +286,20 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
     """
     path = resolve_draft(name)
     raw = read_config(path)
-    config = DFlashConfig.from_dict(raw)
+    layout = drafter_format(raw)
+    config = layout.read_config(raw)
     files = sorted(path.glob("model*.safetensors"))  # not optimizer.safetensors of a checkpoint
     if not files:
         raise NotFound(f"{path} has no model*.safetensors weights")
     weights = {}
     for f in files:
         try:
-            weights.update(mx.load(str(f)))
+            weights.update(layout.weights_in(mx.load(str(f))))
         except Exception as e:  # mlx raises RuntimeError/ValueError with terse texts
             raise UserError(
                 f"cannot read {f}: {str(e).strip()} (truncated or not a safetensors file?)"
             ) from None
-    model = DFlashDraftModel(config)
+    model = layout.model_class(config)
     if "quantization" in raw:
         q = raw["quantization"]
         nn.quantize(

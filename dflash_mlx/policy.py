@@ -30,6 +30,7 @@ from .cache import SpeculativeCache
 from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS, draft_block
 from .files import atomic_file
 from .loading import cache_home
+from .models.dflash import DraftCache
 from .pairing import context_length
 from .platform import backend, blas
 
@@ -200,9 +201,16 @@ class AdaptivePolicy:
     """The per-cycle choice among a plain step, lookup with k proposals and DFlash with k proposals."""
 
     def __init__(
-        self, costs: CostModel, max_dflash: int, lookup: bool, max_lookup: int = LOOKUP_MAX, keep=None
+        self,
+        costs: CostModel,
+        max_dflash: int,
+        lookup: bool,
+        max_lookup: int = LOOKUP_MAX,
+        keep=None,
+        draft_window: int | None = None,
     ):
         self.costs, self.keep = costs, keep  # keep(costs): where costs measured later are kept
+        self.draft_window = draft_window
         self.max = {DFLASH: max_dflash, LOOKUP: max_lookup if lookup else 0}
         self.dflash = _Odds(max_dflash)
         self.lookup = {n: _Odds(max_lookup) for n in range(1, 9)}  # by matched suffix length
@@ -211,6 +219,12 @@ class AdaptivePolicy:
         self.bins = _Odds(CONFIDENCE_BINS)  # acceptance by the drafter's confidence (bins 1..10)
         self.idle = {DFLASH: 0, LOOKUP: 0}  # cycles an available option was not chosen
         self.wait = {DFLASH: PROBE_FIRST, LOOKUP: PROBE_FIRST}
+
+    def _draft_time(self, k: int, context: int) -> float:
+        """A draft pass's seconds: under a draft window, as at a context of the window (and a step more)."""
+        if self.draft_window is not None:
+            context = min(context, self.draft_window + DraftCache.STEP)
+        return self.costs.draft_time(k, context)
 
     def _best(self, rates: list[float], draft_cost, context: int) -> tuple[float, int]:
         """-> (tokens per second, k) of the best k >= 1 for these acceptance odds."""
@@ -243,7 +257,7 @@ class AdaptivePolicy:
         if self.max[DFLASH]:
             rate, k = self._best(
                 self.dflash.rates(self.max[DFLASH]),
-                lambda k: self.costs.draft_time(k, context),
+                lambda k: self._draft_time(k, context),
                 context,
             )
             options.append((rate, Choice(DFLASH, k)))
@@ -271,7 +285,7 @@ class AdaptivePolicy:
             if self.idle[DFLASH] >= self.wait[DFLASH]:
                 return False
             rates = self.dflash.rates(self.max[DFLASH])
-            if self._best(rates, lambda k: self.costs.draft_time(k, context), context)[0] > ahead:
+            if self._best(rates, lambda k: self._draft_time(k, context), context)[0] > ahead:
                 return False
         lengths = index.possible() if self.max[LOOKUP] else []
         if lengths and self.idle[LOOKUP] >= self.wait[LOOKUP]:
@@ -310,7 +324,7 @@ class AdaptivePolicy:
         for c, prior in zip(confidence, self.dflash.rates(len(confidence))):
             b = self._bin(c)
             rates.append((self.bins.hits[b] + PRIOR_TRIALS * prior) / (self.bins.trials[b] + PRIOR_TRIALS))
-        drafted = self.costs.draft_time(choice.k, context)
+        drafted = self._draft_time(choice.k, context)
         e = expected_tokens(rates)
         best = max(
             range(len(e)), key=lambda k: (e[k] / (self.costs.target_time(k + 1, context) + drafted), -k)
@@ -335,7 +349,7 @@ class AdaptivePolicy:
 # ---- measuring the costs --------------------------------------------------------------------------
 
 
-def _seconds(fn, repeats: int) -> float:
+def fastest_seconds(fn, repeats: int) -> float:
     """The fastest of `repeats` runs after a warm-up: what the pass costs when nothing else competes for
     the machine (a busy moment only ever adds time)."""
     fn()  # warm-up (and compilation)
@@ -397,8 +411,10 @@ def _live_row(cache: SpeculativeCache, costs: CostModel, repeats: int = 2) -> tu
 
         return run
 
-    target = [_seconds(verify(w), repeats) for w in costs.widths]
-    draft = [_seconds(_draft_pass(cache.draft, cache, k), repeats) for k in costs.proposals]
+    target = [fastest_seconds(verify(w), repeats) for w in costs.widths]
+    if cache.draft_window is not None:  # its passes are not those of the whole context: extrapolate
+        return target, [costs.draft_time(k, len(cache.tokens)) for k in costs.proposals]
+    draft = [fastest_seconds(_draft_pass(cache.draft, cache, k), repeats) for k in costs.proposals]
     return target, draft
 
 
@@ -428,14 +444,16 @@ def measure_costs(
         cache.prefill(mx.random.randint(0, vocab, (context,), key=key).tolist())
         table.append(
             [
-                _seconds(_verify_pass(target, cache, mx.random.randint(0, vocab, (1, w), key=key)), repeats)
+                fastest_seconds(
+                    _verify_pass(target, cache, mx.random.randint(0, vocab, (1, w), key=key)), repeats
+                )
                 for w in widths
             ]
         )
-        ahead.append(_seconds(_plain_steps(target, cache, True, steps=4), repeats) / 4)
-        built.append(_seconds(_plain_steps(target, cache, False, steps=4), repeats) / 4)
+        ahead.append(fastest_seconds(_plain_steps(target, cache, True, steps=4), repeats) / 4)
+        built.append(fastest_seconds(_plain_steps(target, cache, False, steps=4), repeats) / 4)
         if proposals:
-            drafts.append([_seconds(_draft_pass(draft, cache, k), repeats) for k in proposals])
+            drafts.append([fastest_seconds(_draft_pass(draft, cache, k), repeats) for k in proposals])
     table = _monotone(table)
     # Never dearer than a step alone (a noisy moment could make them look it), ahead never dearer than built.
     built = [min(b, row[0]) for b, row in zip(built, table)]
@@ -502,7 +520,7 @@ def keep_costs(path: Path, costs: CostModel) -> None:
         pass  # a home that cannot be written: the costs serve this run, and are measured again next time
 
 
-def policy_for(target, draft, *, block_size: int | None, lookup: bool):
+def policy_for(target, draft, *, block_size: int | None, lookup: bool, draft_window: int | None = None):
     """A fixed block when one is given (or nothing to choose from), else the adaptive policy."""
     if block_size is not None or (draft is None and not lookup):
         return FixedPolicy(block_size or 1, draft is not None)
@@ -512,4 +530,5 @@ def policy_for(target, draft, *, block_size: int | None, lookup: bool):
         draft.block_size - 1 if draft is not None else 0,
         lookup,
         keep=lambda costs: keep_costs(path, costs),
+        draft_window=draft_window,
     )

@@ -29,7 +29,7 @@ from .errors import UserError
 from .models.dflash import DFlashConfig, DFlashDraftModel
 from .pairing import prepare
 from .platform import DISABLE_ENV, blas
-from .policy import DFLASH, PLAIN, AdaptivePolicy, CostModel, costs_for, costs_path
+from .policy import DFLASH, PLAIN, AdaptivePolicy, CostModel, costs_for, costs_path, fastest_seconds
 from .speculative import stream_generate
 
 
@@ -205,3 +205,30 @@ def profile_pair(model, draft) -> dict:
         "plain_step_s": step,
         "policy_share_of_a_step": overhead / step,
     }
+
+
+def draft_window_profile(
+    model, draft, window: int, contexts=(500, 2000, 8000), repeats: int = 5
+) -> list[dict]:
+    """Seconds of a full draft pass (block_size - 1 proposals) after random contexts of these lengths,
+    over the whole context and over a draft window of `window` positions."""
+    target = prepare(model, draft)
+    k = draft.block_size - 1
+    rows = []
+    for context in contexts:
+        cache = SpeculativeCache(target, draft)
+        windowed = draft.make_cache(window)
+        tokens = mx.random.randint(0, target.vocab_size, (1, context), key=mx.random.key(context))
+        for start in range(0, context, 1024):
+            _, features = target(tokens[:, start : start + 1024], cache.target_cache, last_logits_only=True)
+            draft.absorb(features, cache.draft_cache)
+            draft.absorb(features, windowed)
+            mx.eval([c.state for c in cache.target_cache + cache.draft_cache + windowed])
+        times = [
+            fastest_seconds(
+                lambda c=c: mx.eval(draft.propose_logits(1, c, draft.block_size, heads=k)), repeats
+            )
+            for c in (cache.draft_cache, windowed)
+        ]
+        rows.append({"context": context, "whole_s": times[0], "window_s": times[1]})
+    return rows

@@ -24,6 +24,7 @@ class GenerationSettings(SamplingParams):
     lookup: bool = True  # prompt lookup among the choices (with block_size None)
     seed: int | None = None
     prefill_step_size: int = 2048
+    draft_window: int | None = None  # the drafter keeps only this many latest context positions
 
     def __post_init__(self):
         super().__post_init__()
@@ -33,6 +34,8 @@ class GenerationSettings(SamplingParams):
             check_block_size(self.block_size)
         if self.prefill_step_size < 1:
             raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
+        if self.draft_window is not None and self.draft_window < 1:
+            raise UserError(f"draft_window must be >= 1, got {self.draft_window}")
 
     def answering(self) -> GenerationSettings:
         """These settings where the answer is the point (a chat turn, a benchmark, an acceptance

@@ -157,6 +157,7 @@ def stream_generate(
     stop: Sequence[str] = (),
     prompt_cache: SpeculativeCache | None = None,
     prefill_step_size: int = 2048,
+    draft_window: int | None = None,
     compile: bool = True,
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model) with DFlash drafting by `draft`, streaming.
@@ -170,7 +171,8 @@ def stream_generate(
     By default each cycle chooses among a plain step, prompt lookup and the drafter, and how many
     proposals to verify, by what pays on this machine (see policy.py); `lookup=False` leaves lookup
     out, `draft=None` the drafter. `block_size=N` pins a fixed DFlash block of N every cycle (no
-    lookup); `block_size=1` is plain decoding.
+    lookup); `block_size=1` is plain decoding. `draft_window=N` keeps only the drafter's latest N
+    context positions, so its pass stops growing with the context (a `prompt_cache` keeps its own).
     `tokenizer=None` works on token ids alone: no text, no EOS. A stop string ends the text where it
     starts; the tokens of the cycle that hit it stay in `tokens` and in `prompt_cache`. A prompt that
     fills the target's context is an error; the answer stops ("length") where the context ends.
@@ -185,6 +187,7 @@ def stream_generate(
         lookup=lookup,
         seed=seed,
         prefill_step_size=prefill_step_size,
+        draft_window=draft_window,
     )
     if tokenizer is not None and not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -198,6 +201,10 @@ def stream_generate(
         prompt_cache.target.model is not target.model or prompt_cache.draft is not draft
     ):
         raise UserError("prompt_cache was made for another model pair")
+    if prompt_cache is not None and draft_window not in (None, prompt_cache.draft_window):
+        raise UserError(
+            f"prompt_cache keeps a draft window of {prompt_cache.draft_window}, not {draft_window}"
+        )
     if prompt_cache is not None and prompt_cache.broken:
         raise UserError(
             "this prompt_cache was left half-updated by an interrupted call: make a new "
@@ -212,14 +219,14 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     draw, accept = acceptance(settings, sampler)
-    policy = policy_for(target, draft, block_size=block_size, lookup=lookup)
+    cache = prompt_cache or SpeculativeCache(target, draft, draft_window)
+    policy = policy_for(target, draft, block_size=block_size, lookup=lookup, draft_window=cache.draft_window)
     dflash = DFlashDrafter(draft, block_size or draft.block_size, compile) if draft is not None else None
     pick = (
         (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
         if sampler is not None
         else settings.sample
     )
-    cache = prompt_cache or SpeculativeCache(target, draft)
     eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
     detok = tokenizer.detokenizer if tokenizer is not None else _NoText()
     detok.reset()

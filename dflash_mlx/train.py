@@ -106,13 +106,13 @@ def drafter_config(target: Target, tokenizer, cfg: TrainConfig) -> DFlashConfig:
         num_attention_heads=a.num_attention_heads,
         num_key_value_heads=getattr(a, "num_key_value_heads", None) or a.num_attention_heads,
         head_dim=getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads,
-        intermediate_size=cfg.intermediate_size or a.intermediate_size,
+        intermediate_size=cfg.intermediate_size or a.intermediate_size or a.block_ff_dim,
         vocab_size=a.vocab_size,
         target_layer_ids=cfg.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.num_layers),
         mask_token_id=mask,
         block_size=cfg.block_size,
         num_target_layers=target.num_layers,
-        rms_norm_eps=a.rms_norm_eps,
+        rms_norm_eps=target.norm_eps,
         rope_theta=float(getattr(a, "rope_theta", 10000.0)),
         rope_scaling=getattr(a, "rope_scaling", None),
         max_position_embeddings=getattr(a, "max_position_embeddings", None) or 32768,
@@ -156,7 +156,7 @@ def block_logits(
     block = mx.concatenate([tokens[anchors][:, None], mx.full((n, B - 1), draft.mask_token_id)], axis=1)
     emb = target.embed(block).astype(draft.dtype)
     h = draft.denoise(emb, keys, values, anchors)[:, 1:]
-    return target.lm_head(h) if head is None else h @ head.T
+    return target.lm_head(h) if head is None else target.finish(h @ head.T)
 
 
 def block_labels(tokens: mx.array, anchors: mx.array, block_size: int):

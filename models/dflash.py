@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -228,6 +227,71 @@ def block_mask(ctx_len, capacity: int, block: int, window: int | None) -> mx.arr
     return visible
 
 
+class DraftCache:
+    """One drafter layer's keys/values of committed context. `offset` counts every position taken in
+    (the next one's RoPE position); `rows` of them are held, the latest. With a `window`, positions
+    more than `window` back are dropped, STEP at a time: the drafter's pass then attends over at most
+    window + STEP rows however long the context grows (the buffer keeps one shape, so the compiled
+    step is traced once). mlx-lm's caches have no such window that also reports absolute positions."""
+
+    STEP = 256
+
+    def __init__(self, window: int | None = None):
+        self.window = window
+        self.keys = self.values = None
+        self.offset = self.rows = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n = keys.shape[2]
+        if self.window is not None and self.rows + n > self.window + self.STEP:
+            drop = self.rows + n - self.window
+            if drop >= self.rows:  # the new positions alone fill the window
+                keys, values = keys[..., n - self.window :, :], values[..., n - self.window :, :]
+                self.keys = self.values = None
+                self.offset += n - self.window
+                self.rows, n = 0, self.window
+            else:
+                self.keys = self.keys[..., drop : self.rows, :]
+                self.values = self.values[..., drop : self.rows, :]
+                self.rows -= drop
+        need = self.rows + n
+        if self.keys is None or need > self.keys.shape[2]:
+            size = -(-need // self.STEP) * self.STEP
+            if self.window is not None:
+                size = max(size, self.window + self.STEP)
+            grown = []
+            for old, new in ((self.keys, keys), (self.values, values)):
+                buffer = mx.zeros((*new.shape[:2], size, new.shape[3]), new.dtype)
+                if old is not None:
+                    buffer[..., : self.rows, :] = old[..., : self.rows, :]
+                grown.append(buffer)
+            self.keys, self.values = grown
+        self.keys[..., self.rows : need, :] = keys
+        self.values[..., self.rows : need, :] = values
+        self.rows, self.offset = need, self.offset + n
+        return self.keys[..., :need, :], self.values[..., :need, :]
+
+    def can_trim(self, n: int) -> bool:
+        """Whether the last n positions can be taken back (not if that reaches before the window)."""
+        return n <= self.rows
+
+    def trim(self, n: int) -> None:
+        if not self.can_trim(n):
+            raise ValueError(f"cannot take back {n} positions: the draft window holds {self.rows}")
+        self.rows -= n
+        self.offset -= n
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return self.keys[..., : self.rows, :], self.values[..., : self.rows, :]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
 class DFlashDraftModel(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -252,25 +316,29 @@ class DFlashDraftModel(nn.Module):
         """The dtype the drafter computes in: its norms' (a quantized layer's weight is packed uint32)."""
         return self.norm.weight.dtype
 
-    def make_cache(self) -> list[KVCache]:
-        """One KV cache per layer, holding the keys/values of committed context only."""
-        return [KVCache() for _ in self.layers]
+    def make_cache(self, window: int | None = None) -> list[DraftCache]:
+        """One cache per layer, holding the keys/values of committed context only (with a `window`,
+        of about its last `window` positions)."""
+        if window is not None and window < 1:
+            raise UserError(f"the draft window must be at least 1 position, got {window}")
+        return [DraftCache(window) for _ in self.layers]
 
     def context(self, features: mx.array) -> mx.array:
         """fc + hidden_norm over concatenated target hidden states: the drafter's context."""
         return self.hidden_norm(self.fc(features))
 
-    def absorb(self, features: mx.array, cache: list[KVCache]) -> None:
+    def absorb(self, features: mx.array, cache: list[DraftCache]) -> None:
         """Append committed positions' target features to the drafter's cache as keys/values."""
         ctx = self.context(features.astype(self.dtype))
         offset = cache[0].offset
         for layer, c in zip(self.layers, cache):
             c.update_and_fetch(*layer.self_attn.keys_values(ctx, offset))
 
-    def denoise(self, block_embeddings, ctx_keys, ctx_values, ctx_len) -> mx.array:
+    def denoise(self, block_embeddings, ctx_keys, ctx_values, ctx_len, position=None) -> mx.array:
         """One parallel pass over the block(s); returns the final-normed hidden states.
 
-        Inference passes one block and the cache buffers; training passes N blocks (batch axis) with
+        Inference passes one block, the cache buffers (`ctx_len` rows of them in use) and the block's
+        `position` (more than ctx_len under a draft window); training passes N blocks (batch axis) with
         the whole sequence's context keys and one `ctx_len` (the anchor position) per block.
         """
         L = block_embeddings.shape[1]
@@ -280,7 +348,7 @@ class DFlashDraftModel(nn.Module):
         }
         h = block_embeddings
         for layer, k, v in zip(self.layers, ctx_keys, ctx_values):
-            h = layer(h, k, v, masks[layer.self_attn.window], ctx_len)
+            h = layer(h, k, v, masks[layer.self_attn.window], ctx_len if position is None else position)
         return self.norm(h)
 
     def bind(self, target) -> None:
@@ -292,8 +360,9 @@ class DFlashDraftModel(nn.Module):
         """
         embed = target.embed
 
-        def step(block_tokens, ctx_keys, ctx_values, ctx_len):
-            return self.denoise(embed(block_tokens).astype(self.dtype), ctx_keys, ctx_values, ctx_len)
+        def step(block_tokens, ctx_keys, ctx_values, ctx_len, position):
+            emb = embed(block_tokens).astype(self.dtype)
+            return self.denoise(emb, ctx_keys, ctx_values, ctx_len, position)
 
         def traced_step(*args):
             self.traces += 1  # runs only while mx.compile traces, never on a cached call
@@ -321,7 +390,7 @@ class DFlashDraftModel(nn.Module):
     def propose_logits(
         self,
         last_token: int,
-        cache: list[KVCache],
+        cache: list[DraftCache],
         block_size: int,
         compiled: bool = True,
         heads: int | None = None,
@@ -335,5 +404,5 @@ class DFlashDraftModel(nn.Module):
         keys = [c.keys for c in cache]
         values = [c.values for c in cache]
         step = self._compiled_step if compiled else self._eager_step
-        h = step(block, keys, values, mx.array(cache[0].offset))
+        h = step(block, keys, values, mx.array(cache[0].rows), mx.array(cache[0].offset))
         return self._lm_head(h[:, 1 : 1 + heads])  # the output head only where proposals will be read

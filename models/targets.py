@@ -3,18 +3,21 @@
 mlx-lm implements every target architecture; this module only adds, for the length of one call,
 (1) a record of the hidden states leaving the decoder layers in `target_layer_ids` (the drafter's
 context features), and (2) exact rollback of the cache to the accepted prefix of a verify pass.
+What differs between architectures, and which mlx-lm's classes leave implicit, is stated once per
+family in `FAMILIES`.
 
 Recording works by standing a thin `_Tap` in for each layer of interest in the inner model's
 `layers` list during the call and putting the real layers back afterwards: no class is patched
-and nothing outlives the call. Attention layers roll back by trimming their KV cache. The
-Gated-DeltaNet layers of qwen3_5 carry recurrent and convolution state that cannot be trimmed, so
-the adapter keeps the state from before the verify pass and replays the layer over the accepted
-prefix only (from the layer inputs the tap recorded), which gives exactly the state a pass over
-that prefix would have left.
+and nothing outlives the call. Attention layers roll back by trimming their KV cache. Recurrent
+layers (qwen3_5's and qwen3_next's Gated-DeltaNet, lfm2's short convolution) carry state that cannot
+be trimmed, so the adapter keeps the state from before the verify pass and replays the layer's mixer
+over the accepted prefix only (from the layer inputs the tap recorded), which gives exactly the state
+a pass over that prefix would have left.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +27,67 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from ..errors import UserError
 
-SUPPORTED_FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss")
+
+def _replay_gated_delta(layer, x: mx.array, cache: ArraysCache) -> None:
+    """Advance a Gated-DeltaNet layer's cache over inputs x (output discarded)."""
+    layer.linear_attn(layer.input_layernorm(x), None, cache)
+
+
+def _replay_short_conv(layer, x: mx.array, cache: ArraysCache) -> None:
+    """Advance an lfm2 short-convolution layer's cache over inputs x (output discarded)."""
+    layer.conv(layer.operator_norm(x), None, cache)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What speculative decoding reads from one mlx-lm architecture beyond its module's interface.
+
+    embed_scale: the drafter's block embeddings are `embed_tokens(x) * embed_scale(args)`, as the
+        model scales its own (gemma4: sqrt(hidden_size)).
+    logit_scale, softcap: names of config fields; the model's logits are its head's output times
+        `logit_scale`, then `tanh(x / softcap) * softcap`. Verify logits must be exactly these.
+    tied: whether the head is the embedding (None: the config's tie_word_embeddings says).
+    tuple_output: decoder layers return (hidden, ...) rather than the hidden states alone.
+    recurrent: which decoder layers carry state that cannot be trimmed; `replay` advances one's
+        cache over given layer inputs.
+    norm_eps: the config field holding the RMSNorm epsilon (a trained drafter copies it).
+    """
+
+    embed_scale: Callable[[Any], float] | None = None
+    logit_scale: str | None = None
+    softcap: str | None = None
+    tied: bool | None = None
+    tuple_output: bool = False
+    recurrent: Callable[[nn.Module], bool] = lambda layer: False
+    replay: Callable[[nn.Module, mx.array, ArraysCache], None] | None = None
+    norm_eps: str = "rms_norm_eps"
+
+
+_GATED_DELTA = Family(recurrent=lambda layer: layer.is_linear, replay=_replay_gated_delta)
+_GEMMA4 = Family(
+    embed_scale=lambda args: args.hidden_size**0.5, softcap="final_logit_softcapping", tuple_output=True
+)
+
+# mlx-lm's module name for the architecture -> how to read it.
+FAMILIES = {
+    "llama": Family(),
+    "qwen3": Family(),
+    "qwen3_moe": Family(),
+    "gpt_oss": Family(),
+    "qwen3_5": _GATED_DELTA,
+    "qwen3_5_moe": _GATED_DELTA,
+    "qwen3_next": _GATED_DELTA,
+    "lfm2": Family(
+        tied=True,
+        recurrent=lambda layer: not layer.is_attention_layer,
+        replay=_replay_short_conv,
+        norm_eps="norm_eps",
+    ),
+    "gemma4": _GEMMA4,
+    "gemma4_text": _GEMMA4,
+    "muse_glimmer": Family(logit_scale="output_multiplier", softcap="final_logit_softcapping"),
+}
+SUPPORTED_FAMILIES = tuple(FAMILIES)
 
 
 def family_of(model: nn.Module) -> str:
@@ -47,11 +110,6 @@ class _Tap:
         return getattr(self._layer, name)
 
 
-def _replay_gated_delta(layer, x: mx.array, cache: ArraysCache) -> None:
-    """Advance a qwen3_5 Gated-DeltaNet cache over inputs x (output discarded)."""
-    layer.linear_attn(layer.input_layernorm(x), None, cache)
-
-
 @dataclass
 class Undo:
     """What taking back a verify pass needs: its width, and each recurrent layer's inputs to the pass
@@ -70,16 +128,22 @@ class Target:
 
     def __init__(self, model: nn.Module, layer_ids=()):
         self.family = family_of(model)
-        if self.family not in SUPPORTED_FAMILIES:
+        if self.family not in FAMILIES:
             raise UserError(
                 f"target model family '{self.family}' is not supported by dflash-mlx; "
                 f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
             )
+        self.spec = spec = FAMILIES[self.family]
         self.model = model
-        lm = getattr(model, "language_model", model)  # qwen3_5 wraps its text model
+        lm = getattr(model, "language_model", model)  # qwen3_5 and gemma4 wrap their text model
         self.args = lm.args
         self.inner = lm.model
-        self._lm_head = None if getattr(self.args, "tie_word_embeddings", False) else lm.lm_head
+        tied = spec.tied if spec.tied is not None else getattr(self.args, "tie_word_embeddings", False)
+        self._lm_head = None if tied else lm.lm_head
+        self._embed_scale = spec.embed_scale(self.args) if spec.embed_scale else None
+        self._logit_scale = getattr(self.args, spec.logit_scale) if spec.logit_scale else None
+        self._softcap = getattr(self.args, spec.softcap, None) if spec.softcap else None
+        self.norm_eps = getattr(self.args, spec.norm_eps)
         self.num_layers = len(self.inner.layers)
         self.hidden_size = self.args.hidden_size
         self.vocab_size = self.args.vocab_size
@@ -90,22 +154,30 @@ class Target:
                     f"target_layer_ids contains {i}, but the target has {self.num_layers} layers "
                     f"(valid ids: 0..{self.num_layers - 1})"
                 )
-        self._recurrent = [
-            i for i, layer in enumerate(self.inner.layers) if getattr(layer, "is_linear", False)
-        ]
+        self._recurrent = [i for i, layer in enumerate(self.inner.layers) if spec.recurrent(layer)]
 
     # The drafter shares these two with the target.
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.inner.embed_tokens(tokens)
+        h = self.inner.embed_tokens(tokens)
+        return h if self._embed_scale is None else h * self._embed_scale
 
     def lm_head(self, h: mx.array) -> mx.array:
+        """The model's logits for final hidden states h."""
         if self._lm_head is None:
-            return self.inner.embed_tokens.as_linear(h)
-        return self._lm_head(h)
+            return self.finish(self.inner.embed_tokens.as_linear(h))
+        return self.finish(self._lm_head(h))
+
+    def finish(self, scores: mx.array) -> mx.array:
+        """The model's logits from its head's output (also for a subset of rows, see `head_rows`)."""
+        if self._logit_scale is not None:
+            scores = scores * self._logit_scale
+        if self._softcap is not None:
+            scores = mx.tanh(scores / self._softcap) * self._softcap
+        return scores
 
     def head_rows(self, token_ids: mx.array) -> mx.array | None:
-        """The lm_head's weight rows for `token_ids` (to score a vocabulary subset), dequantized if the
-        head is quantized; None for a head with a bias (the subset scores would miss it)."""
+        """The lm_head's weight rows for `token_ids` (to score a vocabulary subset: `finish(h @ rows.T)`),
+        dequantized if the head is quantized; None for a head with a bias (the scores would miss it)."""
         head = self.inner.embed_tokens if self._lm_head is None else self._lm_head
         if getattr(head, "bias", None) is not None:
             return None
@@ -179,7 +251,10 @@ class Target:
         finally:
             self.inner.layers = layers
         logits = self.lm_head(h[:, -1:] if last_logits_only else h)
-        features = mx.concatenate([record[i][1] for i in self.layer_ids], axis=-1) if self.layer_ids else None
+        outputs = [record[i][1] for i in self.layer_ids]
+        if self.spec.tuple_output:
+            outputs = [out[0] for out in outputs]
+        features = mx.concatenate(outputs, axis=-1) if outputs else None
         return logits, features, record
 
     def rollback(self, cache: list, undo: Undo, keep: int) -> None:
@@ -194,7 +269,7 @@ class Target:
             if i in undo.inputs:
                 c.cache = list(undo.states[i])
                 if keep:
-                    _replay_gated_delta(self.inner.layers[i], undo.inputs[i][:, :keep], c)
+                    self.spec.replay(self.inner.layers[i], undo.inputs[i][:, :keep], c)
             elif undo.buffers is not None and not keep:
                 c.keys, c.values, c.offset = undo.buffers[i]
             else:

@@ -116,6 +116,22 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
         )
 
 
+def test_generate_and_profile_take_a_draft_window(pair):
+    root, model = pair
+    r = run(
+        f"generate -m {root}/target -d {root}/draft -p 'w5 w6 w7' --max-tokens 12 --no-chat-template "
+        "--draft-window 2"
+    )
+    assert r.exit_code == 0, r.output
+    assert r.stdout.split() == [f"w{t}" for t in greedy_reference(model, [5, 6, 7], 12, eos={95}) if t != 95]
+    r = run(f"profile -m {root}/target -d {root}/draft --draft-window 64 --json")
+    assert r.exit_code == 0, r.output
+    assert [row["context"] for row in json.loads(r.stdout)] == [500, 2000]  # 8000 is past the context
+    for bad in ("generate -p w5 --draft-window 0", "profile --draft-window 0"):
+        r = run(f"{bad} -m {root}/target -d {root}/draft")
+        assert r.exit_code == 1 and "draft_window must be >= 1, got 0" in r.stderr, r.output
+
+
 def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
     root, _ = pair
     for args, message in (

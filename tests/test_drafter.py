@@ -18,6 +18,8 @@ from tiny import (
 )
 
 from dflash_mlx import DFlashConfig, SpeculativeCache, generate, load_draft
+from dflash_mlx.models.dflash import DraftCache
+from dflash_mlx.models.formats import GLIMMER_VOCAB
 from dflash_mlx.pairing import prepare
 
 
@@ -36,12 +38,14 @@ def rope(x, positions, base=10000.0):
     return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
 
-def numpy_draft_logits(w, cfg: DFlashConfig, features, block, embed):
+def numpy_draft_logits(w, cfg: DFlashConfig, features, block, embed, start=0, head="tied"):
+    """Logits of the block after context features at positions start, start + 1, ... (`head` None: the
+    final-normed hidden states)."""
     S, L, hd = features.shape[0], len(block), cfg.head_dim
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     ctx = rms(features @ w["fc.weight"].T, w["hidden_norm.weight"])
     h = embed[block]
-    pos_ctx, pos_blk = np.arange(S), np.arange(S, S + L)
+    pos_ctx, pos_blk = np.arange(start, start + S), np.arange(start + S, start + S + L)
     for i in range(cfg.num_hidden_layers):
         layer = {k.removeprefix(f"layers.{i}."): v for k, v in w.items() if k.startswith(f"layers.{i}.")}
         p = layer.__getitem__
@@ -66,7 +70,8 @@ def numpy_draft_logits(w, cfg: DFlashConfig, features, block, embed):
         x = rms(h, p("post_attention_layernorm.weight"))
         g, u = x @ p("mlp.gate_proj.weight").T, x @ p("mlp.up_proj.weight").T
         h = h + (g / (1 + np.exp(-g)) * u) @ p("mlp.down_proj.weight").T
-    return rms(h, w["norm.weight"]) @ embed.T  # tied target: lm_head = embedding
+    h = rms(h, w["norm.weight"])
+    return h if head is None else h @ embed.T  # tied target: lm_head = embedding
 
 
 def test_drafter_logits_match_a_float64_numpy_reference():
@@ -81,6 +86,40 @@ def test_drafter_logits_match_a_float64_numpy_reference():
     block = [17] + [draft.mask_token_id] * 7
     ref = numpy_draft_logits(w, draft.config, np.array(features[0], dtype=np.float64), block, embed)[1:]
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_a_draft_window_drafts_from_the_latest_positions_at_their_own_positions(monkeypatch):
+    monkeypatch.setattr(DraftCache, "STEP", 4)  # drops every few positions, not every 256
+    model, draft = make_target("llama"), make_draft()
+    target = prepare(model, draft)
+    w = {k: np.array(v, dtype=np.float64) for k, v in flat_params(draft).items()}
+    embed = np.array(target.inner.embed_tokens.weight, dtype=np.float64)
+    features = mx.random.normal((1, 61, 2 * 64), key=mx.random.key(5))
+    cache, at = draft.make_cache(window=10), 0
+    for n in (3, 1, 7, 2, 30, 1, 1, 16):  # chunks of every kind: less than, about and past the window
+        draft.absorb(features[:, at : at + n], cache)
+        at += n
+        rows = cache[0].rows
+        assert cache[0].offset == at and min(at, 10) <= rows <= 14 and cache[0].keys.shape[2] <= 16
+        ours = np.array(draft.propose_logits(17, cache, 8)[0])
+        latest = np.array(features[0, at - rows : at], dtype=np.float64)
+        block = [17] + [draft.mask_token_id] * 7
+        ref = numpy_draft_logits(w, draft.config, latest, block, embed, start=at - rows)[1:]
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    assert not cache[0].can_trim(cache[0].rows + 1)
+    with pytest.raises(ValueError, match="the draft window holds"):
+        cache[0].trim(cache[0].rows + 1)
+
+
+def test_with_a_draft_window_the_drafters_pass_stops_growing_with_the_context():
+    model, draft = make_target("llama", max_position_embeddings=16384), make_draft()
+    target = prepare(model, draft)
+    sizes = {}
+    for context in (500, 8000):
+        cache = SpeculativeCache(target, draft, draft_window=256)
+        cache.prefill(prompt_of(context), step=1024)
+        sizes[context] = cache.draft_cache[0].keys.shape[2]  # the rows every draft pass attends over
+    assert sizes[500] == sizes[8000] == 256 + DraftCache.STEP
 
 
 def write_zlab_checkpoint(path, draft, dtype=mx.bfloat16):
@@ -135,6 +174,81 @@ def test_a_zlab_layout_checkpoint_loads_and_runs(tmp_path):
     prompt = prompt_of(7)
     ref = greedy_reference(model, prompt, 20)
     assert generate(model, loaded, no_eos_tokenizer(ref), prompt, max_tokens=20).tokens == ref
+
+
+def write_glimmer_checkpoint(path, draft):
+    """Meta's Muse-Glimmer assistant layout: flat dflash fields, no vocab_size, rope_parameters, every
+    layer sliding, `encoder.fc` / `encoder.output_norm_enc` for fc / hidden_norm, bf16."""
+    cfg = draft.config
+    config = {
+        "architectures": ["MuseGlimmerAssistantModel"],
+        "model_type": "muse_glimmer_assistant",
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": cfg.target_layer_ids,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "layer_types": ["sliding_attention"] * cfg.num_hidden_layers,
+        "sliding_window": 64,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "torch_dtype": "bfloat16",
+    }
+    names = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+    weights = {names.get(k, k): v.astype(mx.bfloat16) for k, v in flat_params(draft).items()}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+
+
+def test_a_muse_glimmer_assistant_loads_drafts_exactly_and_exports_to_its_own_layout(tmp_path):
+    from dflash_mlx.convert import export_draft
+
+    model = make_target("muse_glimmer", vocab_size=GLIMMER_VOCAB, num_hidden_layers=3)
+    draft = make_draft(vocab=GLIMMER_VOCAB, target_layers=3, mask_token_id=GLIMMER_VOCAB - 7)
+    write_glimmer_checkpoint(tmp_path / "assistant", draft)
+    loaded = load_draft(str(tmp_path / "assistant"))
+    assert loaded.config.sliding_window == 64 and loaded.config.vocab_size == GLIMMER_VOCAB
+    target = prepare(model, loaded)
+    features = mx.random.normal((1, 23, 2 * 64), key=mx.random.key(3))
+    cache = loaded.make_cache()
+    loaded.absorb(features, cache)
+    ours = np.array(loaded.propose_logits(17, cache, 8)[0])
+    w = {k: np.array(v, dtype=np.float64) for k, v in flat_params(loaded).items()}
+    head = np.array(model.lm_head.weight, dtype=np.float64)
+    embed = np.array(target.inner.embed_tokens.weight, dtype=np.float64)
+    block = [17] + [loaded.mask_token_id] * 7
+    # The raw embeddings in (the assistant skips Muse-Glimmer's embedding norm); the target's head, output
+    # multiplier and softcap out, as for the target's own logits.
+    hidden = numpy_draft_logits(
+        w, loaded.config, np.array(features[0], dtype=np.float64), block, embed, head=None
+    )
+    scores = hidden[1:] @ head.T * model.args.output_multiplier
+    cap = model.args.final_logit_softcapping
+    np.testing.assert_allclose(ours, np.tanh(scores / cap) * cap, rtol=1e-4, atol=1e-4)
+    export_draft(str(tmp_path / "assistant"), tmp_path / "exported")
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert config["architectures"] == ["MuseGlimmerAssistantModel"] and "dflash_config" not in config
+    assert "encoder.fc.weight" in mx.load(str(tmp_path / "exported" / "model.safetensors"))
+    again = load_draft(str(tmp_path / "exported"))
+    prepare(model, again)
+    cache = again.make_cache()
+    again.absorb(features, cache)
+    np.testing.assert_array_equal(np.array(again.propose_logits(17, cache, 8)[0]), ours)
+
+
+def test_a_dflash2_drafter_is_refused_with_a_clear_error(tmp_path):
+    draft = make_draft()
+    config = write_zlab_checkpoint(tmp_path / "d2", draft)
+    config["architectures"] = ["DFlash2DraftModel"]
+    (tmp_path / "d2" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="DFlash2 drafters .* are not supported yet"):
+        load_draft(str(tmp_path / "d2"))
 
 
 def test_config_round_trip_and_default_layer_ids():

@@ -13,7 +13,8 @@ from tiny import (
     prompt_of,
 )
 
-from dflash_mlx import generate, stream_generate
+from dflash_mlx import SpeculativeCache, generate, stream_generate
+from dflash_mlx.models.dflash import DraftCache
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,20 @@ def test_every_acceptance_length_stays_lossless(targets, family, block_size):
     out = generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=n, block_size=block_size)
     assert out.tokens == ref[:n]
     assert set(out.acceptance_lengths) == set(range(1, block_size + 1))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_draft_window_stays_lossless(targets, family, monkeypatch):
+    monkeypatch.setattr(DraftCache, "STEP", 4)  # the window drops positions every few cycles
+    model = targets[family]
+    prompt = prompt_of(29, seed=4)
+    ref = greedy_reference(model, prompt, 60)
+    draft = OracleDraft(draft_config(block_size=7), prompt + ref, [None, 0, 3, 5, 1])
+    cache = SpeculativeCache(model, draft, draft_window=6)
+    out = generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=60, prompt_cache=cache)
+    assert out.tokens == ref and cache.draft_cache[0].rows <= 10
+    out = generate(model, make_draft(), no_eos_tokenizer(ref), prompt, max_tokens=60, draft_window=6)
+    assert out.tokens == ref
 
 
 def test_the_answer_stops_where_the_context_ends():

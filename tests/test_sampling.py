@@ -128,6 +128,15 @@ def test_output_follows_the_target_distribution(model, temperature, top_p, draft
     assert p > 1e-3, f"chi-square p-value {p:.2e}: output does not follow the target's distribution"
 
 
+@pytest.mark.parametrize("family", ["gemma4", "lfm2", "muse_glimmer"])
+def test_families_that_transform_their_logits_or_carry_convolution_state_sample_exactly(family):
+    # gemma4 and muse_glimmer softcap (and scale) their logits, lfm2 rolls back short-convolution state.
+    model = make_target(family, seed=4, vocab_size=V)
+    draft = make_draft(seed=11, **dict(DRAFT, target_layers=4))
+    p = chi_square_p(sample_counts(model, draft, [None], 1.0, 1.0), exact_joint(model, 1.0, 1.0))
+    assert p > 1e-3, f"chi-square p-value {p:.2e}: {family}'s output does not follow its distribution"
+
+
 def test_top_k_and_min_p_are_applied_exactly(model):
     """The two filters the tests above leave at their defaults: with a (random) drafter, the output
     is the target's distribution after top-k and min-p."""

@@ -68,6 +68,55 @@ CONFIGS = {
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"] * 2,
     ),
+    "qwen3_next": dict(
+        _COMMON,
+        **_GATED_DELTA,
+        **_MOE,
+        model_type="qwen3_next",
+        tie_word_embeddings=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        shared_expert_intermediate_size=32,
+        partial_rotary_factor=0.5,
+    ),
+    "lfm2": dict(
+        _COMMON,
+        model_type="lfm2",
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=HIDDEN,
+        block_ff_dim=128,
+        block_multiple_of=32,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+    ),
+    # The multimodal checkpoint layout: the text model's config nested in text_config. The last two
+    # layers share the keys/values of the first two; the softcap is low enough to change sampling.
+    "gemma4": dict(
+        model_type="gemma4",
+        vocab_size=VOCAB,
+        text_config=dict(
+            _COMMON,
+            model_type="gemma4_text",
+            global_head_dim=32,
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=0,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            final_logit_softcapping=4.0,
+            use_double_wide_mlp=False,
+        ),
+    ),
+    "muse_glimmer": dict(
+        _COMMON,
+        model_type="muse_glimmer",
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        final_logit_softcapping=10.0,
+        output_multiplier=1.5,
+    ),
 }
 FAMILIES = list(CONFIGS)
 

@@ -221,7 +221,7 @@ def sse(data: dict | str, event: str | None = None) -> str:
 
 def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     metrics = Metrics()
-    pool = PromptCachePool(target, draft, config.cache_bytes)
+    pool = PromptCachePool(target, draft, config.cache_bytes, config.defaults.draft_window)
     scheduler = Scheduler(target, draft, tokenizer, pool, metrics, config.max_active, config.max_waiting)
 
     @asynccontextmanager
@@ -285,6 +285,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             block_size=d.block_size,
             lookup=d.lookup,
             seed=body.seed,
+            draft_window=d.draft_window,
         )
 
     def start(prompt: list[int], settings: GenerationSettings, stop: list[str]) -> Generation:

@@ -28,8 +28,9 @@ class Taken:
 
 
 class PromptCachePool:
-    def __init__(self, target, draft, max_bytes: int):
+    def __init__(self, target, draft, max_bytes: int, draft_window: int | None = None):
         self.target, self.draft, self.max_bytes = target, draft, max_bytes
+        self.draft_window = draft_window
         self.caches: list[SpeculativeCache] = []  # least recently used first
         self.hits = self.misses = self.evictions = 0
 
@@ -54,7 +55,7 @@ class PromptCachePool:
                 self.hits += 1
                 return Taken(best, best.processed)
         self.misses += 1
-        return Taken(SpeculativeCache(self.target, self.draft), 0)
+        return Taken(SpeculativeCache(self.target, self.draft, self.draft_window), 0)
 
     def put(self, cache: SpeculativeCache) -> None:
         """Keep a finished request's cache (a cache an interrupted pass left half-updated is dropped)."""
