@@ -11,8 +11,6 @@ policy learns to predict acceptance.
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from .models.dflash import DFlashDraftModel
 
 # Suffix lengths tried, longest first, and the most tokens one lookup proposes (see docs/policy.md).
@@ -80,20 +78,14 @@ def draft_block(k: int, block_size: int) -> int:
 
 class DFlashDrafter:
     """The block-diffusion drafter: one parallel pass over [last, MASK * (B - 1)] after its context
-    cache; only the first k positions go through the (wide) output head."""
+    cache; only the first k positions go through the (wide) output head. `temperature`: 0 where
+    proposals are accepted by matching (greedy, or an mlx-lm sampler), else the sampling temperature."""
 
-    def __init__(self, model: DFlashDraftModel, block_size: int, compiled: bool = True):
+    def __init__(self, model: DFlashDraftModel, block_size: int, compiled: bool = True, temperature=0.0):
         self.model, self.block_size, self.compiled = model, block_size, compiled
+        self.temperature = temperature
 
     def propose(self, last: int, cache, k: int, draw):
-        """-> (k proposals, their q or None, confidences). A position's confidence is the largest
-        probability of the distribution it is drawn from: it never depends on the draw itself, so a
-        width chosen from it keeps rejection sampling exact."""
+        """-> (k proposals, their q or None, confidences): see the model's `draft`."""
         block = draft_block(k, self.block_size)
-        logits = self.model.propose_logits(last, cache, block, self.compiled, heads=k)[0]
-        x, q = draw(logits)
-        if q is None:
-            confidence = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
-        else:
-            confidence = q.max(axis=-1)
-        return x.astype(mx.int32), q, confidence
+        return self.model.draft(last, cache, block, k, draw, self.temperature, self.compiled)

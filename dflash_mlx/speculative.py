@@ -221,7 +221,12 @@ def stream_generate(
     draw, accept = acceptance(settings, sampler)
     cache = prompt_cache or SpeculativeCache(target, draft, draft_window)
     policy = policy_for(target, draft, block_size=block_size, lookup=lookup, draft_window=cache.draft_window)
-    dflash = DFlashDrafter(draft, block_size or draft.block_size, compile) if draft is not None else None
+    matched = sampler is not None or settings.greedy  # proposals accepted where they equal the target's
+    dflash = (
+        DFlashDrafter(draft, block_size or draft.block_size, compile, 0.0 if matched else temperature)
+        if draft is not None
+        else None
+    )
     pick = (
         (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
         if sampler is not None

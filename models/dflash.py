@@ -293,12 +293,14 @@ class DraftCache:
 
 
 class DFlashDraftModel(nn.Module):
+    layer_class = DFlashLayer
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = [DFlashLayer(config, t == "sliding_attention") for t in config.layer_types]
+        self.layers = [self.layer_class(config, t == "sliding_attention") for t in config.layer_types]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.traces = 0  # how often the compiled draft step was traced (a recompile counter)
         self.unbind()
@@ -358,7 +360,7 @@ class DFlashDraftModel(nn.Module):
         The target's `shared_state` is the tree of arrays behind them; passing it (and our own
         parameters) as compile inputs keeps the compiled step correct if weights change later.
         """
-        embed = target.embed
+        embed = self.embedding(target)
 
         def step(block_tokens, ctx_keys, ctx_values, ctx_len, position):
             emb = embed(block_tokens).astype(self.dtype)
@@ -370,12 +372,20 @@ class DFlashDraftModel(nn.Module):
 
         # The output head stays outside the compiled step: it runs at however many positions a cycle
         # proposes, and one wide matmul gains nothing from compiling.
-        self._lm_head = target.lm_head
+        self._lm_head = self.head(target)
         self._eager_step = step
         self._compiled_step = mx.compile(traced_step, inputs=[self.state, target.shared_state])
         # Set past nn.Module's __setattr__, which would make the target's model one of our submodules:
         # its weights must be neither our state nor inputs of the compiled step.
         object.__setattr__(self, "_bound_to", target.model)
+
+    def embedding(self, target):
+        """The block's embeddings: the target's (as its model scales them)."""
+        return target.embed
+
+    def head(self, target):
+        """Logits of the drafter's final states: the target's lm_head and logit transform."""
+        return target.lm_head
 
     def unbind(self) -> None:
         """Forget the target (after swapping a layer, so that the next `bind` compiles around it)."""
@@ -387,7 +397,7 @@ class DFlashDraftModel(nn.Module):
         """The mlx-lm model whose embedding and lm_head the draft step uses, or None."""
         return self._bound_to
 
-    def propose_logits(
+    def propose_hidden(
         self,
         last_token: int,
         cache: list[DraftCache],
@@ -395,8 +405,8 @@ class DFlashDraftModel(nn.Module):
         compiled: bool = True,
         heads: int | None = None,
     ):
-        """Logits (1, heads, vocab) of the first `heads` proposals (default all block_size - 1) for the
-        block [last_token, MASK, ...] after the cache."""
+        """Final states (1, heads, hidden) of the first `heads` proposals (default all block_size - 1) for
+        the block [last_token, MASK, ...] after the cache."""
         if self._compiled_step is None:
             raise RuntimeError("drafter is not bound to a target: call bind() (load_pair does this)")
         heads = block_size - 1 if heads is None else heads
@@ -405,4 +415,21 @@ class DFlashDraftModel(nn.Module):
         values = [c.values for c in cache]
         step = self._compiled_step if compiled else self._eager_step
         h = step(block, keys, values, mx.array(cache[0].rows), mx.array(cache[0].offset))
-        return self._lm_head(h[:, 1 : 1 + heads])  # the output head only where proposals will be read
+        return h[:, 1 : 1 + heads]
+
+    def propose_logits(self, last_token, cache, block_size, compiled=True, heads=None):
+        """Logits (1, heads, vocab) of the first `heads` proposals: the output head only where proposals
+        will be read."""
+        return self._lm_head(self.propose_hidden(last_token, cache, block_size, compiled, heads))
+
+    def draft(self, last: int, cache, block: int, k: int, draw, temperature: float, compiled: bool = True):
+        """-> (k proposals, their q or None, confidences). Each position is drawn from its own logits
+        (`draw`); its confidence is the largest probability of the distribution it is drawn from, which
+        never depends on the draw itself, so a width chosen from it keeps rejection sampling exact."""
+        logits = self.propose_logits(last, cache, block, compiled, heads=k)[0]
+        x, q = draw(logits)
+        if q is None:
+            confidence = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
+        else:
+            confidence = q.max(axis=-1)
+        return x.astype(mx.int32), q, confidence

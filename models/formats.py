@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 from .dflash import DFlashConfig, DFlashDraftModel
+from .dflash2 import DFlash2Config, DFlash2DraftModel
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ def _write_glimmer(config: DFlashConfig) -> dict:
 
 FORMATS = {
     "DFlashDraftModel": DrafterFormat(DFlashDraftModel, DFlashConfig.from_dict, DFlashConfig.to_dict),
+    "DFlash2DraftModel": DrafterFormat(DFlash2DraftModel, DFlash2Config.from_dict, DFlash2Config.to_dict),
     "MuseGlimmerAssistantModel": DrafterFormat(
         DFlashDraftModel,
         _read_glimmer,
@@ -63,17 +65,11 @@ FORMATS = {
         renames=(("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm.")),
     ),
 }
-UNSUPPORTED = {
-    "DFlash2DraftModel": "DFlash2 drafters (a candidate selector and dynamic convolutions over the block) "
-    "are not supported yet: use a first-generation DFlash drafter for this target",
-}
 
 
 def drafter_format(cfg: dict) -> DrafterFormat:
     """The format of a drafter's config.json (one without `architectures` is a DFlash drafter)."""
     architecture = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
-    if architecture in UNSUPPORTED:
-        raise UserError(UNSUPPORTED[architecture])
     if architecture not in FORMATS and "dflash_config" in cfg:
         return FORMATS["DFlashDraftModel"]  # z-lab's layout under another class name
     if architecture not in FORMATS:

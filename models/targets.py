@@ -163,9 +163,13 @@ class Target:
 
     def lm_head(self, h: mx.array) -> mx.array:
         """The model's logits for final hidden states h."""
+        return self.finish(self.head(h))
+
+    def head(self, h: mx.array) -> mx.array:
+        """The output head alone, before the family's logit transform."""
         if self._lm_head is None:
-            return self.finish(self.inner.embed_tokens.as_linear(h))
-        return self.finish(self._lm_head(h))
+            return self.inner.embed_tokens.as_linear(h)
+        return self._lm_head(h)
 
     def finish(self, scores: mx.array) -> mx.array:
         """The model's logits from its head's output (also for a subset of rows, see `head_rows`)."""

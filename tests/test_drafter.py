@@ -11,6 +11,7 @@ from tiny import (
     VOCAB,
     flat_params,
     greedy_reference,
+    make_dflash2,
     make_draft,
     make_target,
     no_eos_tokenizer,
@@ -38,6 +39,35 @@ def rope(x, positions, base=10000.0):
     return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
 
+def numpy_conv(h, dynamic, base, group):
+    """DFlash2's convolution along the block: out[t] = sum_o (base[o] + dynamic[t, o]) * h[t - o]."""
+    out = np.zeros_like(h)
+    for o in range(base.shape[0]):
+        shifted = np.zeros_like(h)
+        shifted[o:] = h[: len(h) - o]
+        out += (base[o][None] + np.repeat(dynamic[:, o], group, axis=-1)) * shifted
+    return out
+
+
+def numpy_conv_before(x, p, name, group):
+    K = p(f"{name}.base_kernel").shape[1]
+    dynamic = (x @ p(f"{name}.kernel_projection.weight").T).reshape(len(x), 2, K, -1)
+    return numpy_conv(x, dynamic[:, 0], p(f"{name}.base_kernel")[0], group), dynamic[:, 1]
+
+
+def numpy_select(w, hidden, logits, first, top_k):
+    """DFlash2's candidate selector, greedy: the path through each position's top-k candidates."""
+    projected = hidden @ w["candidate_selector.hidden_projection.weight"].T
+    before, after = w["candidate_selector.predecessor_codebook"], w["candidate_selector.successor_codebook"]
+    previous, path = first, []
+    for j in range(len(hidden)):
+        candidates = np.argsort(logits[j])[-top_k:]
+        score = logits[j][candidates] + (before[previous] * projected[j] * after[candidates]).sum(-1)
+        previous = int(candidates[np.argmax(score)])
+        path.append(previous)
+    return path
+
+
 def numpy_draft_logits(w, cfg: DFlashConfig, features, block, embed, start=0, head="tied"):
     """Logits of the block after context features at positions start, start + 1, ... (`head` None: the
     final-normed hidden states)."""
@@ -56,6 +86,9 @@ def numpy_draft_logits(w, cfg: DFlashConfig, features, block, embed, start=0, he
             v = (src @ p("self_attn.v_proj.weight").T).reshape(len(src), nkv, hd).transpose(1, 0, 2)
             return rope(rms(k, p("self_attn.k_norm.weight")), pos), v
 
+        conv = f"layers.{i}.attention_conv.base_kernel" in w  # DFlash2
+        if conv:
+            x, after = numpy_conv_before(x, p, "attention_conv", cfg.conv_group_size)
         kc, vc = kv(ctx, pos_ctx)
         kb, vb = kv(x, pos_blk)
         k, v = np.concatenate([kc, kb], 1), np.concatenate([vc, vb], 1)
@@ -66,10 +99,14 @@ def numpy_draft_logits(w, cfg: DFlashConfig, features, block, embed, start=0, he
         a = np.exp(s - s.max(-1, keepdims=True))
         a /= a.sum(-1, keepdims=True)
         o = (a @ v).transpose(1, 0, 2).reshape(L, nh * hd)
-        h = h + o @ p("self_attn.o_proj.weight").T
+        o = o @ p("self_attn.o_proj.weight").T
+        h = h + (numpy_conv(o, after, p("attention_conv.base_kernel")[1], cfg.conv_group_size) if conv else o)
         x = rms(h, p("post_attention_layernorm.weight"))
+        if conv:
+            x, after = numpy_conv_before(x, p, "mlp_conv", cfg.conv_group_size)
         g, u = x @ p("mlp.gate_proj.weight").T, x @ p("mlp.up_proj.weight").T
-        h = h + (g / (1 + np.exp(-g)) * u) @ p("mlp.down_proj.weight").T
+        m = (g / (1 + np.exp(-g)) * u) @ p("mlp.down_proj.weight").T
+        h = h + (numpy_conv(m, after, p("mlp_conv.base_kernel")[1], cfg.conv_group_size) if conv else m)
     h = rms(h, w["norm.weight"])
     return h if head is None else h @ embed.T  # tied target: lm_head = embedding
 
@@ -242,13 +279,70 @@ def test_a_muse_glimmer_assistant_loads_drafts_exactly_and_exports_to_its_own_la
     np.testing.assert_array_equal(np.array(again.propose_logits(17, cache, 8)[0]), ours)
 
 
-def test_a_dflash2_drafter_is_refused_with_a_clear_error(tmp_path):
-    draft = make_draft()
-    config = write_zlab_checkpoint(tmp_path / "d2", draft)
-    config["architectures"] = ["DFlash2DraftModel"]
-    (tmp_path / "d2" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="DFlash2 drafters .* are not supported yet"):
-        load_draft(str(tmp_path / "d2"))
+def test_dflash2_states_logits_and_greedy_proposals_match_the_numpy_reference():
+    model, draft = make_target("llama"), make_dflash2()
+    target = prepare(model, draft)
+    features = mx.random.normal((1, 23, 2 * 64), key=mx.random.key(3))
+    cache = draft.make_cache()
+    draft.absorb(features, cache)
+    w = {k: np.array(v, dtype=np.float64) for k, v in flat_params(draft).items()}
+    embed = np.array(target.inner.embed_tokens.weight, dtype=np.float64)
+    block = [17] + [draft.mask_token_id] * 7
+    hidden = numpy_draft_logits(
+        w, draft.config, np.array(features[0], dtype=np.float64), block, embed, head=None
+    )
+    hidden = hidden[1:]
+    np.testing.assert_allclose(np.array(draft.propose_hidden(17, cache, 8)[0]), hidden, rtol=1e-4, atol=1e-4)
+    logits = np.tanh(hidden @ embed.T * 0.5 / 10.0) * 10.0  # its own multiplier and softcap
+    np.testing.assert_allclose(np.array(draft.propose_logits(17, cache, 8)[0]), logits, rtol=1e-4, atol=1e-4)
+    x, q, confidence = draft.draft(17, cache, 8, 7, None, 0.0)
+    assert q is None and x.tolist() == numpy_select(w, hidden, logits, 17, top_k=5)
+    assert x.tolist() != np.argmax(logits, axis=-1).tolist()  # the selector, not the per-position argmax
+    for compiled in (True, False):  # the compiled step equals the eager one
+        np.testing.assert_allclose(
+            np.array(draft.propose_hidden(17, cache, 8, compiled=compiled)[0]), hidden, rtol=1e-4, atol=1e-4
+        )
+
+
+def write_dflash2_checkpoint(path, draft):
+    """The published DFlash2 layout: its fields in dflash_config, bf16 weights, codebooks without .weight."""
+    config = draft.config.to_dict()
+    config["is_causal"] = False
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(
+        str(path / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in flat_params(draft).items()}
+    )
+    return config
+
+
+def test_a_dflash2_checkpoint_loads_converts_exports_and_decodes_losslessly(tmp_path):
+    from dflash_mlx.convert import convert_draft, export_draft
+
+    model = make_target("llama")
+    config = write_dflash2_checkpoint(tmp_path / "hf", make_dflash2())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 5
+    assert "candidate_selector.predecessor_codebook" in mx.load(str(tmp_path / "hf" / "model.safetensors"))
+    loaded = load_draft(str(tmp_path / "hf"))
+    assert type(loaded).__name__ == "DFlash2DraftModel" and loaded.config.output_multiplier == 0.5
+    features = mx.random.normal((1, 23, 2 * 64), key=mx.random.key(3))
+
+    def logits_of(draft):
+        prepare(model, draft)
+        cache = draft.make_cache()
+        draft.absorb(features, cache)
+        return np.array(draft.propose_logits(17, cache, 8)[0])
+
+    ours = logits_of(loaded)
+    convert_draft(str(tmp_path / "hf"), tmp_path / "mlx", dtype="float32")
+    export_draft(str(tmp_path / "mlx"), tmp_path / "back")
+    for folder in ("mlx", "back"):
+        np.testing.assert_array_equal(logits_of(load_draft(str(tmp_path / folder))), ours)
+    prompt = prompt_of(9)
+    ref = greedy_reference(model, prompt, 30)
+    for block_size in (2, 7, 16, None):
+        out = generate(model, loaded, no_eos_tokenizer(ref), prompt, max_tokens=30, block_size=block_size)
+        assert out.tokens == ref
 
 
 def test_config_round_trip_and_default_layer_ids():

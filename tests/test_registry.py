@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_mlx import SUPPORTED_FAMILIES
 from dflash_mlx.loading import MODELS_DIR, draft_for, find_pair, registry, resolve
 
 
@@ -12,7 +13,7 @@ def test_every_pair_is_complete_and_unique():
     names = [p.name for p in pairs]
     assert len(names) == len(set(names))
     for p in pairs:
-        assert p.target and p.draft and p.family and p.disk
+        assert p.target and p.draft and p.family in SUPPORTED_FAMILIES and p.disk
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from scipy.stats import chisquare
-from tiny import draft_config, make_draft, make_target, make_tokenizer
+from tiny import draft_config, make_dflash2, make_draft, make_target, make_tokenizer
 
 import dflash_mlx.speculative as speculative
 from dflash_mlx import SpeculativeCache, generate, stream_generate
@@ -114,13 +114,15 @@ def model():
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-@pytest.mark.parametrize("drafter", ["bad", "good", "none"])
+@pytest.mark.parametrize("drafter", ["bad", "good", "none", "dflash2"])
 def test_output_follows_the_target_distribution(model, temperature, top_p, drafter):
     holder = [None]
     if drafter == "none":  # plain decoding (what block size 1 and a missing drafter both run)
         draft = None
     elif drafter == "bad":
         draft = make_draft(seed=11, **DRAFT)
+    elif drafter == "dflash2":  # proposals drawn one after another among 3 candidates (a sparse q)
+        draft = make_dflash2(seed=11, top_k=3, **DRAFT)
     else:
         draft = TargetPathDraft(draft_config(**DRAFT), model, holder)
     joint = exact_joint(model, temperature, top_p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import mlx.core as mx
@@ -11,6 +12,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import dflash_mlx  # noqa: F401  (BLAS preload before mlx.core)
 from dflash_mlx.models.dflash import DFlashConfig, DFlashDraftModel
+from dflash_mlx.models.dflash2 import DFlash2Config, DFlash2DraftModel
 
 VOCAB = 96
 HIDDEN = 64
@@ -166,6 +168,31 @@ def draft_config(
 def make_draft(seed: int = 1, cls=DFlashDraftModel, **kwargs) -> DFlashDraftModel:
     mx.random.seed(seed)
     draft = cls(draft_config(**kwargs))
+    mx.eval(draft.parameters())
+    return draft
+
+
+def make_dflash2(seed: int = 1, top_k: int = 5, **kwargs) -> DFlash2DraftModel:
+    """A DFlash2 drafter with its own logit scale, every weight random (its convolution kernels and
+    codebooks start at zero otherwise, which would hide them)."""
+    base = draft_config(**kwargs)
+    config = DFlash2Config(
+        **{f.name: getattr(base, f.name) for f in dataclasses.fields(DFlashConfig)},
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=8,
+        selector_top_k=top_k,
+        output_multiplier=0.5,
+        final_logit_softcapping=10.0,
+    )
+    mx.random.seed(seed)
+    draft = DFlash2DraftModel(config)
+    draft.update(
+        tree_map(lambda p: mx.random.normal(p.shape) * 0.5 if not p.any() else p, draft.parameters())
+    )
+    selector = draft.candidate_selector  # pair scores on the scale of the logits
+    selector.predecessor_codebook = selector.predecessor_codebook * 4
+    selector.hidden_projection.weight = selector.hidden_projection.weight * 8
     mx.eval(draft.parameters())
     return draft
 
