@@ -87,7 +87,7 @@ def dynamic_convolve(h: mx.array, dynamic: mx.array, base: mx.array, group_size:
     blocks = h.reshape(B, L, H // group_size, group_size)
     out = mx.zeros_like(blocks)
     for o in range(base.shape[0]):
-        shifted = blocks if o == 0 else mx.pad(blocks[:, : L - o], [(0, 0), (min(o, L), 0), (0, 0), (0, 0)])
+        shifted = blocks if o == 0 else mx.pad(blocks[:, : max(L - o, 0)], [(0, 0), (min(o, L), 0), (0, 0), (0, 0)])
         kernel = base[o].reshape(1, 1, -1, group_size).astype(h.dtype) + dynamic[:, :, o, :, None]
         out = out + kernel * shifted
     return out.reshape(B, L, H)
