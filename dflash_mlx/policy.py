@@ -16,6 +16,7 @@ comes back when the text changes.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import json
@@ -219,6 +220,13 @@ class AdaptivePolicy:
         self.bins = _Odds(CONFIDENCE_BINS)  # acceptance by the drafter's confidence (bins 1..10)
         self.idle = {DFLASH: 0, LOOKUP: 0}  # cycles an available option was not chosen
         self.wait = {DFLASH: PROBE_FIRST, LOOKUP: PROBE_FIRST}
+
+    def learn_from(self, other: AdaptivePolicy) -> None:
+        """Start from what `other` learnt (odds, parked options) and the costs it measured since."""
+        for name in ("dflash", "lookup", "follows", "bins", "idle", "wait"):
+            setattr(self, name, copy.deepcopy(getattr(other, name)))
+        if other.costs.contexts[-1] > self.costs.contexts[-1]:
+            self.costs = other.costs
 
     def _draft_time(self, k: int, context: int) -> float:
         """A draft pass's seconds: under a draft window, as at a context of the window (and a step more)."""
@@ -520,15 +528,28 @@ def keep_costs(path: Path, costs: CostModel) -> None:
         pass  # a home that cannot be written: the costs serve this run, and are measured again next time
 
 
-def policy_for(target, draft, *, block_size: int | None, lookup: bool, draft_window: int | None = None):
+# The adaptive policy last made in this process for each pair, lookup setting, draft window and kind of
+# acceptance (matching or sampling): the next call (a chat turn, a request, a prompt) starts from what it
+# learnt, not from the priors, which would spend the first cycles of every answer finding out again.
+_LEARNT: dict[tuple, AdaptivePolicy] = {}
+
+
+def policy_for(
+    target, draft, *, block_size: int | None, lookup: bool, draft_window: int | None = None, sampled=False
+):
     """A fixed block when one is given (or nothing to choose from), else the adaptive policy."""
     if block_size is not None or (draft is None and not lookup):
         return FixedPolicy(block_size or 1, draft is not None)
     path = costs_path(target, draft)
-    return AdaptivePolicy(
+    policy = AdaptivePolicy(
         costs_for(target, draft),
         draft.block_size - 1 if draft is not None else 0,
         lookup,
         keep=lambda costs: keep_costs(path, costs),
         draft_window=draft_window,
     )
+    key = (path, lookup, draft_window, sampled)
+    if key in _LEARNT:
+        policy.learn_from(_LEARNT[key])
+    _LEARNT[key] = policy
+    return policy

@@ -220,8 +220,15 @@ def stream_generate(
         mx.random.seed(seed)
     draw, accept = acceptance(settings, sampler)
     cache = prompt_cache or SpeculativeCache(target, draft, draft_window)
-    policy = policy_for(target, draft, block_size=block_size, lookup=lookup, draft_window=cache.draft_window)
     matched = sampler is not None or settings.greedy  # proposals accepted where they equal the target's
+    policy = policy_for(
+        target,
+        draft,
+        block_size=block_size,
+        lookup=lookup,
+        draft_window=cache.draft_window,
+        sampled=not matched,
+    )
     dflash = (
         DFlashDrafter(draft, block_size or draft.block_size, compile, 0.0 if matched else temperature)
         if draft is not None

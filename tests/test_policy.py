@@ -21,7 +21,17 @@ from tiny import (
 import dflash_mlx.speculative as speculative
 from dflash_mlx import SpeculativeCache, generate, stream_generate
 from dflash_mlx.drafters import NgramIndex
-from dflash_mlx.policy import DFLASH, LOOKUP, PLAIN, AdaptivePolicy, Choice, CostModel, FixedPolicy
+from dflash_mlx.pairing import prepare
+from dflash_mlx.policy import (
+    DFLASH,
+    LOOKUP,
+    PLAIN,
+    AdaptivePolicy,
+    Choice,
+    CostModel,
+    FixedPolicy,
+    policy_for,
+)
 
 
 def brute_force_match(tokens, sizes, cap):
@@ -263,6 +273,25 @@ def test_on_this_cpu_with_a_weak_drafter_the_policy_parks_dflash_and_comes_back_
     assert any(s == DFLASH for s, _ in late)
     made = run_trace(policy, geometric(0.95, rng), 600, confidence=0.95)  # the text turns predictable
     assert sum(s == DFLASH for s, _ in made[-100:]) > 90
+
+
+def test_a_later_answer_starts_from_what_the_policy_learnt_in_an_earlier_one():
+    rng = random.Random(2)
+    first = AdaptivePolicy(CPU, 15, lookup=False)
+    run_trace(first, geometric(0.3, rng), 300, confidence=0.3)  # parks the weak drafter
+    later, fresh = AdaptivePolicy(CPU, 15, lookup=False), AdaptivePolicy(CPU, 15, lookup=False)
+    later.learn_from(first)
+    assert all(s == PLAIN for s, _ in run_trace(later, geometric(0.3, rng), 10, confidence=0.3))
+    assert any(s == DFLASH for s, _ in run_trace(fresh, geometric(0.3, rng), 10, confidence=0.3))
+    # policy_for hands each call of the same pair and kind of acceptance the last one's learning.
+    model, draft = make_target("llama"), make_draft()
+    target = prepare(model, draft)
+    one = policy_for(target, draft, block_size=None, lookup=True)
+    one.dflash.observe(15, 0)
+    two = policy_for(target, draft, block_size=None, lookup=True)
+    assert two.dflash.trials == one.dflash.trials and two.dflash is not one.dflash
+    policy_for(target, draft, block_size=None, lookup=True, sampled=True).dflash.observe(15, 15)
+    assert policy_for(target, draft, block_size=None, lookup=True).dflash.trials == one.dflash.trials
 
 
 def test_lookup_is_chosen_where_it_pays_and_left_where_it_does_not():
