@@ -452,6 +452,8 @@ def train(
         if draft is None:
             mx.random.seed(cfg.seed)
             draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
+        elif type(draft) is not DFlashDraftModel:
+            raise UserError(f"training starts from a DFlash drafter, not a {type(draft).__name__}")
         elif cfg.block_size != draft.config.block_size:  # a starting drafter brings its own architecture
             raise UserError(
                 f"block size {cfg.block_size} does not match the starting drafter's "

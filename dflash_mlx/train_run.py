@@ -318,10 +318,6 @@ def prepare_run(
                 "the option or start a new drafter"
             )
         start = load_draft(init, dtype=mx.float32)
-        if type(start) is not DFlashDraftModel:
-            raise UserError(
-                f"--init {init} is a {type(start).__name__}: training starts from a DFlash drafter"
-            )
         if any(k.endswith(".scales") for k, _ in tree_flatten(start.parameters())):
             raise UserError(
                 f"{init} is quantized, so almost none of it could train: start from the unquantized drafter"

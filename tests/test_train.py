@@ -14,6 +14,7 @@ from tiny import (
     FAMILIES,
     flat_params,
     greedy_reference,
+    make_dflash2,
     make_draft,
     make_target,
     make_tokenizer,
@@ -526,6 +527,15 @@ def test_a_starting_drafter_keeps_its_architecture(tiny_setup, tmp_path):
     )
     with pytest.raises(ValueError, match="block size 16 does not match the starting drafter's 8"):
         train(Target(model), make_tokenizer(), seqs, tmp_path / "b16", TrainConfig(holdout=8), draft=start)
+    with pytest.raises(ValueError, match="training starts from a DFlash drafter, not a DFlash2DraftModel"):
+        train(
+            Target(model),
+            make_tokenizer(),
+            seqs,
+            tmp_path / "d2",
+            TrainConfig(holdout=8),
+            draft=make_dflash2(),
+        )
 
 
 def test_bad_training_input_is_refused(tiny_setup, tmp_path):
