@@ -43,7 +43,10 @@ def _plain(model, tokenizer, ids, max_tokens, temperature, seed):
     return _record(tokens, tic, first, end, [])
 
 
-def _dflash(target, draft, tokenizer, ids, settings: GenerationSettings):
+def _dflash(target, draft, tokenizer, ids, settings: GenerationSettings, seed: int):
+    # Seeded here rather than through `seed=`, which would make each answer start the policy afresh
+    # (for a repeatable answer): the bench measures what a chat or server without seeds gets.
+    mx.random.seed(seed)
     mx.reset_peak_memory()
     tic, first, tokens, acc, mix = time.perf_counter(), None, [], [], Counter()
     for r in stream_generate(target, draft, tokenizer, ids, **asdict(settings)):
@@ -70,9 +73,7 @@ def _record(tokens, tic, first, end, acc):
     }
 
 
-def settings_grid(
-    block_sizes, temperatures, max_tokens: int, seed: int = 0, lookup: bool = True, draft_window=None
-) -> dict:
+def settings_grid(block_sizes, temperatures, max_tokens: int, lookup: bool = True, draft_window=None) -> dict:
     """{(block size or None for the adaptive policy, temperature): its settings}, checked before anything
     runs; each setting once (a repeated one would be run again and overwrite its own record)."""
     sizes = dict.fromkeys(None if b is None else int(b) for b in block_sizes)
@@ -82,7 +83,6 @@ def settings_grid(
             block_size=b,
             lookup=lookup,
             max_tokens=max_tokens,
-            seed=seed,
             draft_window=draft_window,
         ).answering()
         for t in dict.fromkeys(float(t) for t in temperatures)
@@ -107,7 +107,7 @@ def run_bench(
 ) -> dict:
     """-> results: per prompt and configuration, a summary per configuration, and the machine.
     `template_kwargs` reach the chat template (e.g. enable_thinking=False)."""
-    grid = settings_grid(block_sizes, temperatures, max_tokens, seed, lookup, draft_window)
+    grid = settings_grid(block_sizes, temperatures, max_tokens, lookup, draft_window)
     temperatures, configs = list(dict.fromkeys(t for _, t in grid)), list(grid)
     target = prepare(model, draft)
     encoded = [apply_chat_template(tokenizer, p, **(template_kwargs or {})) for p in prompts]
@@ -143,7 +143,7 @@ def run_bench(
                 row["baseline"][str(t)] = _plain(model, tokenizer, ids, max_tokens, t, seed)
                 counted()
             for b, t in configs:
-                r = _dflash(target, draft, tokenizer, ids, grid[b, t])
+                r = _dflash(target, draft, tokenizer, ids, grid[b, t], seed)
                 if t == 0:
                     r["identical"] = r["tokens"] == row["baseline"][str(t)]["tokens"]
                 row["dflash"][f"{b or 'adaptive'}@{t}"] = r

@@ -535,9 +535,18 @@ _LEARNT: dict[tuple, AdaptivePolicy] = {}
 
 
 def policy_for(
-    target, draft, *, block_size: int | None, lookup: bool, draft_window: int | None = None, sampled=False
+    target,
+    draft,
+    *,
+    block_size: int | None,
+    lookup: bool,
+    draft_window: int | None = None,
+    sampled: bool = False,
+    fresh: bool = False,
 ):
-    """A fixed block when one is given (or nothing to choose from), else the adaptive policy."""
+    """A fixed block when one is given (or nothing to choose from), else the adaptive policy: from the
+    priors if `fresh` (a seeded answer, whose draws must not depend on what came before), else from
+    what the last one for the same pair learnt."""
     if block_size is not None or (draft is None and not lookup):
         return FixedPolicy(block_size or 1, draft is not None)
     path = costs_path(target, draft)
@@ -549,7 +558,7 @@ def policy_for(
         draft_window=draft_window,
     )
     key = (path, lookup, draft_window, sampled)
-    if key in _LEARNT:
+    if key in _LEARNT and not fresh:
         policy.learn_from(_LEARNT[key])
     _LEARNT[key] = policy
     return policy

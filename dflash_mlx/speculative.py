@@ -228,6 +228,7 @@ def stream_generate(
         lookup=lookup,
         draft_window=cache.draft_window,
         sampled=not matched,
+        fresh=seed is not None,
     )
     dflash = (
         DFlashDrafter(draft, block_size or draft.block_size, compile, 0.0 if matched else temperature)

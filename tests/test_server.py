@@ -453,6 +453,7 @@ def test_a_bounded_load_of_200_requests_from_8_clients(tiny):
             ok = list(pool.map(run, range(200)))
         assert time.monotonic() - tic < 240
     assert all(ok)
+    print("resident memory after each 25 requests (MB):", [round(r / 2**20) for r in rss])  # (pytest -s)
     assert max(rss[2:]) - rss[2] < 64 << 20  # after warm-up, under 64 MB of growth
 
 
