@@ -241,7 +241,7 @@ class DraftCache:
         self.keys = self.values = None
         self.offset = self.rows = 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
+    def append(self, keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]
         if self.window is not None and self.rows + n > self.window + self.STEP:
             drop = self.rows + n - self.window
@@ -269,7 +269,6 @@ class DraftCache:
         self.keys[..., self.rows : need, :] = keys
         self.values[..., self.rows : need, :] = values
         self.rows, self.offset = need, self.offset + n
-        return self.keys[..., :need, :], self.values[..., :need, :]
 
     def can_trim(self, n: int) -> bool:
         """Whether the last n positions can be taken back (not if that reaches before the window)."""
@@ -334,7 +333,7 @@ class DFlashDraftModel(nn.Module):
         ctx = self.context(features.astype(self.dtype))
         offset = cache[0].offset
         for layer, c in zip(self.layers, cache):
-            c.update_and_fetch(*layer.self_attn.keys_values(ctx, offset))
+            c.append(*layer.self_attn.keys_values(ctx, offset))
 
     def denoise(self, block_embeddings, ctx_keys, ctx_values, ctx_len, position=None) -> mx.array:
         """One parallel pass over the block(s); returns the final-normed hidden states.
