@@ -8,11 +8,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dflash_mlx.errors import UserError
 from dflash_mlx.loading import load_pair
 from dflash_mlx.pairing import context_length
 from dflash_mlx.profile import draft_window_profile, profile_pair
 from dflash_mlx.profile import profile as measure
+from dflash_mlx.settings import GenerationSettings
 
 from .options import DEMO, Draft, DraftWindow, Json, stderr, user_errors
 
@@ -95,8 +95,7 @@ def _pair(model: str, draft: str | None, as_json: bool) -> None:
 
 def _window(model: str, draft: str | None, window: int, as_json: bool) -> None:
     with user_errors():
-        if window < 1:
-            raise UserError(f"draft_window must be >= 1, got {window}")
+        GenerationSettings(draft_window=window)  # checked before loading
         target, drafter, _ = load_pair(model, draft)
         room = (context_length(target) or 1 << 62) - drafter.block_size
         contexts = [c for c in (500, 2000, 8000) if c <= room]
