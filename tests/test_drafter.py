@@ -39,6 +39,17 @@ def rope(x, positions, base=10000.0):
     return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
 
+def float64_params(draft) -> dict:
+    return {k: np.array(v, dtype=np.float64) for k, v in flat_params(draft).items()}
+
+
+def context_of(draft, features):
+    """The drafter's cache after taking in `features`."""
+    cache = draft.make_cache()
+    draft.absorb(features, cache)
+    return cache
+
+
 def numpy_conv(h, dynamic, base, group):
     """DFlash2's convolution along the block: out[t] = sum_o (base[o] + dynamic[t, o]) * h[t - o]."""
     out = np.zeros_like(h)
@@ -115,10 +126,9 @@ def test_drafter_logits_match_a_float64_numpy_reference():
     model, draft = make_target("llama"), make_draft()
     target = prepare(model, draft)
     features = mx.random.normal((1, 23, 2 * 64), key=mx.random.key(3))
-    cache = draft.make_cache()
-    draft.absorb(features, cache)
+    cache = context_of(draft, features)
     ours = np.array(draft.propose_logits(17, cache, 8)[0])
-    w = {k: np.array(v, dtype=np.float64) for k, v in flat_params(draft).items()}
+    w = float64_params(draft)
     embed = np.array(target.inner.embed_tokens.weight, dtype=np.float64)
     block = [17] + [draft.mask_token_id] * 7
     ref = numpy_draft_logits(w, draft.config, np.array(features[0], dtype=np.float64), block, embed)[1:]
@@ -129,7 +139,7 @@ def test_a_draft_window_drafts_from_the_latest_positions_at_their_own_positions(
     monkeypatch.setattr(DraftCache, "STEP", 4)  # drops every few positions, not every 256
     model, draft = make_target("llama"), make_draft()
     target = prepare(model, draft)
-    w = {k: np.array(v, dtype=np.float64) for k, v in flat_params(draft).items()}
+    w = float64_params(draft)
     embed = np.array(target.inner.embed_tokens.weight, dtype=np.float64)
     features = mx.random.normal((1, 61, 2 * 64), key=mx.random.key(5))
     cache, at = draft.make_cache(window=10), 0
@@ -253,10 +263,9 @@ def test_a_muse_glimmer_assistant_loads_drafts_exactly_and_exports_to_its_own_la
     assert loaded.config.sliding_window == 64 and loaded.config.vocab_size == GLIMMER_VOCAB
     target = prepare(model, loaded)
     features = mx.random.normal((1, 23, 2 * 64), key=mx.random.key(3))
-    cache = loaded.make_cache()
-    loaded.absorb(features, cache)
+    cache = context_of(loaded, features)
     ours = np.array(loaded.propose_logits(17, cache, 8)[0])
-    w = {k: np.array(v, dtype=np.float64) for k, v in flat_params(loaded).items()}
+    w = float64_params(loaded)
     head = np.array(model.lm_head.weight, dtype=np.float64)
     embed = np.array(target.inner.embed_tokens.weight, dtype=np.float64)
     block = [17] + [loaded.mask_token_id] * 7
@@ -274,8 +283,7 @@ def test_a_muse_glimmer_assistant_loads_drafts_exactly_and_exports_to_its_own_la
     assert "encoder.fc.weight" in mx.load(str(tmp_path / "exported" / "model.safetensors"))
     again = load_draft(str(tmp_path / "exported"))
     prepare(model, again)
-    cache = again.make_cache()
-    again.absorb(features, cache)
+    cache = context_of(again, features)
     np.testing.assert_array_equal(np.array(again.propose_logits(17, cache, 8)[0]), ours)
 
 
@@ -283,9 +291,8 @@ def test_dflash2_states_logits_and_greedy_proposals_match_the_numpy_reference():
     model, draft = make_target("llama"), make_dflash2()
     target = prepare(model, draft)
     features = mx.random.normal((1, 23, 2 * 64), key=mx.random.key(3))
-    cache = draft.make_cache()
-    draft.absorb(features, cache)
-    w = {k: np.array(v, dtype=np.float64) for k, v in flat_params(draft).items()}
+    cache = context_of(draft, features)
+    w = float64_params(draft)
     embed = np.array(target.inner.embed_tokens.weight, dtype=np.float64)
     block = [17] + [draft.mask_token_id] * 7
     hidden = numpy_draft_logits(
@@ -329,8 +336,7 @@ def test_a_dflash2_checkpoint_loads_converts_exports_and_decodes_losslessly(tmp_
 
     def logits_of(draft):
         prepare(model, draft)
-        cache = draft.make_cache()
-        draft.absorb(features, cache)
+        cache = context_of(draft, features)
         return np.array(draft.propose_logits(17, cache, 8)[0])
 
     ours = logits_of(loaded)
