@@ -57,6 +57,15 @@ def serve(
     max_concurrency: int = typer.Option(4, help="Requests generated at once (interleaved cycle by cycle)."),
     max_queue: int = typer.Option(16, help="Requests waiting beyond those; past that: 429."),
     cache_gb: float = typer.Option(4.0, help="Memory for kept prompt caches (0: keep none)."),
+    request_timeout: float | None = typer.Option(
+        None, help="End an answer this many seconds after its request arrived (default: no limit)."
+    ),
+    allow_client_templates: bool = typer.Option(
+        False,
+        "--allow-client-templates",
+        help="Let requests bring their own chat template (chat_template_kwargs.chat_template), rendered "
+        "in a separate process with time and size limits.",
+    ),
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
     top_k: TopK = 0,
@@ -72,6 +81,8 @@ def serve(
     with user_errors():
         if not 1 <= max_concurrency <= 256 or not 0 <= max_queue <= 10_000 or cache_gb < 0:
             raise UserError("--max-concurrency must be 1-256, --max-queue 0-10000 and --cache-gb at least 0")
+        if request_timeout is not None and not request_timeout > 0:
+            raise UserError(f"--request-timeout must be a number of seconds above 0, got {request_timeout}")
         defaults = GenerationSettings(
             temperature=temp,
             top_p=top_p,
@@ -95,6 +106,8 @@ def serve(
             max_active=max_concurrency,
             max_waiting=max_queue,
             cache_bytes=int(cache_gb * (1 << 30)),
+            request_timeout=request_timeout,
+            client_templates=allow_client_templates,
         )
         app = create_app(target, drafter, tokenizer, config)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")

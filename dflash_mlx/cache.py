@@ -18,7 +18,7 @@ import copy
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .drafters import NgramIndex
 from .errors import UserError
@@ -164,6 +164,17 @@ class SpeculativeCache:
         """Memory the cache holds (its buffers as allocated, not just the positions in use)."""
         layers = self.target_cache + (self._draft_cache or [])
         return sum(c.nbytes for c in layers) + sum(f.nbytes for f in self.unabsorbed)
+
+    def compact(self) -> None:
+        """Hold each plain KV layer's buffers at the size of its positions rather than of the blocks
+        they grew in (for a cache kept for later: it grows again when it is used)."""
+        if self.broken or self.undo is not None:
+            raise ValueError("only a cache between two calls can be compacted")
+        for c in self.target_cache:
+            if type(c) is KVCache and c.keys is not None and c.offset < c.keys.shape[2]:
+                c.keys = mx.contiguous(c.keys[..., : c.offset, :])
+                c.values = mx.contiguous(c.values[..., : c.offset, :])
+                mx.eval(c.keys, c.values)
 
     def copy(self) -> SpeculativeCache:
         """A cache holding the same tokens, to go on from separately (a conversation that branches).

@@ -30,18 +30,38 @@ def apply_chat_template(
     reach the template (e.g. enable_thinking=False for Qwen3). A tokenizer without a chat template
     gets the plain text of the messages.
     """
+    text = chat_text(
+        tokenizer, messages, system=system, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
+    return encode_chat_text(tokenizer, text)
+
+
+def chat_text(
+    tokenizer,
+    messages: str | list[dict],
+    *,
+    system: str | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs,
+) -> str:
+    """The conversation as the text `apply_chat_template` tokenizes (see there)."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if system is not None:
         messages = [{"role": "system", "content": system}, *messages]
     if getattr(tokenizer, "chat_template", None) is None:
-        return tokenizer.encode("\n".join(m["content"] for m in messages))
-    text = tokenizer.apply_chat_template(
+        return "\n".join(m["content"] for m in messages)
+    return tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
     )
-    # The template already writes any BOS token it wants. verbose=False: transformers would warn that a
-    # long conversation "will result in indexing errors"; the context check says the real limit.
-    return tokenizer.encode(text, add_special_tokens=False, verbose=False)
+
+
+def encode_chat_text(tokenizer, text: str) -> list[int]:
+    """Token ids of `chat_text`'s text. A template writes any BOS token it wants itself; without one the
+    tokenizer adds its own. verbose=False: transformers would warn that a long conversation "will result
+    in indexing errors"; the context check says the real limit."""
+    templated = getattr(tokenizer, "chat_template", None) is not None
+    return tokenizer.encode(text, add_special_tokens=not templated, verbose=False)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

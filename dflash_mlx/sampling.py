@@ -11,7 +11,6 @@ until the caller reads the two numbers, so a cycle synchronises once.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,19 +19,38 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .errors import UserError
 
+# Below this temperature sampling is greedy decoding, as vLLM does: the two differ only where the top two
+# logits are within about 1e-4, and 1/temperature overflows float32 long before zero.
+MIN_TEMPERATURE = 1e-5
+# Past this 1/temperature underflows float32, and -inf (a filtered token) times zero is NaN.
+MAX_TEMPERATURE = 1e4
+# A top_p at or below 1/vocabulary keeps the most likely token alone whatever its value, so raising a
+# smaller one to this floor changes no distribution; below it top_p times the total mass underflows
+# float32 in mlx-lm's nucleus filter.
+MIN_TOP_P = 1e-8
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Sampling settings, checked, and normalised where the math needs it: a temperature below
+    MIN_TEMPERATURE becomes 0 (greedy), a top_p below MIN_TOP_P becomes MIN_TOP_P (the same
+    distribution)."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
 
     def __post_init__(self):
-        if not 0 <= self.temperature < math.inf:  # (NaN fails this too)
-            raise UserError(f"temperature must be a number >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # (NaN fails this too)
+            raise UserError(
+                f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        object.__setattr__(self, "top_p", max(self.top_p, MIN_TOP_P))
         if self.top_k < 0:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:

@@ -22,7 +22,7 @@ class GenerationSettings(SamplingParams):
     max_tokens: int = 256
     block_size: int | None = None  # None: chosen cycle by cycle (policy.py); N: a fixed DFlash block
     lookup: bool = True  # prompt lookup among the choices (with block_size None)
-    seed: int | None = None
+    seed: int | None = None  # any integer, taken modulo 2**64 (MLX's seeds are unsigned 64-bit)
     prefill_step_size: int = 2048
     draft_window: int | None = None  # the drafter keeps only this many latest context positions
 
@@ -36,6 +36,8 @@ class GenerationSettings(SamplingParams):
             raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
         if self.draft_window is not None and self.draft_window < 1:
             raise UserError(f"draft_window must be >= 1, got {self.draft_window}")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", self.seed % 2**64)
 
     def answering(self) -> GenerationSettings:
         """These settings where the answer is the point (a chat turn, a benchmark, an acceptance

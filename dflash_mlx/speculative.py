@@ -216,8 +216,8 @@ def stream_generate(
         if prompt_cache is not None:  # nothing to generate, but the conversation keeps the prompt
             prompt_cache.add(prompt_ids)
         return
-    if seed is not None:
-        mx.random.seed(seed)
+    if settings.seed is not None:
+        mx.random.seed(settings.seed)
     draw, accept = acceptance(settings, sampler)
     cache = prompt_cache or SpeculativeCache(target, draft, draft_window)
     matched = sampler is not None or settings.greedy  # proposals accepted where they equal the target's
@@ -230,8 +230,9 @@ def stream_generate(
         sampled=not matched,
         fresh=seed is not None,
     )
+    q_temperature = 0.0 if matched else settings.temperature
     dflash = (
-        DFlashDrafter(draft, block_size or draft.block_size, compile, 0.0 if matched else temperature)
+        DFlashDrafter(draft, block_size or draft.block_size, compile, q_temperature)
         if draft is not None
         else None
     )

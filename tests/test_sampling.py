@@ -239,9 +239,10 @@ def test_bfloat16_logits_follow_the_distribution_mlx_lm_samples_from():
 
 def test_bad_sampling_settings_are_refused():
     for kwargs, message in [
-        (dict(temperature=-1), "temperature must be a number >= 0, got -1"),
-        (dict(temperature=float("nan")), "temperature must be a number >= 0, got nan"),
-        (dict(temperature=float("inf")), "temperature must be a number >= 0, got inf"),
+        (dict(temperature=-1), "temperature must be a number from 0 to 10000, got -1"),
+        (dict(temperature=float("nan")), "temperature must be a number from 0 to 10000, got nan"),
+        (dict(temperature=float("inf")), "temperature must be a number from 0 to 10000, got inf"),
+        (dict(temperature=1e5), "temperature must be a number from 0 to 10000, got 100000"),
         (dict(top_p=float("nan")), r"top_p must be in \(0, 1\], got nan"),
         (dict(min_p=float("nan")), r"min_p must be in \[0, 1\], got nan"),
         (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
@@ -251,6 +252,28 @@ def test_bad_sampling_settings_are_refused():
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=1e-300), dict(temperature=5e-324), dict(temperature=0.7, top_p=1e-300)]
+)
+def test_settings_past_what_float32_can_compute_decode_greedily(model, sampling):
+    """A temperature too small to divide by, or a top_p below any token's probability, is greedy decoding
+    (tiny, but not zero: this is the limit the distribution tends to)."""
+    draft, tok = make_draft(seed=11, **DRAFT), make_tokenizer(vocab=V, eos=V + 5)
+    greedy = generate(model, draft, tok, PROMPT, max_tokens=24)
+    assert generate(model, draft, tok, PROMPT, max_tokens=24, seed=1, **sampling).tokens == greedy.tokens
+    with_draws = generate(model, draft, tok, PROMPT, max_tokens=24, seed=1, temperature=0.7)
+    assert with_draws.tokens != greedy.tokens  # (at a temperature that samples, the answer differs)
+
+
+def test_any_integer_is_a_seed_taken_modulo_2_to_the_64(model):
+    draft, tok = make_draft(seed=11, **DRAFT), make_tokenizer(vocab=V, eos=V + 5)
+
+    def answer(seed):
+        return generate(model, draft, tok, PROMPT, max_tokens=12, temperature=1.0, seed=seed).tokens
+
+    assert answer(-1) == answer(2**64 - 1) and answer(10**30) == answer(10**30 % 2**64)
 
 
 def test_greedy_picks_what_plain_mlx_lm_picks_where_rounding_ties_two_logits():

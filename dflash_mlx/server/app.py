@@ -1,10 +1,12 @@
 """The HTTP API: OpenAI's chat completions, completions and models, Anthropic's messages, health and
 metrics, over one model pair (FastAPI).
 
-Every request becomes token ids (the chat template, with tools where the template takes them), goes to
+Every request is admitted first (429 when the server is full, before any work), becomes token ids
+(the chat template, with tools where the template takes them; prompts.py, off the event loop), goes to
 the scheduler, and streams back what `stream_generate` yields, split into reasoning, answer and tool
 calls. Errors are answered in the shape of the API that was called, with a 4xx for what the client can
-fix; the server goes on serving either way.
+fix and a 500 with a generic message (the details logged) for the server's own; either way the
+connection stays usable and the server goes on serving.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,23 +24,23 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..chat import apply_chat_template
 from ..errors import UserError
 from ..pairing import context_room
 from ..settings import GenerationSettings
-from ..speculative import GenerationResponse, encode_prompt
+from ..speculative import GenerationResponse
 from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_reasoning
+from .errors import ANTHROPIC, INTERNAL, ApiError, error_body, error_response
 from .metrics import Metrics
 from .pool import PromptCachePool
+from .prompts import Prompts
 from .scheduler import Busy, Finished, Scheduler, Started
 from .scheduler import Request as Job
 from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
 
 log = logging.getLogger("dflash_mlx.server")
-ANTHROPIC = "/v1/messages"
 
 
 @dataclass(frozen=True)
@@ -50,43 +53,16 @@ class ServerConfig:
     max_waiting: int = 16
     cache_bytes: int = 4 << 30
     max_body_bytes: int = 8 << 20
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
-_ANTHROPIC_TYPES = {
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-}
-
-
-def error_body(path: str, status: int, message: str, param=None, code=None) -> dict:
-    if path.startswith(ANTHROPIC):
-        return {
-            "type": "error",
-            "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": message},
-        }
-    kind = "server_error" if status >= 500 else _OPENAI_TYPES.get(status, "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error_response(path: str, status: int, message: str, **kw) -> JSONResponse:
-    return JSONResponse(error_body(path, status, message, **kw), status_code=status)
+    request_timeout: float | None = None  # seconds from arrival after which an answer ends ("length")
+    client_templates: bool = False  # whether requests may bring their own chat template
 
 
 class Guard:
     """ASGI middleware in front of every route: the API key (every path but /health), a cap on the
-    request body's size (read whole before the route runs, so an oversized body gets its 413), and the
-    count of answers by status. Plain ASGI rather than Starlette's BaseHTTPMiddleware, which gets in the
-    way of streaming and of noticing that a client has gone."""
+    request body's size (read whole before the route runs, so an oversized body gets its 413), the
+    count of answers by status, and a 500 for an error inside a route (Starlette's own handler for
+    those re-raises them, and uvicorn then drops the connection). Plain ASGI rather than Starlette's
+    BaseHTTPMiddleware, which gets in the way of streaming and of noticing that a client has gone."""
 
     def __init__(self, app, api_key: str | None, max_body: int, metrics: Metrics):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body, metrics
@@ -123,7 +99,19 @@ class Guard:
         async def replay():
             return messages.pop(0) if messages else await receive()
 
-        await self.app(scope, replay, counted_send)
+        started = False
+
+        async def watched_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await counted_send(message)
+
+        try:
+            await self.app(scope, replay, watched_send)
+        except Exception:  # a bug: answered here, so the connection stays usable
+            log.exception("internal error on %s", path)
+            if not started:  # (once a response has begun, the server can only end it)
+                await error_response(path, 500, INTERNAL)(scope, receive, counted_send)
 
     def _authorized(self, headers: dict) -> bool:
         key = self.api_key.encode()
@@ -136,23 +124,24 @@ class Generation:
     stopped when the reader stops reading (a client that went away)."""
 
     def __init__(
-        self, scheduler: Scheduler, prompt: list[int], settings: GenerationSettings, stop: list[str]
+        self,
+        scheduler: Scheduler,
+        prompt: list[int],
+        settings: GenerationSettings,
+        stop: list[str],
+        deadline: float | None,
     ):
+        """Submit an admitted request."""
         loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
         emit = lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e)  # noqa: E731
-        self.job = Job(prompt, settings, stop, emit, backlog=self.queue.qsize)
+        self.job = Job(prompt, settings, stop, emit, backlog=self.queue.qsize, deadline=deadline)
         self.prompt, self.started = prompt, Started(len(prompt), 0)
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_string: str | None = None
         self.first = None  # an event `begin` read past
-        try:
-            scheduler.submit(self.job)
-        except Busy:
-            raise ApiError(
-                429, "the server is busy: every slot and the queue are taken, try again shortly"
-            ) from None
+        scheduler.submit(self.job)
 
     def cancel(self) -> None:
         self.job.cancelled.set()
@@ -214,6 +203,29 @@ async def _watch(request: Request, generation: Generation) -> None:
         await asyncio.sleep(0.1)
 
 
+# The parts of a pydantic error location that name a branch of a union type rather than a field.
+_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none)$|[\[(]")
+
+
+def _field(loc) -> str:
+    """A pydantic error's location as the client wrote it: messages[0].content."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "body" and not _BRANCH.search(part):
+            out += f".{part}" if out else part
+    return out
+
+
+def _wanted(error: dict) -> str:
+    """What a pydantic error says the value should be, with no class names in it."""
+    if error.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+        return "should be an object"
+    message = error.get("msg", "not valid")
+    return message.removeprefix("Input ").removeprefix("Value error, ")
+
+
 def sse(data: dict | str, event: str | None = None) -> str:
     body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return (f"event: {event}\n" if event else "") + f"data: {body}\n\n"
@@ -223,12 +235,14 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     metrics = Metrics()
     pool = PromptCachePool(target, draft, config.cache_bytes, config.defaults.draft_window)
     scheduler = Scheduler(target, draft, tokenizer, pool, metrics, config.max_active, config.max_waiting)
+    prompts = Prompts(tokenizer, config.template_kwargs, config.client_templates, config.max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app):
         scheduler.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+        prompts.close()
 
     app = FastAPI(title="dflash-mlx", lifespan=lifespan)
     app.add_middleware(Guard, api_key=config.api_key, max_body=config.max_body_bytes, metrics=metrics)
@@ -244,26 +258,17 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        if first.get("type") == "json_invalid":
+        errors = e.errors()
+        if errors[0].get("type") == "json_invalid":
             return error_response(request.url.path, 400, "the request body is not valid JSON")
-        return error_response(
-            request.url.path, 400, f"{where or 'body'}: {first.get('msg')}", param=where or None
-        )
+        where = _field(errors[0].get("loc", ()))
+        wants = dict.fromkeys(_wanted(x) for x in errors if _field(x.get("loc", ())) == where)
+        message = f"{where or 'body'}: {' or '.join(wants)}"
+        return error_response(request.url.path, 400, message, param=where or None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         return error_response(request.url.path, e.status_code, str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, e: Exception):
-        # (answered outside the Guard middleware, so counted here)
-        log.exception("internal error on %s", request.url.path)
-        metrics.requests.labels(
-            "anthropic" if request.url.path.startswith(ANTHROPIC) else "openai", "500"
-        ).inc()
-        return error_response(request.url.path, 500, INTERNAL)
 
     def check_model(name: str) -> None:
         if name != config.model_id:
@@ -288,23 +293,27 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             draft_window=d.draft_window,
         )
 
-    def start(prompt: list[int], settings: GenerationSettings, stop: list[str]) -> Generation:
+    @asynccontextmanager
+    async def admitted():
+        """A place for the request, taken before its prompt is made: 429 when there is none."""
+        try:
+            scheduler.admit()
+        except Busy:
+            raise ApiError(
+                429, "the server is busy: every slot and the queue are taken, try again shortly"
+            ) from None
+        try:
+            yield
+        except BaseException:  # (the request never reached the scheduler)
+            scheduler.withdraw()
+            raise
+
+    def start(prompt: list[int], settings: GenerationSettings, stop: list[str], arrived: float) -> Generation:
         if not prompt:
             raise ApiError(400, "the prompt is empty")
         context_room(target, len(prompt))  # a prompt the context cannot hold is refused here
-        return Generation(scheduler, prompt, settings, stop)
-
-    def render(messages: list[dict], tools, extra: dict | None, go_on: bool = False) -> list[int]:
-        """The conversation as token ids; `go_on`: the reply continues its last (assistant) message."""
-        kwargs = dict(config.template_kwargs, **(extra or {}))
-        if tools:
-            kwargs["tools"] = tools
-        if go_on:
-            kwargs.update(add_generation_prompt=False, continue_final_message=True)
-        try:
-            return apply_chat_template(tokenizer, messages, **kwargs)
-        except Exception as e:  # a template that raises on these messages (jinja's own errors, mostly)
-            raise ApiError(400, f"the chat template cannot render these messages: {e}") from None
+        deadline = None if config.request_timeout is None else arrived + config.request_timeout
+        return Generation(scheduler, prompt, settings, stop, deadline)
 
     async def answer(request: Request, generation: Generation) -> None:
         """Run a non-streamed request to the end, stopping it if the client goes away."""
@@ -334,15 +343,17 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        arrived = time.monotonic()
         check_model(body.model)
         if body.n != 1:
             raise ApiError(400, "n must be 1: this server makes one choice per request", param="n")
         tools = body.tools if body.tool_choice != "none" else None
-        prompt = render(body.conversation(), tools, body.chat_template_kwargs)
         settings = settings_for(body, body.max_completion_tokens or body.max_tokens)
-        channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)
         reply = _OpenAIReply(config.model_id, "chat.completion")
-        generation = start(prompt, settings, body.stops)  # (last: nothing may fail between it and the reply)
+        async with admitted():
+            prompt = await prompts.chat(body.conversation(), tools, body.chat_template_kwargs)
+            channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)
+            generation = start(prompt, settings, body.stops, arrived)  # (last: it submits)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _Stream(reply.chat_stream(generation, channels, include_usage), generation)
@@ -351,15 +362,17 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        arrived = time.monotonic()
         check_model(body.model)
         if body.n != 1:
             raise ApiError(400, "n must be 1: this server makes one choice per request", param="n")
         vocab = target.args.vocab_size
         if isinstance(body.prompt, list) and not all(0 <= t < vocab for t in body.prompt):
             raise ApiError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
-        prompt, settings = encode_prompt(tokenizer, body.prompt), settings_for(body, body.max_tokens)
+        settings = settings_for(body, body.max_tokens)
         reply = _OpenAIReply(config.model_id, "text_completion")
-        generation = start(prompt, settings, body.stops)
+        async with admitted():
+            generation = start(await prompts.text(body.prompt), settings, body.stops, arrived)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _Stream(reply.completion_stream(generation, include_usage), generation)
@@ -368,25 +381,24 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
 
     @app.post(ANTHROPIC)
     async def messages(body: MessagesRequest, request: Request):
+        arrived = time.monotonic()
         check_model(body.model)
         thinking = (body.thinking or {}).get("type")
         extra = {"enable_thinking": thinking == "enabled"} if thinking in ("enabled", "disabled") else None
         tools = body.function_tools()
         go_on = body.messages[-1].role == "assistant"  # Anthropic's way to start the reply for the model
-        prompt = render(body.conversation(), tools, extra, go_on)
         settings = settings_for(body, body.max_tokens)
-        channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)
         reply = _AnthropicReply(config.model_id)
-        generation = start(prompt, settings, body.stop_sequences or [])
+        async with admitted():
+            prompt = await prompts.chat(body.conversation(), tools, extra, go_on)
+            channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)
+            generation = start(prompt, settings, body.stop_sequences or [], arrived)
         if body.stream:
             return _Stream(reply.stream(generation, channels), generation)
         await answer(request, generation)
         return reply.message(generation, channels)
 
     return app
-
-
-INTERNAL = "internal server error (logged on the server)"
 
 
 def _stream_error(path: str, e: Exception) -> dict:

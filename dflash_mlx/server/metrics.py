@@ -58,6 +58,10 @@ class Metrics:
             "dflash_mlx_prefix_cache_evictions", "Kept caches dropped to stay within --cache-gb", registry=r
         )
         self.cache_bytes = Gauge("dflash_mlx_prefix_cache_bytes", "Bytes the kept caches hold", registry=r)
+        self.cache_entries = Gauge("dflash_mlx_prefix_cache_entries", "Kept caches", registry=r)
+        self.timed_out = Counter(
+            "dflash_mlx_timed_out_requests", "Requests ended at --request-timeout", registry=r
+        )
         self.waiting = Gauge("dflash_mlx_queue_length", "Requests waiting for a slot", registry=r)
         self.active = Gauge("dflash_mlx_active_requests", "Requests being generated", registry=r)
         tps = Gauge(

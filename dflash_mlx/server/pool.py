@@ -4,8 +4,11 @@ A request takes the cache sharing the longest prefix with its prompt and prefill
 the prompt goes on from all of a cache's tokens (the next turn of that conversation), the request takes
 the cache itself; when it branches off earlier, it takes a copy cut back to where they part, and the
 cache stays for its own conversation. A cache of a target with recurrent layers can only go back to
-where its recurrent state was kept (the end of its last prompt). The least recently used caches go
-when the pool holds more than its budget of bytes.
+where its recurrent state was kept (the end of its last prompt). A cache is kept only if it holds
+something the pool does not: one whose tokens a kept cache already starts with is dropped, and one that
+goes on from a kept cache replaces it. Kept caches hold their target buffers at the size of their
+tokens, not of the blocks they grew in, and the least recently used go when the pool holds more than
+its budget of bytes.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class PromptCachePool:
         self.target, self.draft, self.max_bytes = target, draft, max_bytes
         self.draft_window = draft_window
         self.caches: list[SpeculativeCache] = []  # least recently used first
-        self.hits = self.misses = self.evictions = 0
+        self.hits = self.misses = self.evictions = self.duplicates = 0
 
     @property
     def nbytes(self) -> int:
@@ -58,9 +61,19 @@ class PromptCachePool:
         return Taken(SpeculativeCache(self.target, self.draft, self.draft_window), 0)
 
     def put(self, cache: SpeculativeCache) -> None:
-        """Keep a finished request's cache (a cache an interrupted pass left half-updated is dropped)."""
+        """Keep a request's cache, if it is consistent and holds what no kept cache holds."""
         if cache.broken or cache.in_flight or not cache.tokens:
             return
+        n = len(cache.tokens)
+        for kept in self.caches:
+            if len(kept.tokens) >= n and common_prefix(kept.tokens, cache.tokens) == n:
+                self.duplicates += 1  # all of it is in `kept` already, which counts as used now
+                self.caches.remove(kept)
+                self.caches.append(kept)
+                return
+        for kept in [k for k in self.caches if common_prefix(k.tokens, cache.tokens) == len(k.tokens)]:
+            self.caches.remove(kept)  # it goes on from there: `cache` holds all of `kept`
+        cache.compact()
         self.caches.append(cache)
         while self.caches and self.nbytes > self.max_bytes:
             self.caches.pop(0)

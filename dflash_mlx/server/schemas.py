@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Body(BaseModel):
@@ -57,10 +57,20 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+MAX_STOPS = 64  # stop strings a request may give (each is looked for in the text after every cycle)
+
+
 class _OpenAI(_Sampling):
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, union_mode="left_to_right")
     n: int = 1
     stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop):
+        if isinstance(stop, list) and len(stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        return stop
 
     @property
     def stops(self) -> list[str]:
@@ -131,7 +141,7 @@ class MessagesRequest(_Sampling):
     messages: list[AnthropicMessage] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     system: str | list[Block] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOPS)
     tools: list[AnthropicTool] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None  # {"type": "enabled" | "disabled", ...}

@@ -1,0 +1,411 @@
+"""`dflash-mlx serve` against careless and hostile clients: values at the edges of the math, text the
+tokenizer cannot take, clients' templates, huge bodies, errors on a kept-alive connection, a full server,
+repeated prompts, long prompts beside short ones, and a time limit. A real server on a free loopback
+port, as in test_server.py; every load bounded."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from serving import serving
+from test_server import clients, config, expected, metric, tiny, words  # noqa: F401  (tiny: a fixture)
+
+import dflash_mlx.server.prompts as prompts
+from dflash_mlx import SpeculativeCache, generate
+from dflash_mlx.server.app import create_app
+from dflash_mlx.server.metrics import Metrics
+from dflash_mlx.server.pool import PromptCachePool
+from dflash_mlx.server.scheduler import Finished, Request, Scheduler, Started
+from dflash_mlx.settings import GenerationSettings
+
+
+@pytest.fixture(scope="module")
+def server(tiny):  # noqa: F811
+    app = create_app(*tiny, config(max_body_bytes=1 << 20))
+    with serving(app) as url:
+        yield url, app
+
+
+def post(url: str, path: str, body: dict | bytes, **kw) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=60, **kw)
+
+
+def text_of(path: str, r: httpx.Response) -> str:
+    body = r.json()
+    if path == "/v1/messages":
+        return "".join(b["text"] for b in body["content"] if b["type"] == "text")
+    choice = body["choices"][0]
+    return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+
+
+def request(path: str, content: str, **kw) -> dict:
+    if path == "/v1/completions":
+        return {"model": "tiny", "prompt": content, **kw}
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 24, **kw}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1e-300},
+        {"temperature": 1e-45},
+        {"temperature": 5e-324},
+        {"temperature": 0.7, "top_p": 1e-300},
+    ],
+)
+def test_sampling_values_at_the_edges_of_the_math_decode_greedily(tiny, server, path, sampling):  # noqa: F811
+    """Temperatures below 1e-5 are greedy; a top_p below any token's probability keeps the top token alone."""
+    url, _ = server
+    target, draft, tok = tiny
+    greedy = post(url, path, request(path, words(100), max_tokens=24, temperature=0))
+    r = post(url, path, request(path, words(100), max_tokens=24, **sampling))
+    assert r.status_code == 200, r.text
+    assert text_of(path, r) == text_of(path, greedy)
+    r = post(url, path, request(path, words(100), max_tokens=24, stream=True, **sampling))
+    assert r.status_code == 200 and "error" not in r.text
+
+
+def test_any_integer_seed_is_taken_modulo_2_to_the_64(server):
+    url, _ = server
+    path = "/v1/chat/completions"
+    texts = {}
+    for seed in (-1, 2**64 - 1, 2**64, 0, 10**30, 10**30 % 2**64):
+        r = post(url, path, request(path, words(101), temperature=1.0, seed=seed))
+        assert r.status_code == 200, r.text
+        texts[seed] = text_of(path, r)
+    assert (
+        texts[-1] == texts[2**64 - 1] and texts[2**64] == texts[0] and texts[10**30] == texts[10**30 % 2**64]
+    )
+    assert len(set(texts.values())) > 1  # (the seed matters)
+
+
+BAD_TEXT = [
+    ("/v1/completions", b'{"model": "tiny", "prompt": "w5 \\ud800", "max_tokens": 4}'),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "w5 \\udfff w6"}]}',
+    ),
+    (
+        "/v1/messages",
+        b'{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud83d"}]}',
+    ),
+]
+
+
+@pytest.mark.parametrize("path, body", BAD_TEXT)
+def test_text_with_an_unpaired_surrogate_is_a_400_that_says_so(server, path, body):
+    url, _ = server
+    r = post(url, path, body)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "unpaired UTF-16 surrogate" in message and "valid Unicode" in message
+    assert "TextEncodeInput" not in message and "Union" not in message
+
+
+@pytest.mark.parametrize("name", ["tokenize", "add_generation_prompt", "return_dict", "messages"])
+def test_call_arguments_in_chat_template_kwargs_are_refused_by_name(server, name):
+    url, _ = server
+    r = post(
+        url, "/v1/chat/completions", request("/v1/chat/completions", "w5", chat_template_kwargs={name: True})
+    )
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == f"chat_template_kwargs.{name}" and "not a template variable" in error["message"]
+    assert "TokenizerWrapper" not in error["message"] and "()" not in error["message"]
+
+
+BOMB = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}w5"
+
+
+def test_a_client_template_is_refused_unless_the_server_allows_them(server):
+    url, _ = server
+    r = post(
+        url,
+        "/v1/chat/completions",
+        request("/v1/chat/completions", "w5", chat_template_kwargs={"chat_template": BOMB}),
+    )
+    assert r.status_code == 400 and "--allow-client-templates" in r.json()["error"]["message"]
+
+
+def health_while(url: str, busy: threading.Thread) -> list[float]:
+    """Ask /health again and again while `busy` runs: -> how long each answer took."""
+    times = []
+    with httpx.Client(base_url=url, timeout=30) as c:
+        while busy.is_alive():
+            tic = time.monotonic()
+            assert c.get("/health").status_code == 200
+            times.append(time.monotonic() - tic)
+            time.sleep(0.02)
+    return times
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(r=fn()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_allowed_client_templates_render_in_a_sandbox_with_time_and_size_limits(tiny):  # noqa: F811
+    target, draft, tok = tiny
+    with serving(create_app(*tiny, config(client_templates=True, max_body_bytes=1 << 20))) as url:
+        path = "/v1/chat/completions"
+        own = "{% for m in messages %}w9 {{ m['content'] }} {% endfor %}w10 "
+        r = post(url, path, request(path, words(102), chat_template_kwargs={"chat_template": own}))
+        assert r.status_code == 200, r.text
+        want = generate(
+            target, draft, tok, tok.encode(f"w9 {words(102)} w10 ", add_special_tokens=False), max_tokens=24
+        )
+        assert text_of(path, r) == want.text
+        # A template that would loop for hours is stopped at the time limit; the server answers meanwhile.
+        bomb, out = in_thread(
+            lambda: post(url, path, request(path, "w5", chat_template_kwargs={"chat_template": BOMB}))
+        )
+        assert len(health_while(url, bomb)) > 1
+        assert out["r"].status_code == 400 and "took over" in out["r"].json()["error"]["message"]
+        big = post(
+            url, path, request(path, "w5", chat_template_kwargs={"chat_template": "{{ 'w5 ' * 2000000 }}"})
+        )
+        assert big.status_code == 400 and "characters" in big.json()["error"]["message"]
+        assert "error" not in post(url, path, request(path, words(103))).json()  # and it goes on
+
+
+def test_prompts_are_made_off_the_event_loop(tiny, server, monkeypatch):  # noqa: F811
+    """While one request's prompt is being tokenized (held here, as a huge body's would be), the server
+    answers /health and other requests."""
+    url, _ = server
+    held, real = threading.Event(), prompts.encode_chat_text
+
+    def slow(tokenizer, text):
+        if "w77 w77" in text:
+            held.wait(30)
+        return real(tokenizer, text)
+
+    monkeypatch.setattr(prompts, "encode_chat_text", slow)
+    path = "/v1/chat/completions"
+    big, out = in_thread(lambda: post(url, path, request(path, "w77 w77 " + words(104))))
+    try:
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        other = post(url, path, request(path, words(105)))
+        assert text_of(path, other) == expected(tiny, [{"role": "user", "content": words(105)}]).text
+        assert big.is_alive()
+    finally:
+        held.set()
+    big.join(30)
+    assert out["r"].status_code == 200
+
+
+def test_an_internal_error_leaves_the_kept_alive_connection_usable(tiny, server, monkeypatch):  # noqa: F811
+    import dflash_mlx.server.app as app_module
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    url, _ = server
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+    body = json.dumps(request("/v1/chat/completions", words(106)))
+    headers = {"content-type": "application/json"}
+    with monkeypatch.context() as m:
+        m.setattr(app_module, "Channels", failing)  # a bug in a route, before any response
+        conn.request("POST", "/v1/chat/completions", body, headers)
+        r = conn.getresponse()
+        error = json.loads(r.read())["error"]
+        assert r.status == 500 and error["type"] == "server_error" and "a bug" not in error["message"]
+    conn.request("POST", "/v1/chat/completions", body, headers)  # the same connection
+    r = conn.getresponse()
+    assert r.status == 200
+    assert json.loads(r.read())["choices"][0]["message"]["content"] == (
+        expected(tiny, [{"role": "user", "content": words(106)}]).text
+    )
+    conn.close()
+
+
+def test_a_full_server_refuses_a_request_before_making_its_prompt(tiny, monkeypatch):  # noqa: F811
+    import dflash_mlx.server.scheduler as scheduler
+
+    real, release, rendered = scheduler.stream_generate, threading.Event(), []
+
+    def held(*args, **kwargs):
+        responses = real(*args, **kwargs)
+        yield next(responses)
+        release.wait(60)
+        yield from responses
+
+    real_render = prompts._render
+    monkeypatch.setattr(scheduler, "stream_generate", held)
+    monkeypatch.setattr(prompts, "_render", lambda *a: rendered.append(1) or real_render(*a))
+    with serving(create_app(*tiny, config(max_active=1, max_waiting=0))) as url:
+        path = "/v1/chat/completions"
+        with httpx.stream(
+            "POST", f"{url}{path}", json=request(path, words(107), stream=True), timeout=60
+        ) as r:
+            lines = r.iter_lines()
+            while "w" not in next(lines):
+                pass
+            before = len(rendered)
+            refused = post(url, path, request(path, "w5 " * 100_000))
+            assert refused.status_code == 429 and len(rendered) == before
+            release.set()
+
+
+def test_stop_strings_are_limited_in_number(server):
+    url, _ = server
+    r = post(
+        url, "/v1/chat/completions", request("/v1/chat/completions", "w5", stop=[f"w{i}" for i in range(65)])
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    r = post(url, "/v1/messages", request("/v1/messages", "w5", stop_sequences=["x"] * 65))
+    assert r.status_code == 400
+
+
+def test_the_pool_keeps_one_cache_for_repeats_and_none_for_failed_requests(tiny, server, monkeypatch):  # noqa: F811
+    url, app = server
+    pool, path = app.state.pool, "/v1/chat/completions"
+    post(url, path, request(path, words(108)))
+    entries, nbytes = len(pool.caches), pool.nbytes
+    for _ in range(5):
+        post(url, path, request(path, words(108)))
+    assert len(pool.caches) == entries and pool.nbytes == nbytes
+    assert metric(url, "dflash_mlx_prefix_cache_entries") == entries
+    assert metric(url, "dflash_mlx_prefix_cache_bytes") == nbytes
+    import dflash_mlx.server.scheduler as scheduler
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a bug")
+        yield
+
+    monkeypatch.setattr(scheduler, "stream_generate", failing)
+    assert post(url, path, request(path, words(109))).status_code == 500
+    assert len(pool.caches) == entries
+
+
+def test_the_pool_drops_what_it_holds_already_and_replaces_what_a_cache_goes_on_from():
+    from tiny import make_draft, make_target
+
+    target, draft = make_target("llama"), make_draft()
+    first = SpeculativeCache(target, draft)
+    generate(target, draft, None, list(range(5, 45)), max_tokens=6, prompt_cache=first)
+    pool = PromptCachePool(target, draft, max_bytes=1 << 40)
+    pool.put(first)
+    shorter = SpeculativeCache(target, draft)
+    generate(target, draft, None, first.tokens[:41], max_tokens=1, prompt_cache=shorter)
+    assert shorter.tokens == first.tokens[:42]
+    pool.put(shorter)  # a prefix of a kept cache: nothing new
+    assert pool.caches == [first] and pool.duplicates == 1
+    earlier = first.copy()
+    longer = pool.take(first.tokens + [7]).cache  # the next turn, which goes on from `first`
+    assert longer is first and not pool.caches
+    generate(target, draft, None, [7], max_tokens=4, prompt_cache=longer)
+    pool.put(earlier)
+    pool.put(longer)  # it holds all `earlier` holds, and more
+    assert pool.caches == [longer]
+
+
+def test_a_kept_cache_holds_its_buffers_at_the_size_of_its_tokens_and_goes_on_exactly():
+    from tiny import make_draft, make_target
+
+    target, draft = make_target("llama"), make_draft()
+    prompt = list(range(5, 45))
+    cache = SpeculativeCache(target, draft)
+    generate(target, draft, None, prompt, max_tokens=6, prompt_cache=cache)
+    history = list(cache.tokens)
+
+    def target_bytes():
+        return sum(c.nbytes for c in cache.target_cache)
+
+    before = target_bytes()
+    cache.compact()
+    assert target_bytes() == before * cache.processed // 256  # the positions in use of a 256-position block
+    more = [7, 8, 9]
+    out = generate(target, draft, None, more, max_tokens=300, prompt_cache=cache)
+    assert out.tokens == generate(target, draft, None, history + more, max_tokens=300).tokens
+
+
+def test_a_long_prompt_shares_the_worker_with_a_short_request_that_comes_beside_it(tiny):  # noqa: F811
+    """The short request's whole answer arrives before the long prompt's first token."""
+    target, draft, tok = tiny
+    pool = PromptCachePool(target, draft, 0)
+    scheduler = Scheduler(target, draft, tok, pool, Metrics(), max_active=4, max_waiting=4)
+    events, lock = [], threading.Lock()
+
+    def emitter(name):
+        def emit(event):
+            with lock:
+                events.append((name, type(event).__name__, getattr(event, "finish_reason", None)))
+
+        return emit
+
+    long_prompt = [5 + i % 80 for i in range(3000)]
+    short_prompt = tok.encode(words(110), add_special_tokens=False)
+    settings = GenerationSettings(max_tokens=12)
+    for name, prompt in (("long", long_prompt), ("short", short_prompt)):
+        scheduler.admit()
+        scheduler.submit(Request(prompt, settings, [], emitter(name)))
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sum(kind == "Finished" for _, kind, _ in events) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    answers = [name for name, kind, _ in events if kind == "GenerationResponse"]
+    short_done = max(i for i, name in enumerate(answers) if name == "short")
+    assert short_done < answers.index("long")
+    assert [kind for name, kind, _ in events if name == "long"][0] == Started.__name__
+    assert [kind for name, kind, _ in events if name == "short"][-1] == Finished.__name__
+
+
+def test_past_its_time_limit_an_answer_ends_as_at_max_tokens(tiny, monkeypatch):  # noqa: F811
+    import dflash_mlx.server.scheduler as scheduler
+
+    real = scheduler.stream_generate
+
+    def slow(*args, **kwargs):
+        for response in real(*args, **kwargs):
+            time.sleep(0.1)
+            yield response
+
+    monkeypatch.setattr(scheduler, "stream_generate", slow)
+    with serving(create_app(*tiny, config(request_timeout=1.0))) as url:
+        oai, ant = clients(url)
+        messages = [{"role": "user", "content": words(111)}]
+        r = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=200)
+        full = expected(tiny, messages, max_tokens=200)
+        assert r.choices[0].finish_reason == "length" and 0 < r.usage.completion_tokens < len(full.tokens)
+        assert full.text.startswith(r.choices[0].message.content)
+        chunks = list(
+            oai.chat.completions.create(model="tiny", messages=messages, max_tokens=200, stream=True)
+        )
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        m = ant.messages.create(model="tiny", messages=messages, max_tokens=200)
+        assert m.stop_reason == "max_tokens"
+        assert metric(url, "dflash_mlx_timed_out_requests_total") == 3
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("messages", ["w5"], "messages[0]: should be an object"),
+        (
+            "messages",
+            [{"role": "user", "content": "w5", "tool_calls": [{"function": 3}]}],
+            "messages[0].tool_calls[0].function: should be an object",
+        ),
+        ("stop", 5, "stop: should be a valid string or should be a valid list"),
+        ("stream_options", 3, "stream_options: should be an object"),
+    ],
+)
+def test_a_body_of_the_wrong_shape_gets_the_field_named_in_the_clients_terms(server, field, value, message):
+    url, _ = server
+    r = post(url, "/v1/chat/completions", dict(request("/v1/chat/completions", "w5"), **{field: value}))
+    assert r.status_code == 400 and r.json()["error"]["message"] == message
