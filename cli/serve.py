@@ -12,7 +12,7 @@ import uvicorn
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
 from dflash_mlx.pairing import prepare
-from dflash_mlx.policy import costs_for
+from dflash_mlx.policy import batch_sizes, costs_for
 from dflash_mlx.server.app import ServerConfig, create_app
 from dflash_mlx.settings import GenerationSettings
 
@@ -97,7 +97,7 @@ def serve(
         target, drafter, tokenizer = load_pair(model, draft)
         if block_size is None:  # measured now, not in the first request's time
             with stderr().status("measuring this machine's costs for the pair (once) ..."):
-                costs_for(prepare(target, drafter), drafter)
+                costs_for(prepare(target, drafter), drafter, batches=batch_sizes(max_concurrency))
         config = ServerConfig(
             model_id=name or model,
             defaults=defaults,

@@ -141,7 +141,12 @@ class SpeculativeCache:
         committed tokens follow with `add`, which may come after the next pass is launched."""
         self.target.rollback(self.target_cache, self.undo, m)
         self.undo = None
-        if self.draft is not None and features is not None:
+        self.kept(features, m)
+
+    def kept(self, features: mx.array | None, m: int) -> None:
+        """`keep`'s bookkeeping: the target kept m positions of a pass it made over a batch this cache's
+        target caches were lent to (engine.py)."""
+        if self.draft is not None and features is not None and m:
             self.unabsorbed.append(features[:, :m])
             if sum(f.shape[1] for f in self.unabsorbed) >= ABSORB_BATCH:
                 self._absorb()

@@ -22,11 +22,12 @@ import itertools
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
 
+from .batching import batchable, merge
 from .cache import SpeculativeCache
 from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS, draft_block
 from .files import atomic_file
@@ -67,8 +68,12 @@ class CostModel:
     # built while that one runs and launched once its token is read (built): see speculative.py.
     ahead: list[float]
     built: list[float]
+    # {batch size: [context][width]}: a target pass over that many sequences of `width` positions each
+    # (measured where sequences are batched, `with_batches`)
+    batches: dict[int, list[list[float]]] = field(default_factory=dict)
 
     def __post_init__(self):
+        self.batches = {int(b): rows for b, rows in self.batches.items()}  # (JSON's keys are strings)
         ok = (
             self.contexts
             and len(self.ahead) == len(self.built) == len(self.contexts)
@@ -82,12 +87,30 @@ class CostModel:
             and len(self.draft) == (len(self.contexts) if self.proposals else 0)
             and all(len(row) == len(self.proposals) for row in self.draft)
             and all(t > 0 for row in self.target + self.draft for t in row)
+            and all(
+                len(rows) == len(self.contexts) and all(len(r) == len(self.widths) for r in rows)
+                for rows in self.batches.values()
+            )
         )
         if not ok:
             raise ValueError("not a cost model: measure it again")
 
     def target_time(self, width: int, context: int) -> float:
         return _at(self.contexts, self.widths, self.target, width, context)
+
+    def batch_time(self, batch: int, width: int, context: int) -> float:
+        """A target pass over `batch` sequences of `width` positions: interpolated between the batch
+        sizes measured (one sequence's own table included), extended linearly past the largest."""
+        sizes = sorted({1, *self.batches})
+        times = [
+            self.target_time(width, context)
+            if b == 1
+            else _at(self.contexts, self.widths, self.batches[b], width, context)
+            for b in sizes
+        ]
+        if len(sizes) == 1:  # nothing measured: as one sequence of all their positions
+            return self.target_time(batch * width, context)
+        return _interpolate(sizes, list(itertools.accumulate(times, max)), batch)
 
     def step_time(self, context: int, after: str | None = None) -> float:
         """A plain step's seconds; `after` "ahead" or "built" for one following a plain step."""
@@ -112,6 +135,7 @@ class CostModel:
             _monotone([*self.draft, draft]) if self.proposals else [],
             [*self.ahead, self.ahead[-1] * scale],
             [*self.built, self.built[-1] * scale],
+            {b: [*rows, [t * scale for t in rows[-1]]] for b, rows in self.batches.items()},
         )
 
 
@@ -243,6 +267,27 @@ class AdaptivePolicy:
             best = max(best, (e[k] / t, -k))
         return best[0], -best[1]
 
+    def best_within(
+        self, k_max: int, context: int, lookup: tuple[list[int], int], share: float
+    ) -> tuple[float, Choice, float]:
+        """The best choice for this sequence in a batched step that verifies at most `k_max` proposals
+        of each sequence and whose target pass costs `share` seconds per sequence: -> (expected tokens,
+        the choice, its draft pass's seconds). A draft pass counts as the tokens its time would buy."""
+        best = (1.0, Choice(PLAIN, 0), 0.0)
+        tokens, n = lookup
+        k = min(k_max, len(tokens), self.max[LOOKUP])
+        if k:
+            e = expected_tokens(self.lookup[min(n, 8)].rates(k))[k]
+            best = max(best, (e, Choice(LOOKUP, k), 0.0), key=lambda o: o[0])
+        k = min(k_max, self.max[DFLASH])
+        if k:
+            e = expected_tokens(self.dflash.rates(k))
+            for j in range(1, k + 1):
+                drafted = self._draft_time(j, context)
+                if e[j] - drafted / share > best[0] - best[2] / share:
+                    best = (e[j], Choice(DFLASH, j), drafted)
+        return best
+
     def choose(self, context: int, lookup: tuple[list[int], int], built: bool = False) -> Choice:
         """`built`: a plain step is built already, which makes it cheaper."""
         tokens, n = lookup
@@ -352,6 +397,25 @@ class AdaptivePolicy:
                 self.bins.hits[b] += j < accepted
         elif choice.source == LOOKUP:
             self.lookup[min(ngram, 8)].observe(k, accepted)
+
+
+def choose_batch(policies: list, contexts: list[int], lookups: list[tuple]) -> list[Choice]:
+    """The choices of a step over several sequences, whose target pass is as wide as its widest block:
+    the step width whose best choices give the most tokens per second for the batch (width 1: batched
+    plain decoding). Policies that are not adaptive (a fixed block) choose for themselves."""
+    if not all(isinstance(p, AdaptivePolicy) for p in policies):
+        return [p.choose(c, f) for p, c, f in zip(policies, contexts, lookups)]
+    costs, batch, context = policies[0].costs, len(policies), max(contexts)
+    best = (0.0, None)
+    for width in costs.widths:
+        step = costs.batch_time(batch, width, context)
+        options = [
+            p.best_within(width - 1, c, f, step / batch) for p, c, f in zip(policies, contexts, lookups)
+        ]
+        rate = sum(o[0] for o in options) / (step + sum(o[2] for o in options))
+        if rate > best[0]:
+            best = (rate, [o[1] for o in options])
+    return best[1]
 
 
 # ---- measuring the costs --------------------------------------------------------------------------
@@ -469,6 +533,47 @@ def measure_costs(
     return CostModel(list(contexts), list(widths), table, proposals, _monotone(drafts), ahead, built)
 
 
+def _batch_pass(target, batch: list, tokens: mx.array):
+    def run():
+        logits, _, undo = target.verify(tokens, batch)
+        mx.eval(logits)
+        target.rollback(batch, undo, [0] * tokens.shape[0])
+
+    return run
+
+
+def with_batches(costs: CostModel, target, sizes, repeats: int = 3) -> CostModel:
+    """These costs with a target pass over each batch size in `sizes` measured (at every context and
+    width of the table), where it is not already: the rows of one random prompt's cache per context."""
+    sizes = sorted({b for b in sizes if b > 1} - set(costs.batches))
+    if not sizes:
+        return costs
+    key, vocab = mx.random.key(1), target.vocab_size
+    batches = {b: [] for b in sizes}
+    for context in costs.contexts:
+        cache = SpeculativeCache(target, None)
+        cache.prefill(mx.random.randint(0, vocab, (context,), key=key).tolist())
+        if not batchable(cache.target_cache):
+            return costs  # (its sequences step one at a time: no batched pass to price)
+        for b in sizes:
+            batch = merge([cache.target_cache] * b)
+            batches[b].append(
+                [
+                    fastest_seconds(
+                        _batch_pass(target, batch, mx.random.randint(0, vocab, (b, w), key=key)), repeats
+                    )
+                    for w in costs.widths
+                ]
+            )
+    measured = {b: _monotone(rows) for b, rows in batches.items()}
+    return replace(costs, batches={**costs.batches, **measured})
+
+
+def batch_sizes(most: int) -> list[int]:
+    """The batch sizes to price for up to `most` sequences at once: powers of two, and `most`."""
+    return sorted({1 << i for i in range(1, most.bit_length()) if 1 << i < most} | {most} - {1})
+
+
 def cost_key(target, draft) -> str:
     """What the costs depend on: the models' shapes and dtypes, this machine and its MLX build."""
 
@@ -506,17 +611,23 @@ def costs_path(target, draft) -> Path:
     return cache_home() / "costs" / f"{cost_key(target, draft)}.json"
 
 
-def costs_for(target, draft, refresh: bool = False) -> CostModel:
-    """This pair's costs on this machine: measured at first use (a few seconds), then read from disk."""
+def costs_for(target, draft, refresh: bool = False, batches=()) -> CostModel:
+    """This pair's costs on this machine: measured at first use (a few seconds), then read from disk;
+    `batches`: the batch sizes whose passes must be priced too (measured where they are not yet)."""
     path = costs_path(target, draft)
+    costs = None
     if not refresh and path.exists():
         try:
-            return CostModel(**json.loads(path.read_text()))
+            costs = CostModel(**json.loads(path.read_text()))
         except (ValueError, TypeError, KeyError):
             pass  # unreadable or not a cost model: measure again
-    costs = measure_costs(target, draft)
-    keep_costs(path, costs)
-    return costs
+    if costs is None:
+        costs = measure_costs(target, draft)
+        keep_costs(path, costs)
+    batched = with_batches(costs, target, batches)
+    if batched is not costs:
+        keep_costs(path, batched)
+    return batched
 
 
 def keep_costs(path: Path, costs: CostModel) -> None:

@@ -14,9 +14,10 @@ produced: the same tokens as plain greedy decoding at temperature 0, the same di
 
 from __future__ import annotations
 
+import collections.abc as abc
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -24,13 +25,11 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import SpeculativeCache
-from .drafters import DFlashDrafter
+from .engine import Engine, Sequence
 from .errors import UserError
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
 from .pairing import context_room, prepare
-from .policy import DFLASH, LOOKUP, PLAIN, policy_for
-from .sampling import acceptance
 from .settings import GenerationSettings
 
 
@@ -117,7 +116,7 @@ class _NoText:
 class _StopText:
     """Holds back just enough streamed text to never show the start of a stop string."""
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: abc.Sequence[str]):
         self.stops = [s for s in stops if s]
         self.held = ""
 
@@ -143,7 +142,7 @@ def stream_generate(
     model: nn.Module | Target,
     draft: DFlashDraftModel | None,
     tokenizer,
-    prompt: str | Sequence[int] | mx.array,
+    prompt: str | abc.Sequence[int] | mx.array,
     *,
     block_size: int | None = None,
     lookup: bool = True,
@@ -154,7 +153,7 @@ def stream_generate(
     min_p: float = 0.0,
     seed: int | None = None,
     sampler: Callable[[mx.array], mx.array] | None = None,
-    stop: Sequence[str] = (),
+    stop: abc.Sequence[str] = (),
     prompt_cache: SpeculativeCache | None = None,
     prefill_step_size: int = 2048,
     draft_window: int | None = None,
@@ -218,156 +217,86 @@ def stream_generate(
         return
     if settings.seed is not None:
         mx.random.seed(settings.seed)
-    draw, accept = acceptance(settings, sampler)
     cache = prompt_cache or SpeculativeCache(target, draft, draft_window)
-    matched = sampler is not None or settings.greedy  # proposals accepted where they equal the target's
-    policy = policy_for(
-        target,
-        draft,
-        block_size=block_size,
-        lookup=lookup,
-        draft_window=cache.draft_window,
-        sampled=not matched,
-        fresh=seed is not None,
-    )
-    q_temperature = 0.0 if matched else settings.temperature
-    dflash = (
-        DFlashDrafter(draft, block_size or draft.block_size, compile, q_temperature)
-        if draft is not None
-        else None
-    )
-    pick = (
-        (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
-        if sampler is not None
-        else settings.sample
-    )
-    eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
-    detok = tokenizer.detokenizer if tokenizer is not None else _NoText()
-    detok.reset()
-    stops = _StopText(stop)
+    eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
+    seq = Sequence(cache, settings, max_tokens, eos, sampler, compile)
+    answer = Answer(tokenizer, stop, len(prompt_ids))
+    tic = time.perf_counter()
+    first = seq.start(prompt_ids)
+    answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)  # with a kept cache's pending
+    response = answer.respond(first, None, seq.finish)
+    yield response
+    if response.finish_reason is not None:
+        return
+    engine = Engine(target, draft)
+    engine.add(seq)
+    engine.launch()
+    try:
+        # The next step starts before this one's tokens are handed out (see engine.py).
+        while True:
+            (r,) = engine.collect()
+            if seq.finish is None:
+                engine.launch()
+            response = answer.respond(r.tokens, r.accepted, seq.finish, r.source, r.proposed)
+            if response.finish_reason is not None:
+                if seq.finish is None:  # a stop string ended it: the step under way is taken back
+                    engine.remove(seq)
+                yield response
+                return
+            yield response
+    except GeneratorExit:  # the caller stopped between two steps: the cache goes on from there
+        engine.remove(seq)
+        raise
 
-    tic = time.perf_counter()
-    logits = cache.prefill(prompt_ids, prefill_step_size)
-    first = int(pick(logits).item())
-    prompt_tps = cache.last_prefill / (time.perf_counter() - tic)  # with a kept cache's pending tokens
-    tic = time.perf_counter()
-    produced = 0
+
+class Answer:
+    """One answer's tokens as GenerationResponses: text (EOS not shown, held back where a stop string
+    may start), the stop string that ended it, and speeds."""
+
+    def __init__(self, tokenizer, stop: abc.Sequence[str], prompt_tokens: int):
+        self.eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
+        self.detok = tokenizer.detokenizer if tokenizer is not None else _NoText()
+        self.detok.reset()
+        self.stops = _StopText(stop)
+        self.prompt_tokens, self.prompt_tps = prompt_tokens, 0.0
+        self.produced = 0
+        self.tic = None  # when the first token was handed out
 
     def respond(
+        self,
         new: list[int],
         accepted: int | None,
         finish: str | None,
         source: str | None = None,
         proposed: int = 0,
     ) -> GenerationResponse:
-        """Turn committed tokens into a response: text (EOS not shown), stop strings, stats."""
-        nonlocal produced
-        produced += len(new)
+        self.tic = self.tic or time.perf_counter()
+        self.produced += len(new)
         for t in new:
-            if t not in eos:
-                detok.add_token(t)
+            if t not in self.eos:
+                self.detok.add_token(t)
         if finish is not None:
-            detok.finalize()
-        text, hit = stops.feed(detok.last_segment)
+            self.detok.finalize()
+        text, hit = self.stops.feed(self.detok.last_segment)
         if hit is not None:
             finish = "stop"
         elif finish is not None:
-            text += stops.flush()
-        elapsed = time.perf_counter() - tic
+            text += self.stops.flush()
+        elapsed = time.perf_counter() - self.tic
         return GenerationResponse(
             text,
             new,
             accepted,
-            len(prompt_ids),
-            prompt_tps,
-            produced,
-            (produced - 1) / max(elapsed, 1e-9),
+            self.prompt_tokens,
+            self.prompt_tps,
+            self.produced,
+            (self.produced - 1) / max(elapsed, 1e-9),
             mx.get_peak_memory() / 1e9,
             finish,
             source,
             proposed,
             hit,
         )
-
-    def finish_reason(new: list[int]) -> tuple[list[int], str | None]:
-        """Cut new tokens at max_tokens, then after an EOS (an EOS past the limit is never reached)."""
-        room = max_tokens - produced
-        new = new[:room]
-        for i, t in enumerate(new):
-            if t in eos:
-                return new[: i + 1], "stop"
-        return new, ("length" if len(new) == room else None)
-
-    def launch(ready, started: bool):
-        """Choose the next cycle and start it -> (choice, proposals, confidences, lookup's match, features,
-        accepted count, next token), the last three still being computed. `ready`: a plain step built
-        already on the pending token (`started` already), run if the choice is a plain step."""
-        if ready is None:
-            policy.measure(cache)  # (only past the contexts its costs were measured at)
-        last, context = cache.pending[-1], len(cache.tokens)
-        found = cache.index.match() if lookup and block_size is None and not started else ([], 0)
-        choice = policy.choose(context, found, ready is not None)
-        x, q, confidence = mx.array([], dtype=mx.int32), None, []
-        if ready is not None:
-            if choice.source == PLAIN:
-                if not started:
-                    cache.launch(*ready)
-                return choice, x, confidence, found, ready[0], mx.array(0), ready[1]
-            cache.cancel()
-        if choice.source == DFLASH:
-            x, q, confidence = dflash.propose(last, cache.draft_cache, choice.k, draw)
-            k, confidence = policy.narrow(choice, confidence, context)
-            x, q = x[:k], None if q is None else q[:k]
-        elif choice.source == LOOKUP:
-            x = mx.array(found[0][: choice.k], dtype=mx.int32)  # q None: proposed with certainty
-        logits, features = cache.verify(mx.concatenate([mx.array([last]), x])[None])
-        n, nxt = accept(x, q, logits[0]) if x.size else (mx.array(0), pick(logits[0])[0])
-        mx.async_eval(n, nxt)
-        return choice, x, confidence, found, features, n, nxt
-
-    def plain_step(token: mx.array):
-        """Build (not run) a plain step on a token not yet computed -> (features, next token)."""
-        logits, features = cache.verify(token.reshape(1, 1), unrun=True)
-        return features, pick(logits[0])[0]
-
-    new, finish = finish_reason([first])
-    cache.add([first])
-    response = respond(new, None, finish)
-    yield response
-    cycle = launch(None, False) if finish is None else None
-    try:
-        # The next cycle starts before this one's tokens are handed out, and a plain step's successor is
-        # built while it runs (and started, if the policy is sure of it), so that Python's work overlaps
-        # the models', as in plain decoding.
-        while cycle is not None:
-            choice, x, confidence, found, features, n, nxt = cycle
-            k, ready, started = x.size, None, False
-            if not k and produced + 1 < max_tokens:
-                cache.keep(features, 1)
-                ready = plain_step(nxt)
-                if policy.plain_next(len(cache.tokens) + 1, cache.index):
-                    cache.launch(*ready)
-                    started = True
-            mx.eval(n, nxt, x)
-            n, tokens = n.item(), x.tolist()
-            policy.observe(choice, k, n, confidence, found[1])
-            new, finish = finish_reason(tokens[:n] + [nxt.item()])
-            if ready is None:
-                cache.commit(features, new)
-            else:
-                cache.add(new)
-            cycle = launch(ready, started) if finish is None else None
-            if ready is not None and cycle is None:
-                cache.cancel()
-            response = respond(new, n + 1, finish, choice.source if k else PLAIN, k)
-            if response.finish_reason is not None and cycle is not None:  # a stop string ended it
-                cache.cancel()
-                cycle = None
-            yield response
-    except GeneratorExit:  # the caller stopped between two cycles: the cache goes on from there
-        if cycle is not None:
-            cache.cancel()
-        raise
 
 
 def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs) -> GenerationResult:

@@ -261,10 +261,19 @@ class Target:
         features = mx.concatenate(outputs, axis=-1) if outputs else None
         return logits, features, record
 
-    def rollback(self, cache: list, undo: Undo, keep: int) -> None:
-        """Keep only the first `keep` positions of the verify pass `undo` belongs to (0: none of it).
-        It must be the last pass over this cache."""
+    def rollback(self, cache: list, undo: Undo, keep: int | list[int]) -> None:
+        """Keep only the first `keep` positions of the verify pass `undo` belongs to (0: none of it), or
+        keep[b] of row b of a batch (batching.py). It must be the last pass over this cache."""
         n = undo.width
+        if isinstance(keep, list):
+            if not all(0 <= k <= n for k in keep):
+                raise ValueError(f"cannot keep {keep} of the {n} positions of the last call")
+            if undo.buffers is not None and not any(keep):
+                keep = 0  # (a pass dropped as a whole: its buffers go back as they were)
+            else:
+                for c in cache:
+                    c.trim([n - k for k in keep])
+                return
         if keep == n:
             return
         if not 0 <= keep < n:

@@ -19,7 +19,7 @@ from test_drafter import write_zlab_checkpoint
 from tiny import CONFIGS, greedy_reference, make_draft, make_target, make_tokenizer
 from typer.testing import CliRunner
 
-import dflash_mlx.speculative as speculative
+import dflash_mlx.engine as engine
 from dflash_mlx import UserError, apply_chat_template, generate, load_pair
 from dflash_mlx.cli.main import app
 from dflash_mlx.data import jsonl_prompts
@@ -453,7 +453,7 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
 
         return draft, accept
 
-    monkeypatch.setattr(speculative, "acceptance", lossy)
+    monkeypatch.setattr(engine, "acceptance", lossy)
     r = run(
         f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 16 -o "
         f"{tmp_path}/b"

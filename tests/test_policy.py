@@ -18,6 +18,7 @@ from tiny import (
     prompt_of,
 )
 
+import dflash_mlx.engine as engine
 import dflash_mlx.speculative as speculative
 from dflash_mlx import SpeculativeCache, generate, stream_generate
 from dflash_mlx.drafters import NgramIndex
@@ -133,7 +134,7 @@ class OracleIndex(NgramIndex):
 def scripted(monkeypatch):
     def use(script):
         policy = ScriptedPolicy(script)
-        monkeypatch.setattr(speculative, "policy_for", lambda *a, **k: policy)
+        monkeypatch.setattr(engine, "policy_for", lambda *a, **k: policy)
 
     return use
 
@@ -156,7 +157,7 @@ def test_every_choice_and_every_switch_between_them_is_lossless(family, scripted
         assert_same_caches(cache, fresh)
         sources.append((piece.source, piece.proposed))
     assert cache.tokens[len(prompt) :] == ref[:60]
-    assert speculative.policy_for().paths == {(True, True), (True, False), (False, True), (False, False)}
+    assert engine.policy_for().paths == {(True, True), (True, False), (False, True), (False, False)}
     assert {s for s, _ in sources[1:]} == {PLAIN, LOOKUP, DFLASH}
     assert len({k for s, k in sources if s == DFLASH}) > 1 and len({k for s, k in sources if s == LOOKUP}) > 1
 
@@ -370,11 +371,11 @@ def test_sampled_output_follows_the_target_distribution_with_lookup_and_the_adap
     model = make_target("llama", seed=4, vocab_size=V)
     prompt = [1, 5, 3, 6, 1, 5]  # lookup proposes [3, 6, 1, 5] at once
     if mode == "lookup":
-        monkeypatch.setattr(speculative, "policy_for", lambda *a, **k: ScriptedPolicy([Choice(LOOKUP, 4)]))
+        monkeypatch.setattr(engine, "policy_for", lambda *a, **k: ScriptedPolicy([Choice(LOOKUP, 4)]))
         draft = None
     else:
         policy = AdaptivePolicy(MAC, 2, lookup=True)
-        monkeypatch.setattr(speculative, "policy_for", lambda *a, **k: policy)
+        monkeypatch.setattr(engine, "policy_for", lambda *a, **k: policy)
         draft = make_draft(seed=11, vocab=V, block_size=3)
     tok = make_tokenizer(vocab=V, eos=V + 5)
     counts, sources = {}, set()

@@ -6,6 +6,7 @@ import pytest
 from scipy.stats import chisquare
 from tiny import draft_config, make_dflash2, make_draft, make_target, make_tokenizer
 
+import dflash_mlx.engine as engine
 import dflash_mlx.speculative as speculative
 from dflash_mlx import SpeculativeCache, generate, stream_generate
 from dflash_mlx.models.dflash import DFlashDraftModel
@@ -181,7 +182,7 @@ def test_the_check_catches_a_lossy_rule(model, monkeypatch):
 
         return draft, accept
 
-    monkeypatch.setattr(speculative, "acceptance", accept_all)
+    monkeypatch.setattr(engine, "acceptance", accept_all)
     holder = [None]
     joint = exact_joint(model, 1.0, 1.0)
     p = chi_square_p(sample_counts(model, make_draft(seed=11, **DRAFT), holder, 1.0, 1.0), joint)

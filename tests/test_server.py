@@ -345,17 +345,37 @@ def test_bad_requests_get_a_4xx_with_an_error_body_and_the_server_goes_on(tiny, 
     )
 
 
+class Failing:
+    """A Sequence that fails as a bug inside a model pass would, for answers of 13 tokens."""
+
+    def __new__(cls, *args, **kwargs):
+        from dflash_mlx.engine import Sequence
+
+        seq = Sequence(*args, **kwargs)
+        if seq.settings.max_tokens == 13:
+            seq.start = lambda prompt: (_ for _ in ()).throw(RuntimeError("a bug"))
+        return seq
+
+
+def held_after_the_first_token(monkeypatch):
+    """The worker stops after each answer's first token until the returned event is set."""
+    import dflash_mlx.server.scheduler as scheduler
+
+    release = threading.Event()
+
+    class Held(scheduler.Engine):
+        def launch(self):
+            release.wait(60)
+            super().launch()
+
+    monkeypatch.setattr(scheduler, "Engine", Held)
+    return release
+
+
 def test_an_internal_error_is_a_500_and_the_server_goes_on(tiny, server, monkeypatch):
     import dflash_mlx.server.scheduler as scheduler
 
-    real = scheduler.stream_generate
-
-    def failing(*args, **kwargs):  # fails on its first step, as a bug inside a model pass would
-        if kwargs["max_tokens"] == 13:
-            raise RuntimeError("a bug")
-        yield from real(*args, **kwargs)
-
-    monkeypatch.setattr(scheduler, "stream_generate", failing)
+    monkeypatch.setattr(scheduler, "Sequence", Failing)
     url, _ = server
     messages = [{"role": "user", "content": words(41)}]
     r = httpx.post(
@@ -406,17 +426,7 @@ def test_an_api_key_guards_every_endpoint_but_health(tiny):
 
 
 def test_past_the_slots_and_the_queue_requests_get_429(tiny, monkeypatch):
-    import dflash_mlx.server.scheduler as scheduler
-
-    real, release = scheduler.stream_generate, threading.Event()
-
-    def held(*args, **kwargs):  # the first answer's first cycle, then the one slot stays taken
-        responses = real(*args, **kwargs)
-        yield next(responses)
-        release.wait(60)
-        yield from responses
-
-    monkeypatch.setattr(scheduler, "stream_generate", held)
+    release = held_after_the_first_token(monkeypatch)
     with serving(create_app(*tiny, config(max_active=1, max_waiting=0))) as url:
         body = {"model": "tiny", "messages": [{"role": "user", "content": words(50)}], "max_tokens": 8}
         with httpx.stream(

@@ -13,7 +13,16 @@ import time
 import httpx
 import pytest
 from serving import serving
-from test_server import clients, config, expected, metric, tiny, words  # noqa: F401  (tiny: a fixture)
+from test_server import (  # noqa: F401  (tiny: a fixture)
+    Failing,
+    clients,
+    config,
+    expected,
+    held_after_the_first_token,
+    metric,
+    tiny,
+    words,
+)
 
 import dflash_mlx.server.prompts as prompts
 from dflash_mlx import SpeculativeCache, generate
@@ -230,18 +239,8 @@ def test_an_internal_error_leaves_the_kept_alive_connection_usable(tiny, server,
 
 
 def test_a_full_server_refuses_a_request_before_making_its_prompt(tiny, monkeypatch):  # noqa: F811
-    import dflash_mlx.server.scheduler as scheduler
-
-    real, release, rendered = scheduler.stream_generate, threading.Event(), []
-
-    def held(*args, **kwargs):
-        responses = real(*args, **kwargs)
-        yield next(responses)
-        release.wait(60)
-        yield from responses
-
+    release, rendered = held_after_the_first_token(monkeypatch), []
     real_render = prompts._render
-    monkeypatch.setattr(scheduler, "stream_generate", held)
     monkeypatch.setattr(prompts, "_render", lambda *a: rendered.append(1) or real_render(*a))
     with serving(create_app(*tiny, config(max_active=1, max_waiting=0))) as url:
         path = "/v1/chat/completions"
@@ -279,12 +278,8 @@ def test_the_pool_keeps_one_cache_for_repeats_and_none_for_failed_requests(tiny,
     assert metric(url, "dflash_mlx_prefix_cache_bytes") == nbytes
     import dflash_mlx.server.scheduler as scheduler
 
-    def failing(*args, **kwargs):
-        raise RuntimeError("a bug")
-        yield
-
-    monkeypatch.setattr(scheduler, "stream_generate", failing)
-    assert post(url, path, request(path, words(109))).status_code == 500
+    monkeypatch.setattr(scheduler, "Sequence", Failing)
+    assert post(url, path, request(path, words(109), max_tokens=13)).status_code == 500
     assert len(pool.caches) == entries
 
 
@@ -368,14 +363,12 @@ def test_a_long_prompt_shares_the_worker_with_a_short_request_that_comes_beside_
 def test_past_its_time_limit_an_answer_ends_as_at_max_tokens(tiny, monkeypatch):  # noqa: F811
     import dflash_mlx.server.scheduler as scheduler
 
-    real = scheduler.stream_generate
-
-    def slow(*args, **kwargs):
-        for response in real(*args, **kwargs):
+    class Slow(scheduler.Engine):
+        def collect(self):
             time.sleep(0.1)
-            yield response
+            return super().collect()
 
-    monkeypatch.setattr(scheduler, "stream_generate", slow)
+    monkeypatch.setattr(scheduler, "Engine", Slow)
     with serving(create_app(*tiny, config(request_timeout=1.0))) as url:
         oai, ant = clients(url)
         messages = [{"role": "user", "content": words(111)}]

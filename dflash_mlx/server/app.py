@@ -3,10 +3,10 @@ metrics, over one model pair (FastAPI).
 
 Every request is admitted first (429 when the server is full, before any work), becomes token ids
 (the chat template, with tools where the template takes them; prompts.py, off the event loop), goes to
-the scheduler, and streams back what `stream_generate` yields, split into reasoning, answer and tool
-calls. Errors are answered in the shape of the API that was called, with a 4xx for what the client can
-fix and a 500 with a generic message (the details logged) for the server's own; either way the
-connection stays usable and the server goes on serving.
+the scheduler, and streams back the answer's pieces as the engine makes them, split into reasoning,
+answer and tool calls. Errors are answered in the shape of the API that was called, with a 4xx for
+what the client can fix and a 500 with a generic message (the details logged) for the server's own;
+either way the connection stays usable and the server goes on serving.
 """
 
 from __future__ import annotations

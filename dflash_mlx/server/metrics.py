@@ -59,6 +59,18 @@ class Metrics:
         )
         self.cache_bytes = Gauge("dflash_mlx_prefix_cache_bytes", "Bytes the kept caches hold", registry=r)
         self.cache_entries = Gauge("dflash_mlx_prefix_cache_entries", "Kept caches", registry=r)
+        self.steps = Counter(
+            "dflash_mlx_steps",
+            "Engine steps, by kind: plain (every sequence a plain step) or speculative",
+            ["kind"],
+            registry=r,
+        )
+        self.step_sequences = Counter(
+            "dflash_mlx_step_sequences",
+            "Sequences in engine steps, all steps together (divided by steps: the mean batch size)",
+            registry=r,
+        )
+        self.batch_size = Gauge("dflash_mlx_batch_size", "Sequences in the last engine step", registry=r)
         self.timed_out = Counter(
             "dflash_mlx_timed_out_requests", "Requests ended at --request-timeout", registry=r
         )
@@ -82,6 +94,11 @@ class Metrics:
         with self._lock:
             self._recent.append((time.monotonic(), len(response.tokens)))
             self._prune()
+
+    def record_step(self, sequences: int, plain: bool) -> None:
+        self.steps.labels("plain" if plain else "speculative").inc()
+        self.step_sequences.inc(sequences)
+        self.batch_size.set(sequences)
 
     def _prune(self) -> None:
         while self._recent and self._recent[0][0] < time.monotonic() - WINDOW_S:

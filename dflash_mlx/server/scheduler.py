@@ -1,21 +1,22 @@
-"""One generation worker for every request.
+"""One generation worker for every request, over one engine (engine.py).
 
-The models run on one thread. Requests in flight are interleaved turn by turn: each turn goes to the
-request that has received the fewest tokens (a cycle commits anywhere from one token to a whole block,
-so counting cycles would favour the requests whose drafts are accepted); a request that joins starts
-level with the least served one. A long prompt is prefilled a chunk per turn, each sized by the
-prefill speed last measured to take about PREFILL_TURN_S while other requests are under way (about
-PREFILL_ALONE_S alone, which is as long as a request that arrives meanwhile waits), and counting as
-the tokens the others would have received in its time: a long prompt shares the worker with the
-streams under way rather than holding them up. A request whose reader has fallen behind (a slow
-client) waits its turns out. Requests are admitted before their prompts are made (`admit`), so a
-full server refuses them (`Busy`) before any work: up to `max_active` in flight and `max_waiting`
-more. A request whose client has gone, or that has run past its deadline, is
-stopped before its next turn; its cache, left consistent, goes back to the pool like any other (a
-request that failed leaves its cache out).
+The models run on one thread. Requests that are answering step together: each engine step is one
+target pass over all of them, so every stream moves each step and none waits for another to finish.
+A request joins once its prompt is prefilled; a long prompt is prefilled a chunk at a time between
+steps, each chunk sized by the prefill speed last measured to take about PREFILL_TURN_S while others
+are under way (about PREFILL_ALONE_S alone, which is as long as a request that arrives meanwhile
+waits). Turns go to whatever has received the fewest tokens: the batch (its least served request) or
+a prefilling request, a chunk counting as the tokens the batch's requests receive in its time, so a
+long prompt shares the worker with the streams under way rather than holding them up. A request whose
+reader has fallen behind (a slow client) leaves the batch until it catches up. Requests are admitted
+before their prompts are made (`admit`), so a full server refuses them (`Busy`) before any work: up to
+`max_active` in flight and `max_waiting` more. A request whose client has gone, or that has run past
+its deadline, is taken out before the next step; its cache, left consistent, goes back to the pool like
+any other (a request that failed leaves its cache out).
 
-A request with a seed draws from a random stream of its own, so interleaving neither changes its draws
-nor lets its seed reset anyone else's.
+Steps are pipelined: the next is launched before the last one's tokens are handed to the readers.
+A request with a seed draws each token with a key made from its seed and the token's position, so it
+gets the same answer whatever runs beside it (engine.Sequence's `keyed`).
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..engine import Engine, Sequence
 from ..errors import UserError
+from ..pairing import context_room
 from ..settings import GenerationSettings
-from ..speculative import GenerationResponse, stream_generate
+from ..speculative import Answer, GenerationResponse
 from .metrics import Metrics
 from .pool import PromptCachePool
 
@@ -40,7 +43,7 @@ log = logging.getLogger("dflash_mlx.server")
 PREFILL_TURN_S = 0.25  # about how long a prefill chunk takes while other requests are under way
 PREFILL_ALONE_S = 1.0  # ... and while none is
 FIRST_CHUNK = 64  # prompt tokens in a chunk before any prefill speed is known
-MAX_BACKLOG = 64  # events a request's reader may leave unread before its turns are skipped
+MAX_BACKLOG = 64  # events a request's reader may leave unread before it leaves the batch
 
 
 class Busy(Exception):
@@ -73,24 +76,16 @@ class Request:
     deadline: float | None = None  # time.monotonic() past which the answer ends where it is ("length")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     request: Request
     cache: object
     prompt: list[int]  # prompt tokens not yet processed (prefilled in turns of their own while long)
+    answer: Answer
     served: float  # tokens received (a prefill chunk counts what it cost), plus the level it started at
-    generator: object = None
-    produced: int = 0  # tokens emitted
-    key: mx.array | None = None  # a seeded request's random key between its turns
+    seq: Sequence | None = None  # once its prompt is in: its place in the engine
+    paused: bool = False  # out of the batch while its reader catches up
     turn: int = 0  # when it last had a turn (ties go to the one waiting longest)
-
-
-def _swap_key(key: mx.array) -> mx.array:
-    """Make `key` MLX's global random key; -> the one it replaces."""
-    state = mx.random.state[0]
-    old = mx.array(state)
-    state[...] = key
-    return old
 
 
 class Scheduler:
@@ -106,12 +101,15 @@ class Scheduler:
     ):
         self.target, self.draft, self.tokenizer, self.pool = target, draft, tokenizer, pool
         self.metrics, self.max_active, self.max_waiting = metrics, max_active, max_waiting
+        self.engine = Engine(pool.target, draft)
         self.waiting: deque[Request] = deque()
         self.active: list[_Job] = []
         self.admitted = 0  # requests admitted and not yet ended: preparing, waiting, joining or active
         self.turns = 0
         self.prefill_rate: float | None = None  # prompt tokens a second in the last prefill chunk
-        self.token_seconds: float | None = None  # worker seconds per token served in answers (average)
+        self.token_seconds: float | None = None  # worker seconds per token a request receives (average)
+        self.launched = 0.0  # when the step under way was launched
+        self.returning: list[_Job] = []  # ended while their step was under way: their caches come back
         self.stopping = False
         self.lock = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="dflash-mlx-generation", daemon=True)
@@ -161,23 +159,95 @@ class Scheduler:
                 while self.waiting and len(self.active) + len(joining) < self.max_active:
                     joining.append(self.waiting.popleft())
                 self.metrics.waiting.set(len(self.waiting))
-            level = min((job.served for job in self.active), default=0.0)
-            for request in joining:
-                self._start(request, level)
-            ready = [
-                j for j in self.active if j.request.cancelled.is_set() or j.request.backlog() < MAX_BACKLOG
-            ]
-            if ready:
-                self._turn(min(ready, key=lambda job: (job.served, job.turn)))
-            elif self.active:
-                time.sleep(0.005)  # every reader is behind: let them catch up
+            try:
+                self._cycle(joining)
+            except Exception as e:  # noqa: BLE001  (a bug in a step: the requests in it get the error)
+                log.exception("generation failed")
+                for job in [j for j in self.active if j.seq is not None and j.seq in self.engine.rows]:
+                    job.seq.removed = True  # (with the engine it was in)
+                    self._end(job, e, keep=False)
+                self.returning = []
+                self.engine = Engine(self.pool.target, self.draft)
             self.metrics.active.set(len(self.active))
+        self.engine.close()
         for job in list(self.active):
             self._end(job, None)
         with self.lock:
             while self.waiting:
                 self.waiting.popleft().emit(Finished())
         mx.synchronize()  # no model work left running when the process ends (MLX would abort)
+
+    def _cycle(self, joining: list[Request]) -> None:
+        """One turn of the worker: collect the step under way, let requests go and come, then either a
+        prefill chunk or the next step, and hand out what the collected step gave."""
+        results = self.engine.collect() if self.engine.step_rows and self.engine.ready is None else []
+        if results:
+            self._served(results)
+        for job in [j for j in self.returning if j.seq not in self.engine.rows]:
+            self.returning.remove(job)
+            self._keep(job.cache)
+        for job in list(self.active):
+            self._check(job)
+        level = min((job.served for job in self.active), default=0.0)
+        for request in joining:
+            self._start(request, level)
+        prefilling = [j for j in self.active if j.seq is None]
+        answering = [j for j in self.active if j.seq is not None and not j.paused]
+        first = min(prefilling, key=lambda j: (j.served, j.turn), default=None)
+        if first is not None and (not answering or first.served <= min(j.served for j in answering)):
+            self._prefill(first)
+        elif answering:
+            tic = time.perf_counter()
+            self.engine.launch()
+            self.launched = tic
+        elif self.active:
+            time.sleep(0.005)  # every reader is behind: let them catch up
+        self._hand_out(results)
+
+    def _served(self, results) -> None:
+        """Count what a collected step gave, and how long it took per token a request received."""
+        seconds = time.perf_counter() - self.launched
+        self.metrics.busy.inc(seconds)
+        self.metrics.record_step(len(results), all(r.proposed == 0 for r in results))
+        per_token = seconds / (sum(len(r.tokens) for r in results) / len(results))
+        self.token_seconds = (
+            per_token if self.token_seconds is None else 0.9 * self.token_seconds + 0.1 * per_token
+        )
+
+    def _hand_out(self, results) -> None:
+        jobs = {id(j.seq): j for j in self.active if j.seq is not None}
+        for r in results:
+            job = jobs.get(id(r.seq))
+            if job is None:
+                continue
+            job.served += len(r.tokens)
+            response = job.answer.respond(r.tokens, r.accepted, r.seq.finish, r.source, r.proposed)
+            self.metrics.record(response)
+            job.request.emit(response)
+            if response.finish_reason is not None:
+                self._end(job, None)
+
+    def _check(self, job: _Job) -> None:
+        """Take out a request whose client has gone or whose time is up; pause or resume one whose
+        reader is behind."""
+        request = job.request
+        if request.cancelled.is_set():
+            self.metrics.cancelled.inc()
+            self._end(job, None)
+        elif request.deadline is not None and time.monotonic() > request.deadline:
+            self.metrics.timed_out.inc()
+            produced = job.answer.produced
+            request.emit(
+                GenerationResponse("", [], None, len(request.prompt), 0.0, produced, 0.0, 0.0, "length")
+            )
+            self._end(job, None)
+        elif job.seq is not None:
+            behind = request.backlog() >= MAX_BACKLOG
+            if behind and not job.paused:
+                self.engine.remove(job.seq)
+            elif job.paused and not behind:
+                self.engine.add(job.seq)
+            job.paused = behind
 
     def _start(self, request: Request, level: float) -> None:
         if request.cancelled.is_set():
@@ -195,58 +265,43 @@ class Scheduler:
         self.metrics.cached_tokens.inc(taken.reused)
         self.metrics.cache_lookups.labels("hit" if taken.reused else "miss").inc()
         request.emit(Started(len(request.prompt), taken.reused))
-        self.active.append(_Job(request, taken.cache, request.prompt[len(taken.cache.tokens) :], level))
+        answer = Answer(self.tokenizer, request.stop, len(request.prompt))
+        prompt = request.prompt[len(taken.cache.tokens) :]
+        self.active.append(_Job(request, taken.cache, prompt, answer, level))
 
-    def _turn(self, job: _Job) -> None:
+    def _prefill(self, job: _Job) -> None:
+        """A chunk of the job's prompt; its last part starts its answer (the first token handed out)."""
         self.turns += 1
         job.turn = self.turns
-        if job.request.cancelled.is_set():
-            self.metrics.cancelled.inc()
-            self._end(job, None)
-            return
-        deadline = job.request.deadline
-        if deadline is not None and time.monotonic() > deadline:
-            self.metrics.timed_out.inc()
-            job.request.emit(self._cut(job))
-            self._end(job, None)
-            return
-        seeded = job.request.settings.seed is not None
-        if seeded:  # its own key in, the shared one kept aside
-            outside = _swap_key(job.key) if job.key is not None else mx.array(mx.random.state[0])
         tic = time.perf_counter()
+        n = self._chunk(job)
         try:
-            response = self._step(job)
-        except StopIteration:
-            response = None
+            if len(job.prompt) > n:
+                chunk, job.prompt = job.prompt[:n], job.prompt[n:]
+                job.cache.prefill(chunk, n)
+                seconds = time.perf_counter() - tic
+                self.prefill_rate = n / seconds
+                job.served += seconds / self.token_seconds if self.token_seconds else 1
+                return
+            settings = job.request.settings
+            room = min(settings.max_tokens, context_room(self.pool.target, len(job.request.prompt)))
+            eos = frozenset(self.tokenizer.eos_token_ids)
+            seq = Sequence(job.cache, settings, room, eos, keyed=True)
+            first = seq.start(job.prompt)
         except Exception as e:  # noqa: BLE001  (the server goes on; the request gets the error)
             if not isinstance(e, UserError):
                 log.exception("generation failed")
-            self._end(job, e)
+            self._end(job, e, keep=False)
             return
-        finally:
-            if seeded:
-                job.key = _swap_key(outside)
-        if response is None:
+        self.metrics.busy.inc(time.perf_counter() - tic)
+        job.seq, job.served = seq, job.served + len(first)
+        response = job.answer.respond(first, None, seq.finish)
+        self.metrics.record(response)
+        job.request.emit(response)
+        if response.finish_reason is not None:
             self._end(job, None)
-            return
-        seconds = time.perf_counter() - tic
-        self.metrics.busy.inc(seconds)
-        if isinstance(response, GenerationResponse):
-            self.metrics.record(response)
-            n = len(response.tokens)
-            job.served += n
-            job.produced += n
-            if response.accepted is not None and n:  # a cycle (the first token's turn holds a prefill)
-                per_token = seconds / n
-                self.token_seconds = (
-                    per_token if self.token_seconds is None else (0.9 * self.token_seconds + 0.1 * per_token)
-                )
-            job.request.emit(response)
-            if response.finish_reason is not None:
-                self._end(job, None)
-        else:  # a prefill chunk: it counts the tokens an answer would have received in its time
-            self.prefill_rate = response / seconds
-            job.served += seconds / self.token_seconds if self.token_seconds else 1
+        else:
+            self.engine.add(seq)
 
     def _chunk(self, job: _Job) -> int:
         """Prompt tokens to prefill in this turn (at most the request's prefill step)."""
@@ -256,43 +311,24 @@ class Scheduler:
         seconds = PREFILL_ALONE_S if len(self.active) == 1 and not self.waiting else PREFILL_TURN_S
         return max(1, min(step, int(self.prefill_rate * seconds)))
 
-    def _step(self, job: _Job):
-        """One turn's work: a chunk of the prompt (-> its length), or the next cycle (-> its response).
-        The last part of the prompt, up to a chunk, goes with the first cycle."""
-        if job.generator is None:
-            n = self._chunk(job)
-            if len(job.prompt) > n:
-                chunk, job.prompt = job.prompt[:n], job.prompt[n:]
-                job.cache.prefill(chunk, n)
-                return len(chunk)
-            job.generator = stream_generate(
-                self.target,
-                self.draft,
-                self.tokenizer,
-                job.prompt,
-                prompt_cache=job.cache,
-                stop=job.request.stop,
-                **asdict(job.request.settings),
-            )
-        return next(job.generator)
-
-    def _cut(self, job: _Job) -> GenerationResponse:
-        """The last response of a request stopped at its deadline: no more tokens, finish "length"."""
-        prompt = len(job.request.prompt)
-        return GenerationResponse("", [], None, prompt, 0.0, job.produced, 0.0, 0.0, "length")
-
-    def _end(self, job: _Job, error: BaseException | None) -> None:
-        if job.generator is not None:
-            job.generator.close()  # a cycle under way is taken back: the cache stays consistent
+    def _end(self, job: _Job, error: BaseException | None, keep: bool = True) -> None:
+        if job.seq is not None and not job.seq.removed and job.seq.finish is None:
+            self.engine.remove(job.seq)  # its step is taken back (once collected, if batched)
         self.active.remove(job)
-        if error is None:  # (a failed request's cache is not worth keeping)
-            evicted = self.pool.evictions
-            self.pool.put(job.cache)
-            self.metrics.evictions.inc(self.pool.evictions - evicted)
-            self.metrics.cache_bytes.set(self.pool.nbytes)
-            self.metrics.cache_entries.set(len(self.pool.caches))
+        if error is None and keep:  # (a failed request's cache is not worth keeping)
+            if job.seq is not None and job.seq in self.engine.rows:
+                self.returning.append(job)  # (lent to the step under way)
+            else:
+                self._keep(job.cache)
         self._release()
         job.request.emit(Finished(error))
+
+    def _keep(self, cache) -> None:
+        evicted = self.pool.evictions
+        self.pool.put(cache)
+        self.metrics.evictions.inc(self.pool.evictions - evicted)
+        self.metrics.cache_bytes.set(self.pool.nbytes)
+        self.metrics.cache_entries.set(len(self.pool.caches))
 
     def _release(self) -> None:
         with self.lock:

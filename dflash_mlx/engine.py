@@ -1,0 +1,382 @@
+"""The speculative cycle as one step over a batch of sequences.
+
+    choose   each sequence's policy: a plain step, lookup k or DFlash k; with several sequences, one
+             width for the whole step, the one that gives the batch the most tokens per second
+    propose  lookup from each sequence's own index, the drafter for each sequence that drafts
+    verify   ONE target pass over every sequence's block [pending, proposals] (narrower blocks padded)
+    accept   per sequence: greedy match or rejection sampling -> n proposals + 1 target token
+    commit   per sequence: the target keeps n + 1 of its positions, the drafter's context their features
+
+A step is launched (`launch`) before the previous step's tokens are handed out (`collect` returns them),
+so Python's work overlaps the models'; a plain step's successor is even built while it runs, and started
+when every policy is sure of it (see cache.py). Sequences join (`add`) and leave between steps; while
+a step has two or more, their target caches are lent to one batch (batching.py). A target whose caches
+cannot batch (recurrent layers) runs its sequences one step each, in turn.
+
+Every step yields at least one token per sequence, and every token is one the target would have
+produced for that sequence alone: the same tokens at temperature 0, the same distribution above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .batching import batchable, merge, split
+from .cache import SpeculativeCache
+from .drafters import DFlashDrafter
+from .pairing import prepare
+from .policy import DFLASH, LOOKUP, PLAIN, Choice, choose_batch, policy_for
+from .sampling import acceptance, match_accept
+from .settings import GenerationSettings
+
+NONE = mx.array([], dtype=mx.int32)
+
+
+@dataclass
+class Cycle:
+    """One sequence's part of a step under way: its choice and proposals, and (lazy) how many of them
+    the target accepted and the token it adds."""
+
+    choice: Choice
+    x: mx.array  # proposals
+    confidence: list
+    found: tuple  # lookup's (tokens, suffix length) for this cycle
+    row: int  # its row in the step's pass
+    n: mx.array
+    nxt: mx.array
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One answer: its cache, settings and the rules its tokens are chosen and accepted by."""
+
+    cache: SpeculativeCache
+    settings: GenerationSettings
+    room: int  # tokens it may produce in all (max_tokens, within the context)
+    eos: frozenset = frozenset()
+    sampler: Callable | None = None
+    compile: bool = True
+    keyed: bool = False  # a seeded answer's draws keyed by their positions (see __post_init__)
+    produced: int = 0
+    finish: str | None = None  # "stop" or "length" once it has ended
+    removed: bool = False  # taken out of the engine (it may be added again)
+    cycle: Cycle | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        """`keyed`: with a seed, above temperature 0, the token at each position is drawn with a key made
+        from the seed and the position, and proposals are accepted where they equal those draws (as
+        with a custom sampler): the answer then depends on the seed alone, not on what was proposed,
+        so not on what runs beside it in a batch either."""
+        s, cache = self.settings, self.cache
+        self.keyed = self.keyed and s.seed is not None and not s.greedy and self.sampler is None
+        self.draw, self.accept = acceptance(s, self.sampler)
+        if self.keyed:
+            self.draw = lambda logits: (mx.argmax(logits, axis=-1), None)
+        matched = self.sampler is not None or s.greedy  # proposals accepted where they equal the target's
+        draft = cache.draft
+        self.lookup = s.lookup and s.block_size is None
+        self.policy = policy_for(
+            cache.target,
+            draft,
+            block_size=s.block_size,
+            lookup=s.lookup,
+            draft_window=cache.draft_window,
+            sampled=not matched,
+            fresh=s.seed is not None,
+        )
+        q_temperature = 0.0 if matched or self.keyed else s.temperature
+        self.drafter = (
+            DFlashDrafter(draft, s.block_size or draft.block_size, self.compile, q_temperature)
+            if draft is not None
+            else None
+        )
+        sampler = self.sampler
+        self.pick = (
+            (lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
+            if sampler is not None
+            else s.sample
+        )
+
+    def start(self, prompt: list[int]) -> list[int]:
+        """Prefill the prompt (after what the cache holds) and choose the first token: -> the tokens to
+        hand out (none past the room; the EOS included)."""
+        logits = self.cache.prefill(prompt, self.settings.prefill_step_size)
+        first = int(self.pick_at(logits, len(self.cache.tokens)).item())
+        new = self.cut([first])
+        self.cache.add([first])
+        return new
+
+    def cut(self, new: list[int]) -> list[int]:
+        """New tokens cut at the room left, then after an EOS (one past the room is never reached);
+        sets `finish` when they end the answer."""
+        room = self.room - self.produced
+        new = new[:room]
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new, self.finish = new[: i + 1], "stop"
+                break
+        else:
+            if len(new) == room:
+                self.finish = "length"
+        self.produced += len(new)
+        return new
+
+    def pick_at(self, logits: mx.array, position: int) -> mx.array:
+        """The target's token(s) for logits rows predicting positions `position`, `position` + 1, ..."""
+        return self._keyed_draws(logits, position) if self.keyed else self.pick(logits)
+
+    def accept_at(self, x: mx.array, q, logits: mx.array, position: int):
+        """(accepted proposals, next token) of a verify pass whose first row predicts `position`."""
+        if self.keyed:
+            return match_accept(x, self._keyed_draws(logits, position))
+        return self.accept(x, q, logits)
+
+    def _keyed_draws(self, logits: mx.array, position: int) -> mx.array:
+        logprobs, seed = self.settings.logprobs(logits), self.settings.seed
+        return mx.concatenate(
+            [
+                mx.random.categorical(logprobs[j : j + 1], key=_position_key(seed, position + j))
+                for j in range(logprobs.shape[0])
+            ]
+        )
+
+
+def _position_key(seed: int, position: int) -> mx.array:
+    return mx.random.key((seed * 0x9E3779B97F4A7C15 + position) % 2**64)
+
+
+@dataclass
+class Result:
+    """What one step gave one sequence."""
+
+    seq: Sequence
+    tokens: list[int]
+    accepted: int  # proposals kept + 1
+    source: str  # PLAIN, LOOKUP or DFLASH
+    proposed: int
+
+
+class Engine:
+    def __init__(self, model, draft):
+        """`model`: the mlx-lm target (or a Target); `draft`: its drafter, or None."""
+        self.target, self.draft = prepare(model, draft), draft
+        self.rows: list[Sequence] = []  # the sequences generating, in batch order
+        self.joining: list[Sequence] = []
+        self.batch: list | None = None  # the lent target caches while two or more rows step together
+        self.step_rows: list[Sequence] = []  # the rows of the step under way
+        self.undo = None  # the batched pass under way (one row: its cache holds it)
+        self.features = None
+        self.ready = None  # a plain step built on the last step's tokens: (features, next tokens)
+        self.started = False  # ... and launched
+        self.turn = 0  # whose step it is, when sequences cannot batch
+
+    # ---- membership -------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """A sequence `start`ed and not finished joins from the next step."""
+        seq.removed = False
+        self.joining.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out: its part of a step under way is taken back, leaving its cache as before
+        that step and its own again: now, or where a batched step is under way, when it is collected."""
+        seq.removed = True
+        if seq in self.joining:
+            self.joining.remove(seq)
+        stepping = self.step_rows and self.ready is None  # a step launched and not collected
+        if stepping and (self.batch is not None or seq not in self.step_rows):
+            return  # (collect hands it back)
+        self._drop_step()
+        self._regroup()
+
+    @property
+    def active(self) -> bool:
+        return any(s.finish is None and not s.removed for s in self.rows + self.joining)
+
+    def _regroup(self) -> None:
+        """Let finished and removed rows go (their caches handed back), new ones in; lend the caches to
+        a batch while two or more rows can step together."""
+        gone = [s for s in self.rows if s.finish is not None or s.removed]
+        if not gone and not self.joining:
+            return
+        if self.batch is not None:
+            for s in self.rows:
+                split(self.batch, self.rows.index(s), s.cache.target_cache)
+            self.batch = None
+        self.rows = [s for s in self.rows if s not in gone] + [s for s in self.joining if not s.removed]
+        self.joining = []
+        caches = [s.cache.target_cache for s in self.rows]
+        if len(self.rows) > 1 and batchable(caches[0]):
+            self.batch = merge(caches)
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def launch(self) -> None:
+        """Choose, propose and start the next step's one target pass."""
+        ready, started = self.ready, self.started
+        if ready is not None and (self.joining or any(s.finish or s.removed for s in self.rows)):
+            self._drop_step()  # (built for the rows that were; they change)
+            ready = None
+        self._regroup()
+        if not self.rows:
+            return
+        if self.batch is None and len(self.rows) > 1:  # one row a step, in turn
+            self.turn = (self.turn + 1) % len(self.rows)
+            rows = [self.rows[self.turn]]
+            if self.step_rows != rows and ready is not None:
+                self._drop_step()
+                ready = None
+        else:
+            rows = self.rows
+        self.ready, started = None, started and ready is not None
+        contexts = [len(s.cache.tokens) for s in rows]
+        if ready is None and len(rows) == 1:
+            rows[0].policy.measure(rows[0].cache)  # (past the contexts its costs were measured at)
+        founds = [s.cache.index.match() if s.lookup and not started else ([], 0) for s in rows]
+        if len(rows) == 1:
+            choices = [rows[0].policy.choose(contexts[0], founds[0], ready is not None)]
+        else:
+            choices = choose_batch([s.policy for s in rows], contexts, founds)
+        if ready is not None:
+            if all(c.source == PLAIN for c in choices):
+                if not started:
+                    self._launch_built(*ready)
+                self.step_rows = rows
+                for b, (s, c) in enumerate(zip(rows, choices)):
+                    s.cycle = Cycle(c, NONE, [], founds[b], b, mx.array(0), ready[1][b])
+                self.features = ready[0]
+                return
+            self._drop_step()
+        blocks, cycles = [], []
+        for b, (s, choice, found) in enumerate(zip(rows, choices, founds)):
+            x, q, confidence = NONE, None, []
+            if choice.source == DFLASH:
+                last = s.cache.pending[-1]
+                x, q, confidence = s.drafter.propose(last, s.cache.draft_cache, choice.k, s.draw)
+                k, confidence = s.policy.narrow(choice, confidence, contexts[b])
+                x, q = x[:k], None if q is None else q[:k]
+            elif choice.source == LOOKUP:
+                x = mx.array(found[0][: choice.k], dtype=mx.int32)  # q None: proposed with certainty
+            blocks.append(mx.concatenate([mx.array([s.cache.pending[-1]]), x]))
+            cycles.append((s, choice, x, q, confidence, found))
+        logits, self.features = self._verify(rows, blocks)
+        for b, (s, choice, x, q, confidence, found) in enumerate(cycles):
+            width, position = blocks[b].size, contexts[b]
+            if x.size:
+                n, nxt = s.accept_at(x, q, logits[b, :width], position)
+            else:
+                n, nxt = mx.array(0), s.pick_at(logits[b, :1], position)[0]
+            mx.async_eval(n, nxt)
+            s.cycle = Cycle(choice, x, confidence, found, b, n, nxt)
+        self.step_rows = rows
+
+    def collect(self) -> list[Result]:
+        """Finish the step under way: -> each of its sequences' new tokens (cut at EOS and the room)."""
+        rows = self.step_rows
+        if not rows:
+            return []
+        cycles = [s.cycle for s in rows]
+        plain = all(c.x.size == 0 for c in cycles)
+        going = all(s.produced + 1 < s.room and not s.removed for s in rows)
+        same = self.batch is not None or len(self.rows) == 1  # (the same rows step next)
+        if plain and going and same:  # build the next plain step on tokens not yet read
+            self._keep(rows, [1] * len(rows))
+            self.ready = self._build_plain(rows, mx.stack([c.nxt for c in cycles]))
+            if all(s.policy.plain_next(len(s.cache.tokens) + 1, s.cache.index) for s in rows):
+                self._launch_built(*self.ready)
+                self.started = True
+            else:
+                self.started = False
+        mx.eval([(c.n, c.nxt, c.x) for c in cycles])
+        results, tokens = [], []
+        for s, c in zip(rows, cycles):
+            if s.removed:
+                tokens.append([])
+                continue
+            n = c.n.item()
+            s.policy.observe(c.choice, c.x.size, n, c.confidence, c.found[1])
+            new = s.cut(c.x.tolist()[:n] + [c.nxt.item()])
+            tokens.append(new)
+            source = c.choice.source if c.x.size else PLAIN
+            results.append(Result(s, new, n + 1, source, c.x.size))
+        if self.ready is None:
+            self._keep(rows, [len(t) for t in tokens], tokens)
+        else:
+            for s, t in zip(rows, tokens):
+                s.cache.add(t)
+        for s in rows:
+            s.cycle = None
+        self.step_rows = [] if self.ready is None else rows
+        if any(s.finish or s.removed for s in self.rows):  # their caches go back to them now
+            self._drop_step()
+            self._regroup()
+        return results
+
+    def close(self) -> None:
+        """Take back whatever is under way and hand every cache back (a driver that stops early)."""
+        self._drop_step()
+        if self.batch is not None:
+            for b, s in enumerate(self.rows):
+                split(self.batch, b, s.cache.target_cache)
+            self.batch = None
+
+    # ---- the target pass, for one row (its own cache) or a batch (lent caches) ----------------------
+
+    def _verify(self, rows: list[Sequence], blocks: list[mx.array]):
+        if self.batch is None:
+            (s,) = rows
+            return s.cache.verify(blocks[0][None])
+        width = max(b.size for b in blocks)
+        tokens = mx.stack([mx.pad(b, (0, width - b.size)) for b in blocks])
+        for s in rows:
+            s.cache.broken = True
+        logits, features, self.undo = self.target.verify(tokens, self.batch)
+        return logits, features
+
+    def _build_plain(self, rows: list[Sequence], tokens: mx.array):
+        """A plain step on (lazy) tokens, built but not run: (features, next tokens)."""
+        if self.batch is None:
+            (s,) = rows
+            logits, features = s.cache.verify(tokens.reshape(1, 1), unrun=True)
+            return features, s.pick_at(logits[0], len(s.cache.tokens) + 1)
+        for s in rows:
+            s.cache.broken = True
+        logits, features, self.undo = self.target.verify(tokens.reshape(-1, 1), self.batch, unrun=True)
+        nxt = [s.pick_at(logits[b], len(s.cache.tokens) + 1)[0] for b, s in enumerate(rows)]
+        return features, mx.stack(nxt)
+
+    def _launch_built(self, features, nxt) -> None:
+        if self.batch is None:
+            self.step_rows[0].cache.launch(features, nxt)
+        else:
+            self.undo.buffers = None  # (see Target.verify)
+            mx.async_eval(features, nxt)
+
+    def _keep(self, rows: list[Sequence], keep: list[int], tokens: list[list[int]] | None = None) -> None:
+        """Keep each row's first keep[b] positions of the pass under way (and commit its tokens)."""
+        if self.batch is None:
+            (s,) = rows
+            s.cache.keep(self.features, keep[0])
+        else:
+            self.target.rollback(self.batch, self.undo, keep)
+            self.undo = None
+            for b, s in enumerate(rows):
+                s.cache.kept(None if self.features is None else self.features[b : b + 1], keep[b])
+        for s, t in zip(rows, tokens or []):
+            s.cache.add(t)
+
+    def _drop_step(self) -> None:
+        """Take back the pass under way (a built step too) as a whole."""
+        if self.batch is None:
+            for s in self.step_rows:
+                if s.cache.in_flight:
+                    s.cache.cancel()
+        elif self.undo is not None:
+            self.target.rollback(self.batch, self.undo, [0] * len(self.step_rows))
+            self.undo = None
+            for s in self.step_rows:
+                s.cache.broken = False
+        self.ready, self.started, self.step_rows = None, False, []

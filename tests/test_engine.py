@@ -1,0 +1,212 @@
+"""The engine: many sequences in one step, each getting exactly what it gets alone, whatever its
+neighbours choose, whenever they join, end or are stopped."""
+
+import pytest
+from test_cache import assert_same_caches
+from test_policy import SCRIPT, OracleIndex, ScriptedPolicy
+from test_sampling import RUNS, T, V, chi_square_p, exact_joint
+from tiny import FAMILIES, draft_config, greedy_reference, make_draft, make_target, prompt_of
+
+import dflash_mlx.engine as engine
+from dflash_mlx import SpeculativeCache
+from dflash_mlx.batching import RaggedKVCache
+from dflash_mlx.engine import Engine, Sequence
+from dflash_mlx.models.dflash import DFlashDraftModel
+from dflash_mlx.pairing import prepare
+from dflash_mlx.policy import DFLASH, LOOKUP, PLAIN, Choice
+from dflash_mlx.settings import GenerationSettings
+
+
+class Oracles(DFlashDraftModel):
+    """Proposes each sequence's own greedy continuation (known by its drafter cache), with one error per
+    cycle at a position taken from `errors` in turn, so every acceptance length occurs."""
+
+    def __init__(self, config, errors):
+        super().__init__(config)
+        self.references, self.errors, self.cycle = {}, list(errors), 0
+
+    def follow(self, cache: SpeculativeCache, reference: list[int]) -> None:
+        self.references[id(cache._draft_cache[0])] = reference
+
+    def propose_logits(self, last_token, cache, block_size, compiled=True, heads=None):
+        import mlx.core as mx
+
+        reference, start = self.references[id(cache[0])], cache[0].offset
+        guess = [reference[p] if p < len(reference) else 0 for p in range(start + 1, start + block_size)]
+        err = self.errors[self.cycle % len(self.errors)]
+        self.cycle += 1
+        if err is not None and err < len(guess):
+            guess[err] = (guess[err] + 1) % self.config.vocab_size
+        logits = mx.full((1, block_size - 1, self.config.vocab_size), -30.0)
+        for i, t in enumerate(guess):
+            logits[0, i, t] = 30.0
+        return logits[:, :heads]
+
+
+def drive(engine_, joins: dict[int, list], until=None) -> dict:
+    """Step the engine, starting `joins[step]` = [(sequence, prompt), ...] before that step, until nothing
+    is left (or `until(step, outputs)` says stop): -> {sequence: its tokens}."""
+    out, step = {}, 0
+    while True:
+        for seq, prompt in joins.pop(step, []):
+            out[seq] = seq.start(prompt)
+            if seq.finish is None:
+                engine_.add(seq)
+        if not engine_.active and not joins:
+            break
+        engine_.launch()
+        for r in engine_.collect():
+            out[r.seq] += r.tokens
+        step += 1
+        if until is not None and until(step, out):
+            break
+    return out
+
+
+@pytest.fixture
+def per_row_scripts(monkeypatch):
+    """Each sequence gets its own scripted policy, the script rotated so rows choose differently."""
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(ScriptedPolicy(SCRIPT[len(made) % len(SCRIPT) :] + SCRIPT[: len(made) % len(SCRIPT)]))
+        return made[-1]
+
+    monkeypatch.setattr(engine, "policy_for", make)
+    return made
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_sequence_of_a_batch_gets_what_it_gets_alone(family, per_row_scripts):
+    model = make_target(family)
+    draft = Oracles(draft_config(block_size=16), [None, 0, 4, 2, 9])
+    target = prepare(model, draft)
+    plans = [(1, 30, 0), (5, 45, 0), (37, 60, 0), (12, 20, 3), (9, 25, 6)]  # prompt, max tokens, joins at
+    joins, wants = {}, {}
+    for i, (length, max_tokens, at) in enumerate(plans):
+        prompt = prompt_of(length, seed=20 + i)
+        ref = greedy_reference(model, prompt, max_tokens)
+        cache = SpeculativeCache(target, draft)
+        cache.index = OracleIndex(prompt + ref, [None, 1, 0, 5])
+        draft.follow(cache, prompt + ref)
+        seq = Sequence(cache, GenerationSettings(max_tokens=max_tokens), max_tokens)
+        joins.setdefault(at, []).append((seq, prompt))
+        wants[seq] = (prompt, ref)
+    e = Engine(target, draft)
+    batched = []
+    original = e.launch
+
+    def launch():
+        original()
+        batched.append(e.batch is not None)
+
+    e.launch = launch
+    out = drive(e, joins)
+    for seq, (prompt, ref) in wants.items():
+        assert out[seq] == ref
+        assert seq.cache.tokens == prompt + ref and seq.finish == "length"
+        fresh = SpeculativeCache(target, draft)
+        fresh.prefill(seq.cache.tokens[: seq.cache.processed])
+        assert_same_caches(seq.cache, fresh)
+    # (a target with recurrent layers steps its sequences in turn)
+    assert any(batched) == (family not in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2"))
+    sources = {c.source for p in per_row_scripts for c in p.script}
+    assert sources == {PLAIN, LOOKUP, DFLASH}
+
+
+def test_a_sequence_ends_at_its_eos_and_one_stopped_mid_batch_leaves_its_cache_as_it_was(per_row_scripts):
+    model = make_target("llama")
+    draft = Oracles(draft_config(block_size=8), [None, 2])
+    target = prepare(model, draft)
+    prompts = [prompt_of(n, seed=40 + n) for n in (6, 11, 4)]
+    refs = [greedy_reference(model, p, 40) for p in prompts]
+    cut = next(i for i in range(5, 30) if refs[0][i] not in refs[0][:i])
+    seqs = []
+    for i, (prompt, ref) in enumerate(zip(prompts, refs)):
+        cache = SpeculativeCache(target, draft)
+        cache.index = OracleIndex(prompt + ref, [None, 3])
+        draft.follow(cache, prompt + ref)
+        eos = frozenset([ref[cut]]) if i == 0 else frozenset()
+        seqs.append(Sequence(cache, GenerationSettings(max_tokens=40), 40, eos))
+    e = Engine(target, draft)
+    stopped = []
+
+    def stop_the_second(step, out):
+        if step == 4:
+            e.launch()  # a step under way when it is stopped
+            e.remove(seqs[1])
+            stopped.append(out[seqs[1]][:])
+            for r in e.collect():
+                out[r.seq] += r.tokens
+        return False
+
+    out = drive(e, {0: [(s, p) for s, p in zip(seqs, prompts)]}, until=stop_the_second)
+    assert out[seqs[0]] == refs[0][: cut + 1] and seqs[0].finish == "stop"
+    assert out[seqs[1]] == stopped[0] == refs[1][: len(stopped[0])] and seqs[1].finish is None
+    assert out[seqs[2]] == refs[2]
+    for s in seqs:
+        assert not s.cache.broken and not s.cache.in_flight
+        fresh = SpeculativeCache(target, draft)
+        fresh.prefill(s.cache.tokens[: s.cache.processed])
+        assert_same_caches(s.cache, fresh)
+    # The stopped one goes on from where it was, alone, as if nothing had happened.
+    s = seqs[1]
+    more = Sequence(s.cache, GenerationSettings(max_tokens=10), 10)
+    e = Engine(target, draft)
+    assert drive(e, {0: [(more, prompt_of(3, seed=9))]})[more] == greedy_reference(
+        model, s.cache.tokens[: len(prompts[1]) + len(stopped[0])] + prompt_of(3, seed=9), 10
+    )
+
+
+def test_the_adaptive_policy_chooses_one_width_for_the_batch_and_stays_lossless():
+    model = make_target("llama")
+    draft = make_draft()
+    target = prepare(model, draft)
+    part = prompt_of(7, seed=5)
+    prompts = [part + prompt_of(3, seed=6) + part, prompt_of(9, seed=2), prompt_of(20, seed=3)]
+    seqs = [Sequence(SpeculativeCache(target, draft), GenerationSettings(max_tokens=50), 50) for _ in prompts]
+    e = Engine(target, draft)
+    out = drive(e, {0: list(zip(seqs, prompts))})
+    for seq, prompt in zip(seqs, prompts):
+        assert out[seq] == greedy_reference(model, prompt, 50)
+
+
+def test_a_batch_samples_each_sequence_from_its_own_distribution(monkeypatch):
+    """χ² over the first T tokens of RUNS answers drawn six at a time in one batch, with a random
+    drafter verified at full width every step."""
+    model = make_target("llama", seed=4, vocab_size=V, num_hidden_layers=1)
+    draft = make_draft(seed=11, vocab=V, target_layers=1, layer_ids=(0,), layers=1)
+    monkeypatch.setattr(engine, "policy_for", lambda *a, **k: ScriptedPolicy([Choice(DFLASH, 3)]))
+    target = prepare(model, draft)
+    counts, prompt = {}, [1, 5, 3, 6]
+    import mlx.core as mx
+
+    mx.random.seed(0)
+    for _ in range(RUNS // 6):
+        seqs = [
+            Sequence(SpeculativeCache(target, draft), GenerationSettings(temperature=1.0, max_tokens=T), T)
+            for _ in range(6)
+        ]
+        out = drive(Engine(target, draft), {0: [(s, prompt) for s in seqs]})
+        for s in seqs:
+            counts[tuple(out[s])] = counts.get(tuple(out[s]), 0) + 1
+    p = chi_square_p(counts, exact_joint(model, 1.0, 1.0))
+    assert p > 1e-3, f"chi-square p-value {p:.2e}: a batch does not sample from the target's distribution"
+
+
+def test_a_ragged_batch_attends_each_row_to_its_own_positions():
+    import mlx.core as mx
+
+    c = RaggedKVCache(mx.zeros((2, 1, 4, 1)), mx.zeros((2, 1, 4, 1)), [1, 3])
+    mask = c.make_mask(2)
+    assert mask.shape == (2, 1, 2, 5)
+    assert mask[0, 0].tolist() == [[True, True, False, False, False], [True, True, True, False, False]]
+    assert mask[1, 0].tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    windowed = c.make_mask(2, window_size=2)
+    assert windowed[1, 0].tolist() == [[False, False, True, True, False], [False, False, False, True, True]]
+    keys = mx.array([[[[1.0], [2.0]]], [[[3.0], [4.0]]]])
+    k, _ = c.update_and_fetch(keys, keys)
+    assert c.lengths == [3, 5] and k.shape == (2, 1, 5, 1)
+    assert k[0, 0, :3, 0].tolist() == [0.0, 1.0, 2.0] and k[1, 0, 3:, 0].tolist() == [3.0, 4.0]
+    c.trim([1, 2])
+    assert c.lengths == [2, 3]
