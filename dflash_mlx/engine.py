@@ -285,7 +285,7 @@ class Engine:
         if plain and going and same:  # build the next plain step on tokens not yet read
             self._keep(rows, [1] * len(rows))
             self.ready = self._build_plain(rows, mx.stack([c.nxt for c in cycles]))
-            if all(s.policy.plain_next(len(s.cache.tokens) + 1, s.cache.index) for s in rows):
+            if self._plain_next(rows):
                 self._launch_built(*self.ready)
                 self.started = True
             else:
@@ -314,6 +314,15 @@ class Engine:
             self._drop_step()
             self._regroup()
         return results
+
+    def _plain_next(self, rows: list[Sequence]) -> bool:
+        """Whether to start the plain step just built before this step's tokens are read: when the one
+        sequence's policy is sure of it, or, in a batch, when no sequence's lookup can find a match with
+        whatever token comes next (the batch chose plain steps this time, so it would again)."""
+        if len(rows) == 1:
+            (s,) = rows
+            return s.policy.plain_next(len(s.cache.tokens) + 1, s.cache.index)
+        return not any(s.lookup and s.cache.index.possible() for s in rows)
 
     def close(self) -> None:
         """Take back whatever is under way and hand every cache back (a driver that stops early)."""

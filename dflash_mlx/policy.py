@@ -267,26 +267,14 @@ class AdaptivePolicy:
             best = max(best, (e[k] / t, -k))
         return best[0], -best[1]
 
-    def best_within(
-        self, k_max: int, context: int, lookup: tuple[list[int], int], share: float
-    ) -> tuple[float, Choice, float]:
-        """The best choice for this sequence in a batched step that verifies at most `k_max` proposals
-        of each sequence and whose target pass costs `share` seconds per sequence: -> (expected tokens,
-        the choice, its draft pass's seconds). A draft pass counts as the tokens its time would buy."""
-        best = (1.0, Choice(PLAIN, 0), 0.0)
+    def expectations(self, lookup: tuple[list[int], int]) -> tuple[list[float], list[float]]:
+        """Tokens a cycle commits on average by proposals verified (index k, k = 0 first), with lookup's
+        proposals (as many as it has) and with the drafter's."""
         tokens, n = lookup
-        k = min(k_max, len(tokens), self.max[LOOKUP])
-        if k:
-            e = expected_tokens(self.lookup[min(n, 8)].rates(k))[k]
-            best = max(best, (e, Choice(LOOKUP, k), 0.0), key=lambda o: o[0])
-        k = min(k_max, self.max[DFLASH])
-        if k:
-            e = expected_tokens(self.dflash.rates(k))
-            for j in range(1, k + 1):
-                drafted = self._draft_time(j, context)
-                if e[j] - drafted / share > best[0] - best[2] / share:
-                    best = (e[j], Choice(DFLASH, j), drafted)
-        return best
+        k = min(len(tokens), self.max[LOOKUP])
+        by_lookup = expected_tokens(self.lookup[min(n, 8)].rates(k)) if k else [1.0]
+        by_dflash = expected_tokens(self.dflash.rates(self.max[DFLASH])) if self.max[DFLASH] else [1.0]
+        return by_lookup, by_dflash
 
     def choose(self, context: int, lookup: tuple[list[int], int], built: bool = False) -> Choice:
         """`built`: a plain step is built already, which makes it cheaper."""
@@ -402,19 +390,28 @@ class AdaptivePolicy:
 def choose_batch(policies: list, contexts: list[int], lookups: list[tuple]) -> list[Choice]:
     """The choices of a step over several sequences, whose target pass is as wide as its widest block:
     the step width whose best choices give the most tokens per second for the batch (width 1: batched
-    plain decoding). Policies that are not adaptive (a fixed block) choose for themselves."""
+    plain decoding). Within a width each sequence takes what commits the most tokens, a draft pass
+    counting as the tokens its time would buy. Policies that are not adaptive (a fixed block) choose
+    for themselves."""
     if not all(isinstance(p, AdaptivePolicy) for p in policies):
         return [p.choose(c, f) for p, c, f in zip(policies, contexts, lookups)]
-    costs, batch, context = policies[0].costs, len(policies), max(contexts)
+    first, batch, context = policies[0], len(policies), max(contexts)  # (one pair: the same costs)
+    drafted = [0.0] + [first._draft_time(k, context) for k in range(1, first.max[DFLASH] + 1)]
+    expected = [p.expectations(f) for p, f in zip(policies, lookups)]
     best = (0.0, None)
-    for width in costs.widths:
-        step = costs.batch_time(batch, width, context)
-        options = [
-            p.best_within(width - 1, c, f, step / batch) for p, c, f in zip(policies, contexts, lookups)
-        ]
-        rate = sum(o[0] for o in options) / (step + sum(o[2] for o in options))
-        if rate > best[0]:
-            best = (rate, [o[1] for o in options])
+    for width in first.costs.widths:
+        step = first.costs.batch_time(batch, width, context)
+        share, tokens, drafting, choices = step / batch, 0.0, 0.0, []
+        for by_lookup, by_dflash in expected:
+            k = min(width - 1, len(by_lookup) - 1)
+            option = (by_lookup[k], Choice(LOOKUP, k) if k else Choice(PLAIN, 0), 0.0)
+            for j in range(1, min(width - 1, len(by_dflash) - 1) + 1):
+                if by_dflash[j] - drafted[j] / share > option[0] - option[2] / share:
+                    option = (by_dflash[j], Choice(DFLASH, j), drafted[j])
+            tokens, drafting = tokens + option[0], drafting + option[2]
+            choices.append(option[1])
+        if tokens / (step + drafting) > best[0]:
+            best = (tokens / (step + drafting), choices)
     return best[1]
 
 

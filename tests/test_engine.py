@@ -194,19 +194,20 @@ def test_a_batch_samples_each_sequence_from_its_own_distribution(monkeypatch):
     assert p > 1e-3, f"chi-square p-value {p:.2e}: a batch does not sample from the target's distribution"
 
 
-def test_a_ragged_batch_attends_each_row_to_its_own_positions():
+def test_a_ragged_batch_attends_each_row_to_its_own_span():
     import mlx.core as mx
 
-    c = RaggedKVCache(mx.zeros((2, 1, 4, 1)), mx.zeros((2, 1, 4, 1)), [1, 3])
+    c = RaggedKVCache(mx.zeros((2, 1, 4, 1)), mx.zeros((2, 1, 4, 1)), [0, 1], [1, 3])  # lengths 1 and 2
+    assert c.offset.tolist() == [1, 2]
     mask = c.make_mask(2)
     assert mask.shape == (2, 1, 2, 5)
     assert mask[0, 0].tolist() == [[True, True, False, False, False], [True, True, True, False, False]]
-    assert mask[1, 0].tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    assert mask[1, 0].tolist() == [[False, True, True, True, False], [False, True, True, True, True]]
     windowed = c.make_mask(2, window_size=2)
     assert windowed[1, 0].tolist() == [[False, False, True, True, False], [False, False, False, True, True]]
     keys = mx.array([[[[1.0], [2.0]]], [[[3.0], [4.0]]]])
-    k, _ = c.update_and_fetch(keys, keys)
-    assert c.lengths == [3, 5] and k.shape == (2, 1, 5, 1)
+    k, _ = c.update_and_fetch(keys, keys)  # each row's block at its own end
+    assert c.ends == [3, 5] and c.offset.tolist() == [3, 4] and k.shape == (2, 1, 5, 1)
     assert k[0, 0, :3, 0].tolist() == [0.0, 1.0, 2.0] and k[1, 0, 3:, 0].tolist() == [3.0, 4.0]
     c.trim([1, 2])
-    assert c.lengths == [2, 3]
+    assert c.offset.tolist() == [2, 2]
