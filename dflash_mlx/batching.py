@@ -19,6 +19,7 @@ sequences one at a time.
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
 STEP = 256  # positions the buffer grows by
@@ -98,6 +99,48 @@ class RaggedKVCache:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+
+class RowView:
+    """One row of a RaggedKVCache seen as a sequence's own KV cache, for a pass over that row alone (a
+    sequence whose proposals are worth a wide pass of their own: engine.py). It writes into the
+    batch's buffer in place and moves the row's end."""
+
+    def __init__(self, batch: RaggedKVCache, row: int):
+        self.batch, self.row = batch, row
+
+    @property
+    def offset(self) -> int:
+        return self.batch.ends[self.row] - self.batch.starts[self.row]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> None:
+        self._move(-n)
+
+    def _move(self, n: int) -> None:
+        ends = list(self.batch.ends)
+        ends[self.row] += n
+        self.batch.ends = ends
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        c, r, width = self.batch, self.row, keys.shape[2]
+        end = c.ends[r] + width
+        if end > c.keys.shape[2]:
+            pad = [(0, 0), (0, 0), (0, -(-(end - c.keys.shape[2]) // STEP) * STEP), (0, 0)]
+            c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
+        c.keys[r : r + 1, :, end - width : end, :] = keys
+        c.values[r : r + 1, :, end - width : end, :] = values
+        self._move(width)
+        start = c.starts[r]
+        return c.keys[r : r + 1, :, start:end, :], c.values[r : r + 1, :, start:end, :]
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        """As mlx-lm's KVCache makes it over the row's own span."""
+        if window_size is None and not return_array:
+            return None if n == 1 else "causal"
+        return create_causal_mask(n, self.offset, window_size=window_size)
 
 
 def batchable(cache: list) -> bool:

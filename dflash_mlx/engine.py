@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .batching import batchable, merge, split
+from .batching import RowView, batchable, merge, split
 from .cache import SpeculativeCache
 from .drafters import DFlashDrafter
 from .pairing import prepare
@@ -168,6 +168,7 @@ class Engine:
         self.batch: list | None = None  # the lent target caches while two or more rows step together
         self.step_rows: list[Sequence] = []  # the rows of the step under way
         self.undo = None  # the batched pass under way (one row: its cache holds it)
+        self.solo: dict = {}  # rows of the step under way verified in a pass of their own (see _verify)
         self.features = None
         self.ready = None  # a plain step built on the last step's tokens: (features, next tokens)
         self.started = False  # ... and launched
@@ -237,9 +238,9 @@ class Engine:
             rows[0].policy.measure(rows[0].cache)  # (past the contexts its costs were measured at)
         founds = [s.cache.index.match() if s.lookup and not started else ([], 0) for s in rows]
         if len(rows) == 1:
-            choices = [rows[0].policy.choose(contexts[0], founds[0], ready is not None)]
+            choices, solo = [rows[0].policy.choose(contexts[0], founds[0], ready is not None)], [False]
         else:
-            choices = choose_batch([s.policy for s in rows], contexts, founds)
+            choices, solo = choose_batch([s.policy for s in rows], contexts, founds)
         if ready is not None:
             if all(c.source == PLAIN for c in choices):
                 if not started:
@@ -262,11 +263,12 @@ class Engine:
                 x = mx.array(found[0][: choice.k], dtype=mx.int32)  # q None: proposed with certainty
             blocks.append(mx.concatenate([mx.array([s.cache.pending[-1]]), x]))
             cycles.append((s, choice, x, q, confidence, found))
-        logits, self.features = self._verify(rows, blocks)
+        logits = self._verify(rows, blocks, solo)
         for b, (s, choice, x, q, confidence, found) in enumerate(cycles):
             width, position = blocks[b].size, contexts[b]
             if x.size:
-                n, nxt = s.accept_at(x, q, logits[b, :width], position)
+                row = self.solo[b][1][0] if b in self.solo else logits[b]
+                n, nxt = s.accept_at(x, q, row[:width], position)
             else:
                 n, nxt = mx.array(0), s.pick_at(logits[b, :1], position)[0]
             mx.async_eval(n, nxt)
@@ -334,16 +336,25 @@ class Engine:
 
     # ---- the target pass, for one row (its own cache) or a batch (lent caches) ----------------------
 
-    def _verify(self, rows: list[Sequence], blocks: list[mx.array]):
+    def _verify(self, rows: list[Sequence], blocks: list[mx.array], solo: list[bool]) -> mx.array:
+        """The step's target pass(es) -> the shared pass's logits. A row verifying alone runs its own pass
+        first (`self.solo[row]`: its views, logits, features and undo) and has only its pending token
+        in the shared one, whose position there it does not keep."""
         if self.batch is None:
             (s,) = rows
-            return s.cache.verify(blocks[0][None])
-        width = max(b.size for b in blocks)
-        tokens = mx.stack([mx.pad(b, (0, width - b.size)) for b in blocks])
+            logits, self.features = s.cache.verify(blocks[0][None])
+            return logits
         for s in rows:
             s.cache.broken = True
-        logits, features, self.undo = self.target.verify(tokens, self.batch)
-        return logits, features
+        self.solo = {}
+        for b in (b for b, alone in enumerate(solo) if alone):
+            views = [RowView(c, b) for c in self.batch]
+            self.solo[b] = (views, *self.target.verify(blocks[b][None], views))
+            blocks = blocks[:b] + [blocks[b][:1]] + blocks[b + 1 :]
+        width = max(b.size for b in blocks)
+        tokens = mx.stack([mx.pad(b, (0, width - b.size)) for b in blocks])
+        logits, self.features, self.undo = self.target.verify(tokens, self.batch)
+        return logits
 
     def _build_plain(self, rows: list[Sequence], tokens: mx.array):
         """A plain step on (lazy) tokens, built but not run: (features, next tokens)."""
@@ -370,10 +381,18 @@ class Engine:
             (s,) = rows
             s.cache.keep(self.features, keep[0])
         else:
-            self.target.rollback(self.batch, self.undo, keep)
+            self.target.rollback(
+                self.batch, self.undo, [0 if b in self.solo else k for b, k in enumerate(keep)]
+            )
             self.undo = None
             for b, s in enumerate(rows):
-                s.cache.kept(None if self.features is None else self.features[b : b + 1], keep[b])
+                if b in self.solo:
+                    views, _, features, undo = self.solo[b]
+                    self.target.rollback(views, undo, keep[b])
+                else:
+                    features = None if self.features is None else self.features[b : b + 1]
+                s.cache.kept(features, keep[b])
+            self.solo = {}
         for s, t in zip(rows, tokens or []):
             s.cache.add(t)
 
@@ -385,7 +404,9 @@ class Engine:
                     s.cache.cancel()
         elif self.undo is not None:
             self.target.rollback(self.batch, self.undo, [0] * len(self.step_rows))
-            self.undo = None
+            for views, _, _, undo in self.solo.values():
+                self.target.rollback(views, undo, 0)
+            self.undo, self.solo = None, {}
             for s in self.step_rows:
                 s.cache.broken = False
         self.ready, self.started, self.step_rows = None, False, []

@@ -387,32 +387,67 @@ class AdaptivePolicy:
             self.lookup[min(ngram, 8)].observe(k, accepted)
 
 
-def choose_batch(policies: list, contexts: list[int], lookups: list[tuple]) -> list[Choice]:
-    """The choices of a step over several sequences, whose target pass is as wide as its widest block:
-    the step width whose best choices give the most tokens per second for the batch (width 1: batched
-    plain decoding). Within a width each sequence takes what commits the most tokens, a draft pass
-    counting as the tokens its time would buy. Policies that are not adaptive (a fixed block) choose
-    for themselves."""
+def choose_batch(
+    policies: list, contexts: list[int], lookups: list[tuple]
+) -> tuple[list[Choice], list[bool]]:
+    """The choices of a step over several sequences, and which of them verify in a pass of their own.
+
+    The step's shared pass is as wide as its widest block. For each width, each sequence takes what
+    commits the most tokens within it (a draft pass counting as the tokens its time would buy); then a
+    sequence whose own wide pass adds tokens faster than the step makes them goes alone (a long lookup
+    match among sequences that have none, where a shared wide pass would compute every sequence's
+    padding); the width with the most tokens per second wins (width 1 and no one alone: batched plain
+    decoding). Policies that are not adaptive (a fixed block) choose for themselves, together."""
     if not all(isinstance(p, AdaptivePolicy) for p in policies):
-        return [p.choose(c, f) for p, c, f in zip(policies, contexts, lookups)]
+        return [p.choose(c, f) for p, c, f in zip(policies, contexts, lookups)], [False] * len(policies)
     first, batch, context = policies[0], len(policies), max(contexts)  # (one pair: the same costs)
+    costs = first.costs
     drafted = [0.0] + [first._draft_time(k, context) for k in range(1, first.max[DFLASH] + 1)]
     expected = [p.expectations(f) for p, f in zip(policies, lookups)]
-    best = (0.0, None)
-    for width in first.costs.widths:
-        step = first.costs.batch_time(batch, width, context)
-        share, tokens, drafting, choices = step / batch, 0.0, 0.0, []
+    alone = [
+        _alone(costs, by_lookup, by_dflash, drafted, c)
+        for (by_lookup, by_dflash), c in zip(expected, contexts)
+    ]
+    best = (0.0, None, None)
+    for width in costs.widths:
+        step = costs.batch_time(batch, width, context)
+        share, options = step / batch, []
         for by_lookup, by_dflash in expected:
             k = min(width - 1, len(by_lookup) - 1)
             option = (by_lookup[k], Choice(LOOKUP, k) if k else Choice(PLAIN, 0), 0.0)
             for j in range(1, min(width - 1, len(by_dflash) - 1) + 1):
                 if by_dflash[j] - drafted[j] / share > option[0] - option[2] / share:
                     option = (by_dflash[j], Choice(DFLASH, j), drafted[j])
-            tokens, drafting = tokens + option[0], drafting + option[2]
-            choices.append(option[1])
-        if tokens / (step + drafting) > best[0]:
-            best = (tokens / (step + drafting), choices)
-    return best[1]
+            options.append(option)
+        tokens, seconds = sum(o[0] for o in options), step + sum(o[2] for o in options)
+        solo = [False] * batch
+        while True:  # the sequence whose pass alone adds the most over what the step makes, if any does
+            rate = tokens / seconds
+            gains = [
+                (a[0] - rate * a[2]) - (o[0] - rate * o[2]) if a and not solo[b] else 0.0
+                for b, (a, o) in enumerate(zip(alone, options))
+            ]
+            b = max(range(batch), key=gains.__getitem__)
+            if gains[b] <= 0:
+                break
+            solo[b] = True
+            tokens += alone[b][0] - options[b][0]
+            seconds += alone[b][2] - options[b][2]
+            options[b] = alone[b]
+        if tokens / seconds > best[0]:
+            best = (tokens / seconds, [o[1] for o in options], solo)
+    return best[1], best[2]
+
+
+def _alone(costs, by_lookup, by_dflash, drafted, context) -> tuple | None:
+    """A sequence's best pass of its own: (expected tokens, choice, seconds), the most tokens per second."""
+    options = [
+        (by_lookup[k], Choice(LOOKUP, k), costs.target_time(k + 1, context)) for k in range(1, len(by_lookup))
+    ] + [
+        (by_dflash[j], Choice(DFLASH, j), costs.target_time(j + 1, context) + drafted[j])
+        for j in range(1, len(by_dflash))
+    ]
+    return max(options, key=lambda o: o[0] / o[2], default=None)
 
 
 # ---- measuring the costs --------------------------------------------------------------------------

@@ -76,8 +76,24 @@ def per_row_scripts(monkeypatch):
     return made
 
 
+@pytest.fixture(params=["together", "some alone"])
+def passes(request, monkeypatch):
+    """How a batch's choices are verified: all in the shared pass, or (every other step) each sequence
+    that proposes something in a pass of its own beside it."""
+    if request.param == "some alone":
+        steps = []
+
+        def choose(policies, contexts, lookups):
+            steps.append(None)
+            choices = [p.choose(c, f) for p, c, f in zip(policies, contexts, lookups)]
+            return choices, [c.k > 0 and len(steps) % 2 == 0 for c in choices]
+
+        monkeypatch.setattr(engine, "choose_batch", choose)
+    return request.param
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_sequence_of_a_batch_gets_what_it_gets_alone(family, per_row_scripts):
+def test_each_sequence_of_a_batch_gets_what_it_gets_alone(family, per_row_scripts, passes):
     model = make_target(family)
     draft = Oracles(draft_config(block_size=16), [None, 0, 4, 2, 9])
     target = prepare(model, draft)
