@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markdown import Markdown
 
-from dflash_mlx.bench import has_matplotlib, markdown, run_bench, settings_grid, write
+from dflash_mlx.bench import has_matplotlib, markdown, run_bench, run_concurrent, settings_grid, write
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
 
@@ -48,17 +48,27 @@ def bench(
         "bench-results", "--out", "-o", help="Folder for results.json, summary.md, plot.png."
     ),
     think: Think = None,
+    concurrency: str | None = typer.Option(
+        None,
+        help="Comma-separated numbers of answers at a time (e.g. 1,2,4,8): all the prompts at once through "
+        "our engine and mlx-lm's continuous batching, aggregate tokens/s (adaptive policy, temperature 0).",
+    ),
 ):
-    """DFlash against plain mlx-lm decoding of the same target, prompt by prompt, in one process."""
+    """DFlash against plain mlx-lm decoding of the same target, prompt by prompt (or many at once with
+    --concurrency), in one process."""
     with user_errors():
         try:
             bs = [None if x.strip() == "adaptive" else int(x) for x in block_sizes.split(",")]
             ts = [float(x) for x in temps.split(",")]
+            levels = [int(x) for x in concurrency.split(",")] if concurrency is not None else None
         except ValueError:
             raise UserError(
-                f"--block-sizes takes block sizes and 'adaptive', --temps numbers, comma-separated, e.g. "
-                f"4,16,adaptive and 0,1; got {block_sizes!r} and {temps!r}"
+                f"--block-sizes takes block sizes and 'adaptive', --temps and --concurrency numbers, "
+                f"comma-separated, e.g. 4,16,adaptive, 0,1 and 1,2,4,8; got {block_sizes!r}, {temps!r} "
+                f"and {concurrency!r}"
             ) from None
+        if levels is not None and (not levels or min(levels) < 1):
+            raise UserError(f"--concurrency takes numbers of answers of 1 or more, got {concurrency!r}")
         grid = settings_grid(bs, ts, max_tokens, lookup=not no_lookup, draft_window=draft_window)
         folder = Path(out).expanduser()
         if folder.exists() and not folder.is_dir():
@@ -75,29 +85,41 @@ def bench(
             ps = first_prompts(prompts, limit)
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
-            if not has_matplotlib():
+            if not has_matplotlib() and levels is None:
                 typer.echo(
                     "note: matplotlib is not installed, so no plot.png (pip install 'dflash-mlx[bench]')",
                     err=True,
                 )
             with progress_bar("{task.description}") as bar:
-                runs = len({t for _, t in grid}) + len(
-                    grid
-                )  # the plain baseline at each temperature, then DFlash
-                task = bar.add_task("warming up (not counted)", total=len(ps) * runs)
-                results = run_bench(
-                    target,
-                    drafter,
-                    tokenizer,
-                    ps,
-                    block_sizes=bs,
-                    lookup=not no_lookup,
-                    draft_window=draft_window,
-                    temperatures=ts,
-                    max_tokens=max_tokens,
-                    template_kwargs=template_kwargs(model, think),
-                    progress=lambda d, _: bar.update(task, completed=d, description="benchmarking"),
-                )
+                done = lambda d, _: bar.update(task, completed=d, description="benchmarking")  # noqa: E731
+                if levels is not None:
+                    task = bar.add_task("warming up (not counted)", total=len(levels))
+                    results = run_concurrent(
+                        target,
+                        drafter,
+                        tokenizer,
+                        ps,
+                        concurrency=levels,
+                        max_tokens=max_tokens,
+                        template_kwargs=template_kwargs(model, think),
+                        progress=done,
+                    )
+                else:
+                    runs = len({t for _, t in grid}) + len(grid)  # the plain baseline at each temperature
+                    task = bar.add_task("warming up (not counted)", total=len(ps) * runs)
+                    results = run_bench(
+                        target,
+                        drafter,
+                        tokenizer,
+                        ps,
+                        block_sizes=bs,
+                        lookup=not no_lookup,
+                        draft_window=draft_window,
+                        temperatures=ts,
+                        max_tokens=max_tokens,
+                        template_kwargs=template_kwargs(model, think),
+                        progress=done,
+                    )
         except BaseException:  # nothing to show: do not leave behind an empty folder this run made
             if made and not any(folder.iterdir()):
                 folder.rmdir()
@@ -111,7 +133,7 @@ def bench(
             raise
     Console().print(Markdown(paths[1].read_text()))
     typer.echo("wrote " + ", ".join(str(p) for p in paths))
-    bad = [s for s in results["summary"] if s["identical"] is False]
+    bad = [s for s in results.get("summary", results.get("concurrency")) if s["identical"] is False]
     if bad:
         typer.secho(
             f"error: DFlash output differed from plain greedy decoding on prompts "
@@ -120,7 +142,7 @@ def bench(
             fg="red",
             err=True,
         )
-    if results["interrupted"]:
+    if results.get("interrupted"):
         typer.secho(
             f"stopped with Ctrl-C: the results cover the {len(results['prompts'])} prompts finished by then",
             fg="yellow",

@@ -5,10 +5,16 @@ what a user would otherwise run), then DFlash at each fixed block size and with 
 (block size None), at each temperature. The first prompt is
 run once more beforehand as a warm-up and not counted. At temperature 0 every DFlash output must be
 token for token the baseline's; a difference is reported as a failure, never averaged away.
+
+With `concurrency` (`run_concurrent`), many answers at once: for each number of sequences at a time,
+all the prompts through mlx-lm's continuous batching (`BatchGenerator`, what `mlx_lm.server` runs) and
+through our engine, the next prompt starting as soon as an answer ends; aggregate tokens per second
+and time to first token, outputs checked equal at temperature 0.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from collections import Counter
@@ -21,7 +27,9 @@ import mlx.core as mx
 from mlx_lm import stream_generate as plain_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
+from .cache import SpeculativeCache
 from .chat import apply_chat_template
+from .engine import Engine, Sequence
 from .errors import UserError
 from .files import atomic_file
 from .pairing import context_room, prepare
@@ -194,6 +202,133 @@ def run_bench(
     }
 
 
+def run_concurrent(
+    model,
+    draft,
+    tokenizer,
+    prompts: list[list[dict]],
+    *,
+    concurrency=(1, 2, 4, 8),
+    max_tokens: int = 256,
+    template_kwargs: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """-> results: per number of sequences at a time, mlx-lm's batched plain decoding and our engine
+    (adaptive policy, temperature 0) over all the prompts, submitted together."""
+    levels = list(dict.fromkeys(int(c) for c in concurrency))
+    if not levels or min(levels) < 1:
+        raise UserError(f"--concurrency takes numbers of sequences of 1 or more, got {concurrency}")
+    target = prepare(model, draft)
+    encoded = [apply_chat_template(tokenizer, p, **(template_kwargs or {})) for p in prompts]
+    if not encoded:
+        raise UserError("no prompts to benchmark")
+    for k, ids in enumerate(encoded):
+        if context_room(target, len(ids)) < max_tokens:
+            raise UserError(f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens}")
+    eos = frozenset(tokenizer.eos_token_ids)
+    _batched_plain(model, encoded[:1], 1, max_tokens, eos)  # warm-ups, not counted
+    _engine(target, draft, encoded[:1], 1, max_tokens, eos)
+    rows, interrupted = [], False
+    for c in levels:
+        try:
+            base = _batched_plain(model, encoded, c, max_tokens, eos)
+            ours = _engine(target, draft, encoded, c, max_tokens, eos)
+        except KeyboardInterrupt:
+            if not rows:
+                raise
+            interrupted = True  # the levels finished so far are summarised
+            break
+        mismatched = [k for k, (a, b) in enumerate(zip(base["tokens"], ours["tokens"])) if a != b]
+        rows.append(
+            {
+                "concurrency": c,
+                "prompts": len(encoded),
+                "tokens": ours["n"],
+                "baseline_tps": base["tps"],
+                "dflash_tps": ours["tps"],
+                "speedup": _ratio(ours["tps"], base["tps"]),
+                "baseline_ttft_s": base["ttft_s"],
+                "ttft_s": ours["ttft_s"],
+                "identical": not mismatched,
+                "mismatched_prompts": mismatched,
+                "mix": ours["mix"],
+                "plain_steps": ours["plain_steps"],
+                "steps": ours["steps"],
+            }
+        )
+        if progress:
+            progress(len(rows), len(levels))
+    return {
+        "machine": report()["facts"],
+        "max_tokens": max_tokens,
+        "concurrency": rows,
+        "interrupted": interrupted,
+    }
+
+
+def _batched_plain(model, encoded, c: int, max_tokens: int, eos) -> dict:
+    """All prompts through mlx-lm's BatchGenerator, c sequences at a time, greedy."""
+    batch_generator = importlib.import_module("mlx_lm.generate").BatchGenerator
+    gen = batch_generator(
+        model,
+        max_tokens=max_tokens,
+        stop_tokens=[[t] for t in eos],
+        completion_batch_size=c,
+        prefill_batch_size=c,
+    )
+    tic = time.perf_counter()
+    uids = gen.insert(encoded, [max_tokens] * len(encoded))
+    tokens, firsts, left = {u: [] for u in uids}, {}, set(uids)
+    while left:
+        for r in gen.next_generated():
+            tokens[r.uid].append(r.token)
+            firsts.setdefault(r.uid, time.perf_counter() - tic)
+            if r.finish_reason is not None:
+                left.discard(r.uid)
+    seconds = time.perf_counter() - tic
+    gen.close()
+    out = [tokens[u] for u in uids]
+    n = sum(map(len, out))
+    return {"tokens": out, "n": n, "tps": n / seconds, "ttft_s": sum(firsts.values()) / len(firsts)}
+
+
+def _engine(target, draft, encoded, c: int, max_tokens: int, eos) -> dict:
+    """All prompts through our engine, c sequences at a time (the next one starting when one ends)."""
+    engine, waiting = Engine(target, draft), list(range(len(encoded)))
+    tokens, firsts, seqs, index = {}, {}, {}, {}
+    mix, steps, plain_steps = Counter(), 0, 0
+    tic = time.perf_counter()
+    while waiting or engine.active:
+        while waiting and sum(s.finish is None for s in seqs.values()) < c:
+            k = waiting.pop(0)
+            seq = Sequence(
+                SpeculativeCache(target, draft), GenerationSettings(max_tokens=max_tokens), max_tokens, eos
+            )
+            seqs[k], index[id(seq)], tokens[k] = seq, k, seq.start(encoded[k])
+            firsts[k] = time.perf_counter() - tic
+            if seq.finish is None:
+                engine.add(seq)
+        engine.launch()
+        results = engine.collect()
+        steps += 1
+        plain_steps += all(r.proposed == 0 for r in results)
+        for r in results:
+            tokens[index[id(r.seq)]] += r.tokens
+            mix[r.source] += 1
+    seconds = time.perf_counter() - tic
+    out = [tokens[k] for k in range(len(encoded))]
+    n = sum(map(len, out))
+    return {
+        "tokens": out,
+        "n": n,
+        "tps": n / seconds,
+        "ttft_s": sum(firsts.values()) / len(firsts),
+        "mix": dict(mix),
+        "steps": steps,
+        "plain_steps": plain_steps,
+    }
+
+
 def _rate(records, kind):
     """Tokens per second over all prompts together (a ratio of sums, not a mean of ratios)."""
     if kind == "decode":
@@ -218,6 +353,8 @@ def policy_name(block_size: int | None) -> str:
 
 
 def markdown(results: dict, title: str) -> str:
+    if "concurrency" in results:
+        return markdown_concurrent(results, title)
     m = results["machine"]
     stopped = (
         " (stopped early with Ctrl-C: the prompts finished by then)" if results.get("interrupted") else ""
@@ -245,6 +382,31 @@ def markdown(results: dict, title: str) -> str:
             f"{s['baseline_decode_tps']:.1f} | {s['dflash_decode_tps']:.1f} | "
             f"{_fmt(s['speedup_decode'], '.2f', 'x')} | {_fmt(s['speedup_e2e'], '.2f', 'x')} | "
             f"{s['baseline_ttft_s']:.2f} / {s['ttft_s']:.2f} | {mix} | {same[s['identical']]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def markdown_concurrent(results: dict, title: str) -> str:
+    m, rows = results["machine"], results["concurrency"]
+    lines = [
+        f"# {title}",
+        "",
+        f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
+        f"BLAS: {m.get('blas preload')}. {_count(rows[0]['prompts'], 'prompt')} submitted together, up to "
+        f"{results['max_tokens']} tokens each, temperature 0; mlx-lm's continuous batching (BatchGenerator) "
+        "against our engine with the adaptive policy, the same number of sequences at a time.",
+        "",
+        "| sequences at a time | mlx-lm tok/s | ours tok/s | ratio | TTFT mlx-lm / ours (s) "
+        "| cycles: dflash / lookup / plain | batched plain steps | identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mix = " / ".join(str(r["mix"].get(k, 0)) for k in ("dflash", "lookup", "plain"))
+        same = "yes" if r["identical"] else f"**NO** ({_count(len(r['mismatched_prompts']), 'prompt')})"
+        lines.append(
+            f"| {r['concurrency']} | {r['baseline_tps']:.1f} | {r['dflash_tps']:.1f} | "
+            f"{_fmt(r['speedup'], '.2f', 'x')} | {r['baseline_ttft_s']:.2f} / {r['ttft_s']:.2f} | {mix} | "
+            f"{r['plain_steps']} of {r['steps']} | {same} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -288,11 +450,12 @@ def write(results: dict, out: Path, title: str) -> list[Path]:
     removed when there is no matplotlib to draw this one."""
     out.mkdir(parents=True, exist_ok=True)
     slim = json.loads(json.dumps(results))
-    for p in slim["prompts"]:  # keep files small: drop token lists, keep counts
+    for p in slim.get("prompts", []):  # keep files small: drop token lists, keep counts
         for group in (p["baseline"], p["dflash"]):  # ("dflash": every policy's runs, fixed or adaptive)
             for r in group.values():
                 r.pop("tokens", None)
-    paths = [out / "results.json", out / "summary.md"] + ([out / "plot.png"] if has_matplotlib() else [])
+    plotted = has_matplotlib() and "prompts" in results  # (a plot per policy, not per concurrency)
+    paths = [out / "results.json", out / "summary.md"] + ([out / "plot.png"] if plotted else [])
     with ExitStack() as stack:  # the swaps happen together as the stack closes, after everything is made
         tmps = [stack.enter_context(atomic_file(p)) for p in paths]
         tmps[0].write_text(json.dumps(slim, indent=1))

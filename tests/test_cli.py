@@ -441,6 +441,23 @@ def test_bench_writes_results_summary_and_plot(pair, tmp_path):
     assert w > 400 and h > 200
 
 
+def test_bench_concurrency_races_mlx_lms_continuous_batching_with_the_same_outputs(pair, tmp_path):
+    root, _ = pair
+    r = run(
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --concurrency 1,3 "
+        f"--max-tokens 24 -o {tmp_path}/c"
+    )
+    assert r.exit_code == 0, r.output
+    results = json.loads((tmp_path / "c" / "results.json").read_text())
+    rows = results["concurrency"]
+    assert [row["concurrency"] for row in rows] == [1, 3] and all(row["identical"] for row in rows)
+    assert all(row["prompts"] == 4 and row["tokens"] > 4 and row["baseline_tps"] > 0 for row in rows)
+    assert "| 3 |" in (tmp_path / "c" / "summary.md").read_text()
+    assert not (tmp_path / "c" / "plot.png").exists()
+    r = run(f"bench -m {root}/target -d {root}/draft --concurrency 0,2 -o {tmp_path}/d")
+    assert r.exit_code == 1 and "--concurrency takes numbers of answers of 1 or more" in r.stderr
+
+
 def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
     root, _ = pair
 
