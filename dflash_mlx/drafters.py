@@ -89,3 +89,17 @@ class DFlashDrafter:
         """-> (k proposals, their q or None, confidences): see the model's `draft`."""
         block = draft_block(k, self.block_size)
         return self.model.draft(last, cache, block, k, draw, self.temperature, self.compiled)
+
+
+def propose_together(drafters: list[DFlashDrafter], lasts: list[int], caches: list, ks: list[int], draws):
+    """`propose` for several sequences of one drafter in one pass where the drafter can (a plain DFlash
+    drafter: one whose proposals come from its logits alone), else one pass each."""
+    model = drafters[0].model
+    if (
+        len(drafters) > 1
+        and type(model).draft is DFlashDraftModel.draft
+        and type(model).propose_logits is DFlashDraftModel.propose_logits
+    ):
+        block = max(draft_block(k, d.block_size) for d, k in zip(drafters, ks))
+        return model.draft_rows(lasts, caches, block, ks, draws)
+    return [d.propose(last, c, k, draw) for d, last, c, k, draw in zip(drafters, lasts, caches, ks, draws)]

@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from .batching import RowView, batchable, merge, split
 from .cache import SpeculativeCache
-from .drafters import DFlashDrafter
+from .drafters import DFlashDrafter, propose_together
 from .pairing import prepare
 from .policy import DFLASH, LOOKUP, PLAIN, Choice, choose_batch, policy_for
 from .sampling import acceptance, match_accept
@@ -251,12 +251,21 @@ class Engine:
                 self.features = ready[0]
                 return
             self._drop_step()
+        drafting, drafted = [b for b, c in enumerate(choices) if c.source == DFLASH], {}
+        if drafting:  # (in one drafter pass where the drafter can)
+            proposals = propose_together(
+                [rows[b].drafter for b in drafting],
+                [rows[b].cache.pending[-1] for b in drafting],
+                [rows[b].cache.draft_cache for b in drafting],
+                [choices[b].k for b in drafting],
+                [rows[b].draw for b in drafting],
+            )
+            drafted = dict(zip(drafting, proposals))
         blocks, cycles = [], []
         for b, (s, choice, found) in enumerate(zip(rows, choices, founds)):
             x, q, confidence = NONE, None, []
             if choice.source == DFLASH:
-                last = s.cache.pending[-1]
-                x, q, confidence = s.drafter.propose(last, s.cache.draft_cache, choice.k, s.draw)
+                x, q, confidence = drafted[b]
                 k, confidence = s.policy.narrow(choice, confidence, contexts[b])
                 x, q = x[:k], None if q is None else q[:k]
             elif choice.source == LOOKUP:

@@ -425,10 +425,31 @@ class DFlashDraftModel(nn.Module):
         """-> (k proposals, their q or None, confidences). Each position is drawn from its own logits
         (`draw`); its confidence is the largest probability of the distribution it is drawn from, which
         never depends on the draw itself, so a width chosen from it keeps rejection sampling exact."""
-        logits = self.propose_logits(last, cache, block, compiled, heads=k)[0]
-        x, q = draw(logits)
-        if q is None:
-            confidence = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
-        else:
-            confidence = q.max(axis=-1)
-        return x.astype(mx.int32), q, confidence
+        return _proposals(self.propose_logits(last, cache, block, compiled, heads=k)[0], draw)
+
+    def draft_rows(self, lasts: list[int], caches: list[list[DraftCache]], block: int, ks: list[int], draws):
+        """`draft` for several sequences in one pass, each with its own context cache (contexts padded to
+        the longest buffer; the pass is eager, as its shapes change with the rows): -> one (proposals,
+        q or None, confidences) per sequence."""
+        if self._compiled_step is None:
+            raise RuntimeError("drafter is not bound to a target: call bind() (load_pair does this)")
+        tokens = mx.array([[t] + [self.config.mask_token_id] * (block - 1) for t in lasts])
+        size = max(c[0].keys.shape[2] for c in caches)
+
+        def stacked(name, i):
+            rows = [getattr(c[i], name) for c in caches]
+            return mx.concatenate([mx.pad(r, [(0, 0), (0, 0), (0, size - r.shape[2]), (0, 0)]) for r in rows])
+
+        keys = [stacked("keys", i) for i in range(len(self.layers))]
+        values = [stacked("values", i) for i in range(len(self.layers))]
+        rows, offsets = mx.array([c[0].rows for c in caches]), mx.array([c[0].offset for c in caches])
+        h = self._eager_step(tokens, keys, values, rows, offsets)
+        logits = self._lm_head(h[:, 1 : 1 + max(ks)])
+        return [_proposals(logits[r, :k], draw) for r, (k, draw) in enumerate(zip(ks, draws))]
+
+
+def _proposals(logits: mx.array, draw):
+    """Proposals drawn from the drafter's logits, their q (None: drawn with certainty), confidences."""
+    x, q = draw(logits)
+    confidence = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1)) if q is None else q.max(axis=-1)
+    return x.astype(mx.int32), q, confidence

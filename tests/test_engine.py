@@ -227,3 +227,40 @@ def test_a_ragged_batch_attends_each_row_to_its_own_span():
     assert k[0, 0, :3, 0].tolist() == [0.0, 1.0, 2.0] and k[1, 0, 3:, 0].tolist() == [3.0, 4.0]
     c.trim([1, 2])
     assert c.offset.tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_sequences_that_draft_together_get_the_proposals_each_gets_alone(window):
+    import mlx.core as mx
+
+    from dflash_mlx.drafters import DFlashDrafter, propose_together
+
+    model, draft = make_target("llama"), make_draft()
+    target = prepare(model, draft)
+    caches = []
+    for n in (3, 21, 40):
+        cache = SpeculativeCache(target, draft, window)
+        cache.prefill(prompt_of(n, seed=n))
+        caches.append(cache)
+    drafters = [DFlashDrafter(draft, 16, compiled=False) for _ in caches]
+    greedy = lambda logits: (mx.argmax(logits, axis=-1), None)  # noqa: E731
+    ks = [3, 15, 7]
+    lasts = [c.tokens[-1] for c in caches]
+    together = propose_together(drafters, lasts, [c.draft_cache for c in caches], ks, [greedy] * 3)
+    for (x, _, confidence), d, last, c, k in zip(together, drafters, lasts, caches, ks):
+        alone_x, _, alone_confidence = d.model.draft(last, c.draft_cache, 16, k, greedy, 0.0, compiled=False)
+        assert x.tolist() == alone_x.tolist()
+        assert mx.allclose(confidence, alone_confidence, atol=1e-5).item()
+
+
+def test_a_batch_that_drafts_together_stays_lossless(monkeypatch):
+    monkeypatch.setattr(
+        engine, "policy_for", lambda *a, **k: ScriptedPolicy([Choice(DFLASH, 7), Choice(PLAIN, 0)])
+    )
+    model, draft = make_target("qwen3"), make_draft()
+    target = prepare(model, draft)
+    prompts = [prompt_of(n, seed=60 + n) for n in (4, 17, 9)]
+    seqs = [Sequence(SpeculativeCache(target, draft), GenerationSettings(max_tokens=40), 40) for _ in prompts]
+    out = drive(Engine(target, draft), {0: list(zip(seqs, prompts))})
+    for seq, prompt in zip(seqs, prompts):
+        assert out[seq] == greedy_reference(model, prompt, 40)
