@@ -397,7 +397,7 @@ def markdown_concurrent(results: dict, title: str) -> str:
         "against our engine with the adaptive policy, the same number of sequences at a time.",
         "",
         "| sequences at a time | mlx-lm tok/s | ours tok/s | ratio | TTFT mlx-lm / ours (s) "
-        "| cycles: dflash / lookup / plain | batched plain steps | identical |",
+        "| cycles: dflash / lookup / plain | steps all plain | identical |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -216,23 +216,10 @@ class Engine:
     # ---- the step ---------------------------------------------------------------------------------
 
     def launch(self) -> None:
-        """Choose, propose and start the next step's one target pass."""
-        ready, started = self.ready, self.started
-        if ready is not None and (self.joining or any(s.finish or s.removed for s in self.rows)):
-            self._drop_step()  # (built for the rows that were; they change)
-            ready = None
-        self._regroup()
-        if not self.rows:
+        """Choose, propose and start the next step's target pass."""
+        rows, ready, started = self._next_rows()
+        if not rows:
             return
-        if self.batch is None and len(self.rows) > 1:  # one row a step, in turn
-            self.turn = (self.turn + 1) % len(self.rows)
-            rows = [self.rows[self.turn]]
-            if self.step_rows != rows and ready is not None:
-                self._drop_step()
-                ready = None
-        else:
-            rows = self.rows
-        self.ready, started = None, started and ready is not None
         contexts = [len(s.cache.tokens) for s in rows]
         if ready is None and len(rows) == 1:
             rows[0].policy.measure(rows[0].cache)  # (past the contexts its costs were measured at)
@@ -242,47 +229,68 @@ class Engine:
         else:
             choices, solo = choose_batch([s.policy for s in rows], contexts, founds)
         if ready is not None:
-            if all(c.source == PLAIN for c in choices):
+            if all(c.source == PLAIN for c in choices):  # the plain step built already
                 if not started:
                     self._launch_built(*ready)
-                self.step_rows = rows
+                self.features, self.step_rows = ready[0], rows
                 for b, (s, c) in enumerate(zip(rows, choices)):
                     s.cycle = Cycle(c, NONE, [], founds[b], b, mx.array(0), ready[1][b])
-                self.features = ready[0]
                 return
             self._drop_step()
-        drafting, drafted = [b for b, c in enumerate(choices) if c.source == DFLASH], {}
-        if drafting:  # (in one drafter pass where the drafter can)
-            proposals = propose_together(
+        proposals = self._propose(rows, choices, founds, contexts)
+        blocks = [
+            mx.concatenate([mx.array([s.cache.pending[-1]]), x]) for s, (x, _, _) in zip(rows, proposals)
+        ]
+        logits = self._verify(rows, blocks, solo)
+        for b, (s, choice, (x, q, confidence)) in enumerate(zip(rows, choices, proposals)):
+            if x.size:
+                row = self.solo[b][1][0] if b in self.solo else logits[b]
+                n, nxt = s.accept_at(x, q, row[: blocks[b].size], contexts[b])
+            else:
+                n, nxt = mx.array(0), s.pick_at(logits[b, :1], contexts[b])[0]
+            mx.async_eval(n, nxt)
+            s.cycle = Cycle(choice, x, confidence, founds[b], b, n, nxt)
+        self.step_rows = rows
+
+    def _next_rows(self):
+        """The rows of the next step, after letting rows go and come: -> (rows, the plain step built for
+        them if it still fits, whether it was launched)."""
+        ready, started = self.ready, self.started
+        if ready is not None and (self.joining or any(s.finish or s.removed for s in self.rows)):
+            self._drop_step()  # (built for the rows that were; they change)
+            ready = None
+        self._regroup()
+        rows = self.rows
+        if self.batch is None and len(self.rows) > 1:  # one row a step, in turn
+            self.turn = (self.turn + 1) % len(self.rows)
+            rows = [self.rows[self.turn]]
+            if self.step_rows != rows and ready is not None:
+                self._drop_step()
+                ready = None
+        self.ready = None
+        return rows, ready, started and ready is not None
+
+    def _propose(self, rows, choices, founds, contexts) -> list[tuple]:
+        """Each row's proposals for its choice: -> (tokens, their q or None, confidences). Rows that
+        draft draft together (one drafter pass where the drafter can), each cut back to the width its
+        confidences pay for."""
+        out = [(NONE, None, [])] * len(rows)
+        drafting = [b for b, c in enumerate(choices) if c.source == DFLASH]
+        if drafting:
+            drafted = propose_together(
                 [rows[b].drafter for b in drafting],
                 [rows[b].cache.pending[-1] for b in drafting],
                 [rows[b].cache.draft_cache for b in drafting],
                 [choices[b].k for b in drafting],
                 [rows[b].draw for b in drafting],
             )
-            drafted = dict(zip(drafting, proposals))
-        blocks, cycles = [], []
-        for b, (s, choice, found) in enumerate(zip(rows, choices, founds)):
-            x, q, confidence = NONE, None, []
-            if choice.source == DFLASH:
-                x, q, confidence = drafted[b]
-                k, confidence = s.policy.narrow(choice, confidence, contexts[b])
-                x, q = x[:k], None if q is None else q[:k]
-            elif choice.source == LOOKUP:
-                x = mx.array(found[0][: choice.k], dtype=mx.int32)  # q None: proposed with certainty
-            blocks.append(mx.concatenate([mx.array([s.cache.pending[-1]]), x]))
-            cycles.append((s, choice, x, q, confidence, found))
-        logits = self._verify(rows, blocks, solo)
-        for b, (s, choice, x, q, confidence, found) in enumerate(cycles):
-            width, position = blocks[b].size, contexts[b]
-            if x.size:
-                row = self.solo[b][1][0] if b in self.solo else logits[b]
-                n, nxt = s.accept_at(x, q, row[:width], position)
-            else:
-                n, nxt = mx.array(0), s.pick_at(logits[b, :1], position)[0]
-            mx.async_eval(n, nxt)
-            s.cycle = Cycle(choice, x, confidence, found, b, n, nxt)
-        self.step_rows = rows
+            for b, (x, q, confidence) in zip(drafting, drafted):
+                k, confidence = rows[b].policy.narrow(choices[b], confidence, contexts[b])
+                out[b] = (x[:k], None if q is None else q[:k], confidence)
+        for b, (choice, found) in enumerate(zip(choices, founds)):
+            if choice.source == LOOKUP:  # q None: proposed with certainty
+                out[b] = (mx.array(found[0][: choice.k], dtype=mx.int32), None, [])
+        return out
 
     def collect(self) -> list[Result]:
         """Finish the step under way: -> each of its sequences' new tokens (cut at EOS and the room)."""
