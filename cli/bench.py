@@ -38,7 +38,8 @@ def bench(
     limit: int | None = typer.Option(20, help="Use the first N prompts (0: all)."),
     block_sizes: str = typer.Option(
         "16,adaptive",
-        help="Comma-separated policies: fixed block sizes, and 'adaptive' (each cycle chooses).",
+        help="Comma-separated policies: fixed block sizes, treeN (a tree in a pass as wide as a "
+        "block of N, every cycle), and 'adaptive' (each cycle chooses).",
     ),
     no_lookup: NoLookup = False,
     draft_window: DraftWindow = None,
@@ -58,13 +59,14 @@ def bench(
     --concurrency), in one process."""
     with user_errors():
         try:
-            bs = [None if x.strip() == "adaptive" else int(x) for x in block_sizes.split(",")]
+            bs = [_policy(x.strip()) for x in block_sizes.split(",")]
             ts = [float(x) for x in temps.split(",")]
             levels = [int(x) for x in concurrency.split(",")] if concurrency is not None else None
         except ValueError:
             raise UserError(
-                f"--block-sizes takes block sizes and 'adaptive', --temps and --concurrency numbers, "
-                f"comma-separated, e.g. 4,16,adaptive, 0,1 and 1,2,4,8; got {block_sizes!r}, {temps!r} "
+                f"--block-sizes takes block sizes, trees and 'adaptive', --temps and --concurrency "
+                f"numbers, comma-separated, e.g. 4,16,tree16,adaptive, 0,1 and 1,2,4,8; "
+                f"got {block_sizes!r}, {temps!r} "
                 f"and {concurrency!r}"
             ) from None
         if levels is not None and (not levels or min(levels) < 1):
@@ -151,3 +153,13 @@ def bench(
         raise typer.Exit(130)
     if bad:
         raise typer.Exit(1)
+
+
+def _policy(name: str) -> int | str | None:
+    """A --block-sizes entry: 'adaptive' -> None, 'treeN' -> itself, 'N' -> N."""
+    if name == "adaptive":
+        return None
+    if name.startswith("tree"):
+        int(name[4:])  # (a ValueError if it is not a number)
+        return name
+    return int(name)

@@ -35,6 +35,7 @@ from .options import (
     Think,
     TopK,
     TopP,
+    Tree,
     check_utf8,
     mix_text,
     user_errors,
@@ -52,6 +53,7 @@ def generate(
     min_p: MinP = 0.0,
     seed: Seed = None,
     block_size: BlockSize = None,
+    tree: Tree = None,
     no_lookup: NoLookup = False,
     draft_window: DraftWindow = None,
     no_draft: bool = typer.Option(
@@ -78,14 +80,15 @@ def generate(
             min_p=min_p,
             max_tokens=max_tokens,
             block_size=block_size,
+            tree=tree,
             lookup=not no_lookup,
             seed=seed,
             draft_window=draft_window,
         )  # checked before loading, for both paths
-        if no_draft and (draft is not None or block_size is not None or no_lookup or draft_window):
+        if no_draft and (draft is not None or block_size is not None or tree or no_lookup or draft_window):
             raise UserError(
-                "--no-draft is mlx-lm's plain decoding: drop --draft, --block-size, --no-lookup and "
-                "--draft-window"
+                "--no-draft is mlx-lm's plain decoding: drop --draft, --block-size, --tree, --no-lookup "
+                "and --draft-window"
             )
         if (system is not None or think is not None) and not chat_template:
             raise UserError("--system and --think/--no-think need the chat template: drop --no-chat-template")
@@ -100,7 +103,7 @@ def generate(
             else tokenizer.encode(prompt, verbose=False)
         )
         tic = time.perf_counter()
-        cycles = []  # [source, proposals verified, tokens accepted] per cycle
+        cycles = []  # [source, proposals verified (a tree's nodes), tokens accepted] per cycle
         if drafter is None:
             text, tokens, last, acc = _plain(target, tokenizer, ids, as_json, settings)
         else:

@@ -35,6 +35,14 @@ BlockSize = Annotated[
         "docs/policy.md).",
     ),
 ]
+Tree = Annotated[
+    int | None,
+    typer.Option(
+        "--tree",
+        help="Verify a tree of the drafter's guesses in a pass of N (as wide as a block of N) every "
+        "cycle, without lookup (default: each cycle chooses, trees included; see docs/policy.md).",
+    ),
+]
 NoLookup = Annotated[bool, typer.Option("--no-lookup", help="Leave prompt lookup out of the choices.")]
 DraftWindow = Annotated[
     int | None,

@@ -82,13 +82,15 @@ def _record(tokens, tic, first, end, acc):
 
 
 def settings_grid(block_sizes, temperatures, max_tokens: int, lookup: bool = True, draft_window=None) -> dict:
-    """{(block size or None for the adaptive policy, temperature): its settings}, checked before anything
-    runs; each setting once (a repeated one would be run again and overwrite its own record)."""
-    sizes = dict.fromkeys(None if b is None else int(b) for b in block_sizes)
+    """{(policy, temperature): its settings}, checked before anything runs, where a policy is a fixed
+    block size, "treeN" (every cycle a tree in a pass of N) or None (the adaptive policy); each
+    setting once (a repeated one would be run again and overwrite its own record)."""
+    sizes = dict.fromkeys(b if b is None or str(b).startswith("tree") else int(b) for b in block_sizes)
     return {
         (b, t): GenerationSettings(
             temperature=t,
-            block_size=b,
+            block_size=b if isinstance(b, int) else None,
+            tree=int(b[4:]) if isinstance(b, str) else None,
             lookup=lookup,
             max_tokens=max_tokens,
             draft_window=draft_window,
@@ -348,8 +350,11 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def policy_name(block_size: int | None) -> str:
-    return "adaptive" if block_size is None else f"block {block_size}"
+def policy_name(policy: int | str | None) -> str:
+    """A policy of `settings_grid` in words."""
+    if policy is None:
+        return "adaptive"
+    return f"tree {policy[4:]}" if isinstance(policy, str) else f"block {policy}"
 
 
 def markdown(results: dict, title: str) -> str:
@@ -367,7 +372,7 @@ def markdown(results: dict, title: str) -> str:
         f"{results['max_tokens']} tokens each; warm-up excluded{stopped}.",
         "",
         "| policy | temp | tau | plain tok/s | ours tok/s | speedup (decode) | speedup (end to end) "
-        "| TTFT plain / ours (s) | cycles: dflash / lookup / plain | identical |",
+        "| TTFT plain / ours (s) | cycles: dflash / tree / lookup / plain | identical |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in results["summary"]:
@@ -376,7 +381,7 @@ def markdown(results: dict, title: str) -> str:
             False: f"**NO** ({_count(len(s['mismatched_prompts']), 'prompt')})",
             None: "n/a (sampling)",
         }
-        mix = " / ".join(str(s["mix"].get(k, 0)) for k in ("dflash", "lookup", "plain"))
+        mix = " / ".join(str(s["mix"].get(k, 0)) for k in ("dflash", "tree", "lookup", "plain"))
         lines.append(
             f"| {policy_name(s['block_size'])} | {s['temperature']} | {_fmt(s['tau'], '.2f')} | "
             f"{s['baseline_decode_tps']:.1f} | {s['dflash_decode_tps']:.1f} | "

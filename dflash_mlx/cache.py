@@ -115,11 +115,12 @@ class SpeculativeCache:
         self.broken = False
         return logits[:, -1]
 
-    def verify(self, block: mx.array, unrun: bool = False):
+    def verify(self, block: mx.array, unrun: bool = False, trees: list | None = None):
         """Run the target over a block whose first token is the pending one: (logits, features).
-        `unrun`: the pass is only built; `launch` runs it, `cancel` drops it."""
+        `unrun`: the pass is only built; `launch` runs it, `cancel` drops it. `trees`: [the block's
+        token tree] where it holds one (trees.py)."""
         self.broken = True  # until commit
-        logits, features, self.undo = self.target.verify(block, self.target_cache, unrun)
+        logits, features, self.undo = self.target.verify(block, self.target_cache, unrun, trees)
         return logits, features
 
     def launch(self, *arrays) -> None:
@@ -136,11 +137,14 @@ class SpeculativeCache:
         self.keep(features, len(new_tokens))
         self.add(new_tokens)
 
-    def keep(self, features: mx.array | None, m: int) -> None:
-        """The models' half of `commit`: keep the first m positions of the last verify pass. The m
-        committed tokens follow with `add`, which may come after the next pass is launched."""
-        self.target.rollback(self.target_cache, self.undo, m)
+    def keep(self, features: mx.array | None, m: int, path: list[int] | None = None) -> None:
+        """The models' half of `commit`: keep the first m positions of the last verify pass (or of a tree
+        pass, the positions of its accepted `path`). The m committed tokens follow with `add`, which may
+        come after the next pass is launched."""
+        self.target.rollback(self.target_cache, self.undo, m, None if path is None else {0: path})
         self.undo = None
+        if path is not None and features is not None:
+            features = features[:, mx.array(path)]
         self.kept(features, m)
 
     def kept(self, features: mx.array | None, m: int) -> None:

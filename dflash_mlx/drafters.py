@@ -12,6 +12,7 @@ policy learns to predict acceptance.
 from __future__ import annotations
 
 from .models.dflash import DFlashDraftModel
+from .trees import candidates
 
 # Suffix lengths tried, longest first, and the most tokens one lookup proposes (see docs/policy.md).
 LOOKUP_NGRAMS = (4, 3, 2)
@@ -89,6 +90,11 @@ class DFlashDrafter:
         """-> (k proposals, their q or None, confidences): see the model's `draft`."""
         block = draft_block(k, self.block_size)
         return self.model.draft(last, cache, block, k, draw, self.temperature, self.compiled)
+
+    def candidates(self, last: int, cache, k: int):
+        """-> the most likely tokens at each of the k positions and their probabilities (trees.py)."""
+        block = draft_block(k, self.block_size)
+        return candidates(self.model.propose_logits(last, cache, block, self.compiled, heads=k)[0])
 
 
 def propose_together(drafters: list[DFlashDrafter], lasts: list[int], caches: list, ks: list[int], draws):

@@ -27,10 +27,13 @@ import mlx.core as mx
 from .batching import RowView, batchable, merge, split
 from .cache import SpeculativeCache
 from .drafters import DFlashDrafter, propose_together
+from .errors import UserError
+from .models.dflash import DFlashDraftModel
 from .pairing import prepare
-from .policy import DFLASH, LOOKUP, PLAIN, Choice, choose_batch, policy_for
+from .policy import DFLASH, LOOKUP, PLAIN, TREE, Choice, choose_batch, policy_for
 from .sampling import acceptance, match_accept
 from .settings import GenerationSettings
+from .trees import TREE_MAX, Tree, path_of, walk
 
 NONE = mx.array([], dtype=mx.int32)
 
@@ -47,6 +50,9 @@ class Cycle:
     row: int  # its row in the step's pass
     n: mx.array
     nxt: mx.array
+    tree: Tree | None = None  # the proposals' tree, if they were verified as one
+    values: mx.array | None = None  # ... the drafter's candidates' probabilities it was built from
+    accepted: mx.array | None = None  # ... which of the block's positions were accepted
 
 
 @dataclass(eq=False)
@@ -77,7 +83,18 @@ class Sequence:
             self.draw = lambda logits: (mx.argmax(logits, axis=-1), None)
         matched = self.sampler is not None or s.greedy  # proposals accepted where they equal the target's
         draft = cache.draft
-        self.lookup = s.lookup and s.block_size is None
+        self.lookup = s.lookup and s.block_size is None and s.tree is None
+        # Trees need a drafter whose guesses at each position come from its logits alone, and a target
+        # whose caches take a tree's positions back (no recurrent layers). The adaptive policy builds
+        # them where proposals are accepted by matching the target's own choices (trees.py).
+        can_tree = (
+            draft is not None and type(draft).draft is DFlashDraftModel.draft and cache.target.trimmable
+        )
+        if s.tree is not None and not can_tree:
+            raise UserError(
+                "tree needs a DFlash drafter (not a DFlash2 one) and a target without recurrent layers"
+            )
+        self.trees = can_tree and (s.tree is not None or (s.block_size is None and (matched or self.keyed)))
         self.policy = policy_for(
             cache.target,
             draft,
@@ -86,6 +103,8 @@ class Sequence:
             draft_window=cache.draft_window,
             sampled=not matched,
             fresh=s.seed is not None,
+            tree=s.tree,
+            trees=self.trees,
         )
         q_temperature = 0.0 if matched or self.keyed else s.temperature
         self.drafter = (
@@ -124,24 +143,30 @@ class Sequence:
         self.produced += len(new)
         return new
 
-    def pick_at(self, logits: mx.array, position: int) -> mx.array:
-        """The target's token(s) for logits rows predicting positions `position`, `position` + 1, ..."""
-        return self._keyed_draws(logits, position) if self.keyed else self.pick(logits)
-
-    def accept_at(self, x: mx.array, q, logits: mx.array, position: int):
-        """(accepted proposals, next token) of a verify pass whose first row predicts `position`."""
+    def pick_at(self, logits: mx.array, position: int, depths: list[int] | None = None) -> mx.array:
+        """The target's token(s) for logits rows predicting positions `position`, `position` + 1, ...
+        (or `position` + depths[j] for row j: a tree's nodes), each row drawn on its own."""
         if self.keyed:
-            return match_accept(x, self._keyed_draws(logits, position))
-        return self.accept(x, q, logits)
+            logprobs, seed = self.settings.logprobs(logits), self.settings.seed
+            depths = range(logprobs.shape[0]) if depths is None else depths
+            return mx.concatenate(
+                [
+                    mx.random.categorical(logprobs[j : j + 1], key=_position_key(seed, position + d))
+                    for j, d in enumerate(depths)
+                ]
+            )
+        if self.sampler is not None and logits.shape[0] > 1:  # (a sampler may draw once per call)
+            return mx.concatenate([self.pick(logits[j : j + 1]) for j in range(logits.shape[0])])
+        return self.pick(logits)
 
-    def _keyed_draws(self, logits: mx.array, position: int) -> mx.array:
-        logprobs, seed = self.settings.logprobs(logits), self.settings.seed
-        return mx.concatenate(
-            [
-                mx.random.categorical(logprobs[j : j + 1], key=_position_key(seed, position + j))
-                for j in range(logprobs.shape[0])
-            ]
-        )
+    def accept_at(self, x: mx.array, q, logits: mx.array, position: int, tree: Tree | None = None):
+        """(accepted proposals, next token, and for a tree which block positions were accepted) of a
+        verify pass whose first row predicts `position`."""
+        if tree is not None:  # (the target's own choice at every node, followed from the root)
+            return walk(tree, self.pick_at(logits, position, [0, *tree.depths]))
+        if self.keyed:
+            return (*match_accept(x, self.pick_at(logits, position)), None)
+        return (*self.accept(x, q, logits), None)
 
 
 def _position_key(seed: int, position: int) -> mx.array:
@@ -155,8 +180,8 @@ class Result:
     seq: Sequence
     tokens: list[int]
     accepted: int  # proposals kept + 1
-    source: str  # PLAIN, LOOKUP or DFLASH
-    proposed: int
+    source: str  # PLAIN, LOOKUP, DFLASH or TREE
+    proposed: int  # proposals verified (a tree's nodes)
 
 
 class Engine:
@@ -237,19 +262,18 @@ class Engine:
                     s.cycle = Cycle(c, NONE, [], founds[b], b, mx.array(0), ready[1][b])
                 return
             self._drop_step()
-        proposals = self._propose(rows, choices, founds, contexts)
-        blocks = [
-            mx.concatenate([mx.array([s.cache.pending[-1]]), x]) for s, (x, _, _) in zip(rows, proposals)
-        ]
-        logits = self._verify(rows, blocks, solo)
-        for b, (s, choice, (x, q, confidence)) in enumerate(zip(rows, choices, proposals)):
+        proposals = self._propose(rows, choices, founds, contexts, solo)
+        blocks = [mx.concatenate([mx.array([s.cache.pending[-1]]), p[0]]) for s, p in zip(rows, proposals)]
+        logits = self._verify(rows, blocks, solo, [p[3] for p in proposals])
+        for b, (s, choice, (x, q, confidence, tree, values)) in enumerate(zip(rows, choices, proposals)):
+            accepted = None
             if x.size:
                 row = self.solo[b][1][0] if b in self.solo else logits[b]
-                n, nxt = s.accept_at(x, q, row[: blocks[b].size], contexts[b])
+                n, nxt, accepted = s.accept_at(x, q, row[: blocks[b].size], contexts[b], tree)
             else:
                 n, nxt = mx.array(0), s.pick_at(logits[b, :1], contexts[b])[0]
             mx.async_eval(n, nxt)
-            s.cycle = Cycle(choice, x, confidence, founds[b], b, n, nxt)
+            s.cycle = Cycle(choice, x, confidence, founds[b], b, n, nxt, tree, values, accepted)
         self.step_rows = rows
 
     def _next_rows(self):
@@ -270,12 +294,21 @@ class Engine:
         self.ready = None
         return rows, ready, started and ready is not None
 
-    def _propose(self, rows, choices, founds, contexts) -> list[tuple]:
-        """Each row's proposals for its choice: -> (tokens, their q or None, confidences). Rows that
-        draft draft together (one drafter pass where the drafter can), each cut back to the width its
-        confidences pay for."""
-        out = [(NONE, None, [])] * len(rows)
-        drafting = [b for b, c in enumerate(choices) if c.source == DFLASH]
+    def _propose(self, rows, choices, founds, contexts, solo) -> list[tuple]:
+        """Each row's proposals for its choice: -> (tokens, their q or None, confidences, their tree or
+        None, the candidates' probabilities it was built from). Rows that draft draft together (one
+        drafter pass where the drafter can), each cut back to the width its confidences pay for; a row
+        that may verify a tree drafts its candidates alone, and its policy shapes them."""
+        out = [(NONE, None, [], None, None)] * len(rows)
+        shaped = [b for b, c in enumerate(choices) if c.source == DFLASH and rows[b].trees and not solo[b]]
+        for b in shaped:
+            s = rows[b]
+            ids, values = s.drafter.candidates(s.cache.pending[-1], s.cache.draft_cache, choices[b].k)
+            most = choices[b].k + 1 if len(rows) > 1 else TREE_MAX  # (a batch's width is chosen)
+            k, confidence, tree = s.policy.shape(choices[b], ids, values, contexts[b], most)
+            x = ids[:k, 0] if tree is None else mx.array(tree.tokens, dtype=mx.int32)
+            out[b] = (x, None, confidence, tree, values)
+        drafting = [b for b, c in enumerate(choices) if c.source == DFLASH and b not in shaped]
         if drafting:
             drafted = propose_together(
                 [rows[b].drafter for b in drafting],
@@ -286,10 +319,10 @@ class Engine:
             )
             for b, (x, q, confidence) in zip(drafting, drafted):
                 k, confidence = rows[b].policy.narrow(choices[b], confidence, contexts[b])
-                out[b] = (x[:k], None if q is None else q[:k], confidence)
+                out[b] = (x[:k], None if q is None else q[:k], confidence, None, None)
         for b, (choice, found) in enumerate(zip(choices, founds)):
             if choice.source == LOOKUP:  # q None: proposed with certainty
-                out[b] = (mx.array(found[0][: choice.k], dtype=mx.int32), None, [])
+                out[b] = (mx.array(found[0][: choice.k], dtype=mx.int32), None, [], None, None)
         return out
 
     def collect(self) -> list[Result]:
@@ -309,20 +342,25 @@ class Engine:
                 self.started = True
             else:
                 self.started = False
-        mx.eval([(c.n, c.nxt, c.x) for c in cycles])
-        results, tokens = [], []
-        for s, c in zip(rows, cycles):
+        mx.eval([(c.n, c.nxt, c.x, c.accepted) for c in cycles])
+        results, tokens, paths = [], [], {}
+        for b, (s, c) in enumerate(zip(rows, cycles)):
             if s.removed:
                 tokens.append([])
                 continue
             n = c.n.item()
-            s.policy.observe(c.choice, c.x.size, n, c.confidence, c.found[1])
-            new = s.cut(c.x.tolist()[:n] + [c.nxt.item()])
+            if c.tree is None:
+                s.policy.observe(c.choice, c.x.size, n, c.confidence, c.found[1])
+                proposals, source = c.x.tolist()[:n], c.choice.source if c.x.size else PLAIN
+            else:
+                paths[b] = path_of(c.accepted.tolist())
+                s.policy.observe_tree(c.tree, c.values.tolist(), paths[b])
+                proposals, source = [c.tree.tokens[i - 1] for i in paths[b][1:]], TREE
+            new = s.cut(proposals + [c.nxt.item()])
             tokens.append(new)
-            source = c.choice.source if c.x.size else PLAIN
             results.append(Result(s, new, n + 1, source, c.x.size))
         if self.ready is None:
-            self._keep(rows, [len(t) for t in tokens], tokens)
+            self._keep(rows, [len(t) for t in tokens], tokens, paths)
         else:
             for s, t in zip(rows, tokens):
                 s.cache.add(t)
@@ -353,13 +391,16 @@ class Engine:
 
     # ---- the target pass, for one row (its own cache) or a batch (lent caches) ----------------------
 
-    def _verify(self, rows: list[Sequence], blocks: list[mx.array], solo: list[bool]) -> mx.array:
-        """The step's target pass(es) -> the shared pass's logits. A row verifying alone runs its own pass
-        first (`self.solo[row]`: its views, logits, features and undo) and has only its pending token
-        in the shared one, whose position there it does not keep."""
+    def _verify(
+        self, rows: list[Sequence], blocks: list[mx.array], solo: list[bool], trees: list
+    ) -> mx.array:
+        """The step's target pass(es) -> the shared pass's logits (rows holding trees masked as trees).
+        A row verifying alone runs its own pass first (`self.solo[row]`: its views, logits, features and
+        undo) and has only its pending token in the shared one, whose position there it does not keep."""
+        trees = trees if any(t is not None for t in trees) else None
         if self.batch is None:
             (s,) = rows
-            logits, self.features = s.cache.verify(blocks[0][None])
+            logits, self.features = s.cache.verify(blocks[0][None], trees=trees)
             return logits
         for s in rows:
             s.cache.broken = True
@@ -370,7 +411,7 @@ class Engine:
             blocks = blocks[:b] + [blocks[b][:1]] + blocks[b + 1 :]
         width = max(b.size for b in blocks)
         tokens = mx.stack([mx.pad(b, (0, width - b.size)) for b in blocks])
-        logits, self.features, self.undo = self.target.verify(tokens, self.batch)
+        logits, self.features, self.undo = self.target.verify(tokens, self.batch, trees=trees)
         return logits
 
     def _build_plain(self, rows: list[Sequence], tokens: mx.array):
@@ -392,14 +433,16 @@ class Engine:
             self.undo.buffers = None  # (see Target.verify)
             mx.async_eval(features, nxt)
 
-    def _keep(self, rows: list[Sequence], keep: list[int], tokens: list[list[int]] | None = None) -> None:
-        """Keep each row's first keep[b] positions of the pass under way (and commit its tokens)."""
+    def _keep(self, rows: list[Sequence], keep: list[int], tokens=None, paths: dict | None = None) -> None:
+        """Keep each row's first keep[b] positions of the pass under way (and commit its tokens); for
+        a row that verified a tree, the positions of its accepted path (`paths[b]`)."""
+        paths = paths or {}
         if self.batch is None:
             (s,) = rows
-            s.cache.keep(self.features, keep[0])
+            s.cache.keep(self.features, keep[0], paths.get(0))
         else:
             self.target.rollback(
-                self.batch, self.undo, [0 if b in self.solo else k for b, k in enumerate(keep)]
+                self.batch, self.undo, [0 if b in self.solo else k for b, k in enumerate(keep)], paths
             )
             self.undo = None
             for b, s in enumerate(rows):
@@ -408,6 +451,8 @@ class Engine:
                     self.target.rollback(views, undo, keep[b])
                 else:
                     features = None if self.features is None else self.features[b : b + 1]
+                    if features is not None and b in paths:
+                        features = features[:, mx.array(paths[b])]
                 s.cache.kept(features, keep[b])
             self.solo = {}
         for s, t in zip(rows, tokens or []):

@@ -35,8 +35,10 @@ from .loading import cache_home
 from .models.dflash import DraftCache
 from .pairing import context_length
 from .platform import backend, blas
+from .trees import TREE_MAX, Tree, build
 
 PLAIN, LOOKUP, DFLASH = "plain", "lookup", "dflash"
+TREE = "tree"  # a cycle that verified a tree of the drafter's guesses (its choice was DFLASH)
 
 # Each cycle of a source weighs its older evidence by DECAY, on top of prior odds PRIOR_HITS / PRIOR_TRIALS.
 # A parked option is probed after PROBE_FIRST cycles, then after twice as many each time it still loses;
@@ -201,10 +203,14 @@ def expected_tokens(rates: list[float]) -> list[float]:
 
 
 class FixedPolicy:
-    """Every cycle the same: DFlash with block_size - 1 proposals (plain steps at block size 1)."""
+    """Every cycle the same: DFlash with block_size - 1 proposals (plain steps at block size 1), or a tree
+    in a pass of `tree` from a drafter block of block_size."""
 
-    def __init__(self, block_size: int, drafting: bool):
+    tree = None  # (None: chains)
+
+    def __init__(self, block_size: int, drafting: bool, tree: int | None = None):
         self.k = block_size - 1 if drafting else 0
+        self.tree = tree
 
     def choose(self, context: int, lookup: tuple[list[int], int], built: bool = False) -> Choice:
         return Choice(DFLASH, self.k) if self.k else Choice(PLAIN, 0)
@@ -215,7 +221,17 @@ class FixedPolicy:
     def narrow(self, choice: Choice, confidence: mx.array, context: int) -> tuple[int, list[float]]:
         return choice.k, []
 
+    def shape(self, choice: Choice, ids: mx.array, values: mx.array, context: int, most: int = TREE_MAX):
+        """The tree best by the drafter's own probabilities that fills a pass of `tree` (see
+        AdaptivePolicy.shape)."""
+        if not self.tree:
+            return choice.k, [], None
+        return self.tree - 1, [], build(ids.tolist(), values.tolist(), self.tree - 1)[0]
+
     def observe(self, choice: Choice, k: int, accepted: int, confidence, ngram: int) -> None:
+        pass
+
+    def observe_tree(self, tree: Tree, values: list, path: list[int]) -> None:
         pass
 
     def measure(self, cache) -> None:
@@ -233,9 +249,11 @@ class AdaptivePolicy:
         max_lookup: int = LOOKUP_MAX,
         keep=None,
         draft_window: int | None = None,
+        trees: bool = False,
     ):
         self.costs, self.keep = costs, keep  # keep(costs): where costs measured later are kept
         self.draft_window = draft_window
+        self.trees = trees  # whether a drafted block may be verified as a tree (`shape`)
         self.max = {DFLASH: max_dflash, LOOKUP: max_lookup if lookup else 0}
         self.dflash = _Odds(max_dflash)
         self.lookup = {n: _Odds(max_lookup) for n in range(1, 9)}  # by matched suffix length
@@ -361,16 +379,41 @@ class AdaptivePolicy:
         (-> that number, and the confidences as floats). A confidence bin with little evidence leans on
         the position's own odds."""
         confidence = confidence.tolist()
-        rates = []
-        for c, prior in zip(confidence, self.dflash.rates(len(confidence))):
-            b = self._bin(c)
-            rates.append((self.bins.hits[b] + PRIOR_TRIALS * prior) / (self.bins.trials[b] + PRIOR_TRIALS))
+        rates = [self._odds(c, p) for c, p in zip(confidence, self.dflash.rates(len(confidence)))]
+        return self._widest_paying(expected_tokens(rates), choice, context), confidence
+
+    def _odds(self, confidence: float, prior: float) -> float:
+        """The chance a proposal of this confidence is accepted, its position's odds as the prior."""
+        b = self._bin(confidence)
+        return (self.bins.hits[b] + PRIOR_TRIALS * prior) / (self.bins.trials[b] + PRIOR_TRIALS)
+
+    def _widest_paying(self, e: list[float], choice: Choice, context: int) -> int:
+        """The number of proposals (index into e, the tokens expected by proposals verified) that gives
+        the most tokens per second, the fewest where they tie."""
         drafted = self._draft_time(choice.k, context)
-        e = expected_tokens(rates)
-        best = max(
+        return max(
             range(len(e)), key=lambda k: (e[k] / (self.costs.target_time(k + 1, context) + drafted), -k)
         )
-        return best, confidence
+
+    def shape(self, choice: Choice, ids: mx.array, values: mx.array, context: int, most: int = TREE_MAX):
+        """A drafted block's shape, now that the drafter's candidates at each position (ids, values: its
+        probabilities) are known: -> (proposals to verify, the first guesses' confidences, the tree to
+        verify them as, or None for a chain of first guesses). Each candidate's odds of acceptance come
+        from its confidence bin as for a chain; the best tree of n nodes is the best-first one by the
+        product of its path's odds (trees.py), and its expected tokens are 1 + the sum of those
+        products; n is the one with the most tokens per second. A chain of n first guesses is one of the
+        trees of n nodes, so a tree is chosen only where it is expected to beat the chain. `most`: the
+        widest pass allowed (a batch's step has chosen its width)."""
+        if not self.trees:
+            k, confidence = self.narrow(choice, values[:, 0], context)
+            return k, confidence, None
+        ids, values = ids.tolist(), values.tolist()
+        priors = self.dflash.rates(len(values))
+        odds = [[self._odds(v, p) for v in row] for row, p in zip(values, priors)]
+        tree, scores = build(ids, odds, min(most, TREE_MAX) - 1)
+        n = self._widest_paying(list(itertools.accumulate(scores, initial=1.0)), choice, context)
+        tree = tree.first(n)
+        return n, [row[0] for row in values], None if tree.is_chain else tree
 
     def observe(self, choice: Choice, k: int, accepted: int, confidence: list[float], ngram: int) -> None:
         if accepted:
@@ -385,6 +428,22 @@ class AdaptivePolicy:
                 self.bins.hits[b] += j < accepted
         elif choice.source == LOOKUP:
             self.lookup[min(ngram, 8)].observe(k, accepted)
+
+    def observe_tree(self, tree: Tree, values: list[list[float]], path: list[int]) -> None:
+        """Learn from a tree's verify pass (`values`: the drafter's probabilities it was built from, `path`
+        the accepted block indices): each node whose parent was accepted was tried, and the target took
+        one of them or none; the positions' odds learn the depth reached, as a chain's would."""
+        accepted = len(path) - 1
+        if accepted:
+            self.wait[DFLASH] = PROBE_FIRST
+        self.dflash.observe(max(tree.depths), accepted)
+        self.bins.discount(DECAY)
+        on = set(path)
+        for i, (parent, depth, rank) in enumerate(zip(tree.parents, tree.depths, tree.ranks)):
+            if parent in on:
+                b = self._bin(values[depth - 1][rank])
+                self.bins.trials[b] += 1
+                self.bins.hits[b] += i + 1 in on
 
 
 def choose_batch(
@@ -686,10 +745,15 @@ def policy_for(
     draft_window: int | None = None,
     sampled: bool = False,
     fresh: bool = False,
+    tree: int | None = None,
+    trees: bool = False,
 ):
-    """A fixed block when one is given (or nothing to choose from), else the adaptive policy: from the
-    priors if `fresh` (a seeded answer, whose draws must not depend on what came before), else from
-    what the last one for the same pair learnt."""
+    """A fixed block (or a fixed `tree` pass of that width) when one is given (or nothing to choose
+    from), else the adaptive policy (choosing trees too where `trees`): from the priors if `fresh` (a
+    seeded answer, whose draws must not depend on what came before), else from what the last one for
+    the same pair learnt."""
+    if tree is not None:
+        return FixedPolicy(block_size or draft.block_size, True, tree)
     if block_size is not None or (draft is None and not lookup):
         return FixedPolicy(block_size or 1, draft is not None)
     path = costs_path(target, draft)
@@ -699,8 +763,9 @@ def policy_for(
         lookup,
         keep=lambda costs: keep_costs(path, costs),
         draft_window=draft_window,
+        trees=trees,
     )
-    key = (path, lookup, draft_window, sampled)
+    key = (path, lookup, draft_window, sampled, trees)
     if key in _LEARNT and not fresh:
         policy.learn_from(_LEARNT[key])
     _LEARNT[key] = policy

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .errors import UserError
 from .pairing import check_block_size
 from .sampling import SamplingParams
+from .trees import TREE_MAX
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +22,7 @@ class GenerationSettings(SamplingParams):
 
     max_tokens: int = 256
     block_size: int | None = None  # None: chosen cycle by cycle (policy.py); N: a fixed DFlash block
+    tree: int | None = None  # N: every cycle verifies a tree in a pass of N, as wide as a block of N
     lookup: bool = True  # prompt lookup among the choices (with block_size None)
     seed: int | None = None  # any integer, taken modulo 2**64 (MLX's seeds are unsigned 64-bit)
     prefill_step_size: int = 2048
@@ -32,6 +34,8 @@ class GenerationSettings(SamplingParams):
             raise UserError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.block_size is not None:
             check_block_size(self.block_size)
+        if self.tree is not None and not 2 <= self.tree <= TREE_MAX:
+            raise UserError(f"tree must be from 2 to {TREE_MAX} (the width of its pass), got {self.tree}")
         if self.prefill_step_size < 1:
             raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
         if self.draft_window is not None and self.draft_window < 1:

@@ -47,8 +47,8 @@ class GenerationResponse:
     generation_tps: float  # tokens after the first, per second since the first (0 until there is a second)
     peak_memory: float  # GB
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running
-    source: str | None = None  # what proposed this cycle's tokens: "plain", "lookup" or "dflash"
-    proposed: int = 0  # how many proposals this cycle's verify pass checked
+    source: str | None = None  # what proposed this cycle's tokens: "plain", "lookup", "dflash" or "tree"
+    proposed: int = 0  # how many proposals this cycle's verify pass checked (a tree's nodes)
     stop: str | None = None  # the stop string that ended the text, if one did
 
 
@@ -145,6 +145,7 @@ def stream_generate(
     prompt: str | abc.Sequence[int] | mx.array,
     *,
     block_size: int | None = None,
+    tree: int | None = None,
     lookup: bool = True,
     max_tokens: int = 256,
     temperature: float = 0.0,
@@ -170,8 +171,10 @@ def stream_generate(
     By default each cycle chooses among a plain step, prompt lookup and the drafter, and how many
     proposals to verify, by what pays on this machine (see policy.py); `lookup=False` leaves lookup
     out, `draft=None` the drafter. `block_size=N` pins a fixed DFlash block of N every cycle (no
-    lookup); `block_size=1` is plain decoding. `draft_window=N` keeps only the drafter's latest N
-    context positions, so its pass stops growing with the context (a `prompt_cache` keeps its own).
+    lookup); `block_size=1` is plain decoding; `tree=N` verifies a tree of the drafter's guesses
+    in a pass of N every cycle (see trees.py; the adaptive policy builds trees where they pay).
+    `draft_window=N` keeps only the drafter's latest N context positions, so its pass stops growing
+    with the context (a `prompt_cache` keeps its own).
     `tokenizer=None` works on token ids alone: no text, no EOS. A stop string ends the text where it
     starts; the tokens of the cycle that hit it stay in `tokens` and in `prompt_cache`. A prompt that
     fills the target's context is an error; the answer stops ("length") where the context ends.
@@ -183,6 +186,7 @@ def stream_generate(
         min_p=min_p,
         max_tokens=max_tokens,
         block_size=block_size,
+        tree=tree,
         lookup=lookup,
         seed=seed,
         prefill_step_size=prefill_step_size,

@@ -25,7 +25,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from ..batching import RaggedKVCache
 from ..errors import UserError
+from ..trees import TreePass, gather_path
 
 
 def _replay_gated_delta(layer, x: mx.array, cache: ArraysCache) -> None:
@@ -156,6 +158,11 @@ class Target:
                 )
         self._recurrent = [i for i, layer in enumerate(self.inner.layers) if spec.recurrent(layer)]
 
+    @property
+    def trimmable(self) -> bool:
+        """Whether every layer's cache can take back any of a pass's positions (no recurrent layers)."""
+        return not self._recurrent
+
     # The drafter shares these two with the target.
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.inner.embed_tokens(tokens)
@@ -223,10 +230,17 @@ class Target:
         return logits, features
 
     def verify(
-        self, tokens: mx.array, cache: list, unrun: bool = False
+        self, tokens: mx.array, cache: list, unrun: bool = False, trees: list | None = None
     ) -> tuple[mx.array, mx.array | None, Undo]:
         """A pass that `rollback` can take back in part or whole: (logits, features, its Undo).
-        `unrun`: the pass may be dropped before it runs (`rollback` to 0 then restores the buffers)."""
+        `unrun`: the pass may be dropped before it runs (`rollback` to 0 then restores the buffers).
+        `trees`: per row, a flattened token tree (trees.py) the row's block holds, or None."""
+        if trees is not None and any(t is not None for t in trees):
+            if self._recurrent:
+                raise ValueError("a target with recurrent layers verifies chains only")
+            with TreePass(self.inner.layers, cache, trees, tokens.shape[1]) as lent:
+                logits, features, _ = self._run(tokens, lent, False, [])
+            return logits, features, Undo(tokens.shape[1], {}, {})
         states = {i: list(cache[i].cache) for i in self._recurrent}
         buffers = None
         if unrun:
@@ -261,10 +275,18 @@ class Target:
         features = mx.concatenate(outputs, axis=-1) if outputs else None
         return logits, features, record
 
-    def rollback(self, cache: list, undo: Undo, keep: int | list[int]) -> None:
+    def rollback(self, cache: list, undo: Undo, keep: int | list[int], paths: dict | None = None) -> None:
         """Keep only the first `keep` positions of the verify pass `undo` belongs to (0: none of it), or
-        keep[b] of row b of a batch (batching.py). It must be the last pass over this cache."""
+        keep[b] of row b of a batch (batching.py). It must be the last pass over this cache. `paths`:
+        {row: the block indices to keep, in order} for rows that verified a tree (trees.py); the path's
+        positions are moved to the front of the row's block first, unless they are there already."""
         n = undo.width
+        for row, path in (paths or {}).items():
+            if path != list(range(len(path))):
+                for c in cache:
+                    start = (c.ends[row] if isinstance(c, RaggedKVCache) else c.offset) - n
+                    gather_path(c.keys, row, start, path)
+                    gather_path(c.values, row, start, path)
         if isinstance(keep, list):
             if not all(0 <= k <= n for k in keep):
                 raise ValueError(f"cannot keep {keep} of the {n} positions of the last call")

@@ -61,7 +61,17 @@ def test_generate_json_and_the_plain_baseline_agree(pair):
     args = f"generate -m {root}/target -p 'w5 w6 w7' --max-tokens 12 --no-chat-template --json"
     ours = json.loads(run(f"{args} -d {root}/draft").stdout)
     plain = json.loads(run(f"{args} --no-draft").stdout)
-    assert ours["tokens"] == plain["tokens"] == greedy_reference(model, [5, 6, 7], 12, eos={95})
+    tree = json.loads(run(f"{args} -d {root}/draft --tree 6").stdout)
+    assert (
+        ours["tokens"]
+        == plain["tokens"]
+        == tree["tokens"]
+        == greedy_reference(model, [5, 6, 7], 12, eos={95})
+    )
+    # each tree cycle: its nodes (a pass of 6) and the accepted depth + 1
+    assert tree["cycle_log"] and all(
+        c[0] == "tree" and c[1] == 5 and 1 <= c[2] <= 6 for c in tree["cycle_log"]
+    )
     assert ours["mean_acceptance"] >= 1 and plain["mean_acceptance"] is None
     assert set(ours) >= {
         "text",
@@ -427,16 +437,17 @@ def png_size(path):
 def test_bench_writes_results_summary_and_plot(pair, tmp_path):
     root, _ = pair
     r = run(
-        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --block-sizes 2,8 "
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --block-sizes 2,8,tree8 "
         f"--temps 0,1 --max-tokens 16 -o {tmp_path}/b"
     )
     assert r.exit_code == 0, r.output
     results = json.loads((tmp_path / "b" / "results.json").read_text())
-    assert len(results["prompts"]) == 4 and {s["block_size"] for s in results["summary"]} == {2, 8}
+    assert len(results["prompts"]) == 4 and {s["block_size"] for s in results["summary"]} == {2, 8, "tree8"}
     greedy = [s for s in results["summary"] if s["temperature"] == 0]
     assert all(s["identical"] is True for s in greedy)
     assert results["machine"]["mlx backend"] == "cpu"
     assert "| block 8 | 0.0 |" in (tmp_path / "b" / "summary.md").read_text()
+    assert "| tree 8 | 0.0 |" in (tmp_path / "b" / "summary.md").read_text()
     w, h = png_size(tmp_path / "b" / "plot.png")
     assert w > 400 and h > 200
 
@@ -547,7 +558,7 @@ def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
     monkeypatch.setattr(
         SpeculativeCache,
         "verify",
-        lambda self, block: (widths.append(block.shape[1]), verify(self, block))[1],
+        lambda self, block, **kw: (widths.append(block.shape[1]), verify(self, block, **kw))[1],
     )
     r = run("profile --hidden 64 --layers 2 --vocab 256 --block-size 4 --cycles 3 --json")
     assert r.exit_code == 0, r.output
