@@ -74,7 +74,8 @@ def candidates(logits: mx.array, k: int = ALTERNATIVES) -> tuple[mx.array, mx.ar
     ids = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
     values = mx.take_along_axis(logprobs, ids, axis=-1)
     order = mx.argsort(-values, axis=-1)
-    return mx.take_along_axis(ids, order, axis=-1), mx.exp(mx.take_along_axis(values, order, axis=-1))
+    ids = mx.take_along_axis(ids, order, axis=-1).astype(mx.int32)
+    return ids, mx.exp(mx.take_along_axis(values, order, axis=-1))
 
 
 def build(ids: list[list[int]], values: list[list[float]], budget: int) -> tuple[Tree, list[float]]:
