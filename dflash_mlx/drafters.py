@@ -97,13 +97,20 @@ class DFlashDrafter:
         return candidates(self.model.propose_logits(last, cache, block, self.compiled, heads=k)[0])
 
 
+def from_logits(model) -> bool:
+    """Whether a drafter's proposals at each position come from its logits there alone (a DFlash drafter,
+    not a DFlash2 one, whose proposals depend on the ones before): the condition for drafting several
+    sequences in one pass and for trees of its guesses."""
+    return type(model).draft is DFlashDraftModel.draft
+
+
 def propose_together(drafters: list[DFlashDrafter], lasts: list[int], caches: list, ks: list[int], draws):
     """`propose` for several sequences of one drafter in one pass where the drafter can (a plain DFlash
-    drafter: one whose proposals come from its logits alone), else one pass each."""
+    drafter, its logits made by the model's own pass), else one pass each."""
     model = drafters[0].model
     if (
         len(drafters) > 1
-        and type(model).draft is DFlashDraftModel.draft
+        and from_logits(model)
         and type(model).propose_logits is DFlashDraftModel.propose_logits
     ):
         block = max(draft_block(k, d.block_size) for d, k in zip(drafters, ks))

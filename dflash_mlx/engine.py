@@ -26,9 +26,8 @@ import mlx.core as mx
 
 from .batching import RowView, batchable, merge, split
 from .cache import SpeculativeCache
-from .drafters import DFlashDrafter, propose_together
+from .drafters import DFlashDrafter, from_logits, propose_together
 from .errors import UserError
-from .models.dflash import DFlashDraftModel
 from .pairing import prepare
 from .policy import DFLASH, LOOKUP, PLAIN, TREE, Choice, choose_batch, policy_for
 from .sampling import acceptance, match_accept
@@ -87,9 +86,7 @@ class Sequence:
         # Trees need a drafter whose guesses at each position come from its logits alone, and a target
         # whose caches take a tree's positions back (no recurrent layers). The adaptive policy builds
         # them where proposals are accepted by matching the target's own choices (trees.py).
-        can_tree = (
-            draft is not None and type(draft).draft is DFlashDraftModel.draft and cache.target.trimmable
-        )
+        can_tree = draft is not None and from_logits(draft) and cache.target.trimmable
         if s.tree is not None and not can_tree:
             raise UserError(
                 "tree needs a DFlash drafter (not a DFlash2 one) and a target without recurrent layers"

@@ -5,42 +5,15 @@ import pytest
 from test_cache import assert_same_caches
 from test_policy import SCRIPT, OracleIndex, ScriptedPolicy
 from test_sampling import RUNS, T, V, chi_square_p, exact_joint
-from tiny import FAMILIES, draft_config, greedy_reference, make_draft, make_target, prompt_of
+from tiny import FAMILIES, OracleDraft, draft_config, greedy_reference, make_draft, make_target, prompt_of
 
 import dflash_mlx.engine as engine
 from dflash_mlx import SpeculativeCache
 from dflash_mlx.batching import RaggedKVCache
 from dflash_mlx.engine import Engine, Sequence
-from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.pairing import prepare
 from dflash_mlx.policy import DFLASH, LOOKUP, PLAIN, Choice
 from dflash_mlx.settings import GenerationSettings
-
-
-class Oracles(DFlashDraftModel):
-    """Proposes each sequence's own greedy continuation (known by its drafter cache), with one error per
-    cycle at a position taken from `errors` in turn, so every acceptance length occurs."""
-
-    def __init__(self, config, errors):
-        super().__init__(config)
-        self.references, self.errors, self.cycle = {}, list(errors), 0
-
-    def follow(self, cache: SpeculativeCache, reference: list[int]) -> None:
-        self.references[id(cache._draft_cache[0])] = reference
-
-    def propose_logits(self, last_token, cache, block_size, compiled=True, heads=None):
-        import mlx.core as mx
-
-        reference, start = self.references[id(cache[0])], cache[0].offset
-        guess = [reference[p] if p < len(reference) else 0 for p in range(start + 1, start + block_size)]
-        err = self.errors[self.cycle % len(self.errors)]
-        self.cycle += 1
-        if err is not None and err < len(guess):
-            guess[err] = (guess[err] + 1) % self.config.vocab_size
-        logits = mx.full((1, block_size - 1, self.config.vocab_size), -30.0)
-        for i, t in enumerate(guess):
-            logits[0, i, t] = 30.0
-        return logits[:, :heads]
 
 
 def drive(engine_, joins: dict[int, list], until=None) -> dict:
@@ -95,7 +68,7 @@ def passes(request, monkeypatch):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_sequence_of_a_batch_gets_what_it_gets_alone(family, per_row_scripts, passes):
     model = make_target(family)
-    draft = Oracles(draft_config(block_size=16), [None, 0, 4, 2, 9])
+    draft = OracleDraft(draft_config(block_size=16), None, [None, 0, 4, 2, 9])
     target = prepare(model, draft)
     plans = [(1, 30, 0), (5, 45, 0), (37, 60, 0), (12, 20, 3), (9, 25, 6)]  # prompt, max tokens, joins at
     joins, wants = {}, {}
@@ -132,7 +105,7 @@ def test_each_sequence_of_a_batch_gets_what_it_gets_alone(family, per_row_script
 
 def test_a_sequence_ends_at_its_eos_and_one_stopped_mid_batch_leaves_its_cache_as_it_was(per_row_scripts):
     model = make_target("llama")
-    draft = Oracles(draft_config(block_size=8), [None, 2])
+    draft = OracleDraft(draft_config(block_size=8), None, [None, 2])
     target = prepare(model, draft)
     prompts = [prompt_of(n, seed=40 + n) for n in (6, 11, 4)]
     refs = [greedy_reference(model, p, 40) for p in prompts]

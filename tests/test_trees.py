@@ -10,6 +10,7 @@ from test_policy import CPU
 from test_sampling import DRAFT, PROMPT, RUNS, T, TargetPathDraft, V, chi_square_p, exact_joint, sample_counts
 from tiny import (
     FAMILIES,
+    OracleDraft,
     draft_config,
     greedy_reference,
     make_draft,
@@ -20,7 +21,6 @@ from tiny import (
 
 from dflash_mlx import SpeculativeCache, stream_generate
 from dflash_mlx.engine import Engine, Sequence
-from dflash_mlx.models.dflash import DFlashDraftModel
 from dflash_mlx.models.targets import Target
 from dflash_mlx.pairing import prepare
 from dflash_mlx.policy import DFLASH, TREE, AdaptivePolicy, CostModel
@@ -86,21 +86,12 @@ def test_best_first_trees_hold_the_likeliest_paths_and_walks_follow_the_target()
     assert (n.item(), nxt.item()) == (0, 99) and path_of(accepted.tolist()) == [0]
 
 
-class RankedOracle(DFlashDraftModel):
+class RankedOracle(OracleDraft):
     """Knows the target's greedy continuation and ranks it first, second or third at each position (in
     turn), behind decoys: chains stop at its first miss, trees go on along its second guesses."""
 
-    def __init__(self, config, reference: list[int] | None = None):
-        super().__init__(config)
-        self.reference, self.references, self.cycle = reference, {}, 0
-
-    def follow(self, cache: SpeculativeCache, reference: list[int]) -> None:
-        """Give this sequence's continuation (for sequences drafted in one engine)."""
-        self.references[id(cache._draft_cache[0])] = reference
-
     def propose_logits(self, last_token, cache, block_size, compiled=True, heads=None):
-        start, vocab = cache[0].offset, self.config.vocab_size
-        reference = self.references.get(id(cache[0]), self.reference) or []  # ([]: measuring costs)
+        start, vocab, reference = cache[0].offset, self.config.vocab_size, self.reference_for(cache)
         logits = mx.full((1, block_size - 1, vocab), -30.0)
         self.cycle += 1
         for i, p in enumerate(range(start + 1, start + block_size)):
@@ -135,7 +126,7 @@ def test_greedy_trees_give_mlx_lms_tokens_and_leave_caches_as_a_fresh_prefill(fa
 
 def test_sequences_of_a_batch_verify_trees_in_the_shared_pass_and_each_gets_its_own_tokens():
     model = make_target("gpt_oss")  # (sliding-window layers: the window is masked by tree positions)
-    draft = RankedOracle(draft_config(block_size=8))
+    draft = RankedOracle(draft_config(block_size=8), None)
     target = prepare(model, draft)
     plans = [(3, 30, 0, 6), (14, 25, 0, None), (9, 30, 2, 10), (20, 12, 4, 4)]  # prompt, max, joins, tree
     joins, wants = {}, {}

@@ -226,19 +226,27 @@ def prompt_of(length: int, seed: int = 0) -> list[int]:
 
 class OracleDraft(DFlashDraftModel):
     """Proposes the target's own greedy continuation, with one error injected per cycle at a
-    position taken from `errors` in turn (None = no error), so every acceptance length occurs."""
+    position taken from `errors` in turn (None = no error), so every acceptance length occurs.
+    Several sequences drafted by one drafter each `follow` their own continuation."""
 
-    def __init__(self, config, reference: list[int], errors):
+    def __init__(self, config, reference: list[int] | None, errors=(None,)):
         super().__init__(config)
         self.reference = reference  # prompt + greedy continuation
+        self.references = {}  # a followed sequence's, by its drafter cache
         self.errors = list(errors)
         self.cycle = 0
 
+    def follow(self, cache, reference: list[int]) -> None:
+        """Give the sequence of this SpeculativeCache its own continuation."""
+        self.references[id(cache._draft_cache[0])] = reference
+
+    def reference_for(self, cache) -> list[int]:
+        """The continuation of the sequence whose drafter cache this is ([] for none: measuring costs)."""
+        return self.references.get(id(cache[0]), self.reference) or []
+
     def propose_logits(self, last_token, cache, block_size, compiled=True, heads=None):
-        start = cache[0].offset  # position of last_token
-        guess = [
-            self.reference[p] if p < len(self.reference) else 0 for p in range(start + 1, start + block_size)
-        ]
+        start, reference = cache[0].offset, self.reference_for(cache)  # (start: position of last_token)
+        guess = [reference[p] if p < len(reference) else 0 for p in range(start + 1, start + block_size)]
         err = self.errors[self.cycle % len(self.errors)]
         self.cycle += 1
         if err is not None and err < len(guess):
