@@ -143,13 +143,14 @@ class SpeculativeCache:
         come after the next pass is launched."""
         self.target.rollback(self.target_cache, self.undo, m, None if path is None else {0: path})
         self.undo = None
+        self.kept(features, m, path)
+
+    def kept(self, features: mx.array | None, m: int, path: list[int] | None = None) -> None:
+        """`keep`'s bookkeeping: the target kept m positions of a pass it made over a batch this cache's
+        target caches were lent to (engine.py); the drafter's context takes their features (those of
+        the accepted `path` of a tree pass)."""
         if path is not None and features is not None:
             features = features[:, mx.array(path)]
-        self.kept(features, m)
-
-    def kept(self, features: mx.array | None, m: int) -> None:
-        """`keep`'s bookkeeping: the target kept m positions of a pass it made over a batch this cache's
-        target caches were lent to (engine.py)."""
         if self.draft is not None and features is not None and m:
             self.unabsorbed.append(features[:, :m])
             if sum(f.shape[1] for f in self.unabsorbed) >= ABSORB_BATCH:

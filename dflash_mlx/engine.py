@@ -448,9 +448,7 @@ class Engine:
                     self.target.rollback(views, undo, keep[b])
                 else:
                     features = None if self.features is None else self.features[b : b + 1]
-                    if features is not None and b in paths:
-                        features = features[:, mx.array(paths[b])]
-                s.cache.kept(features, keep[b])
+                s.cache.kept(features, keep[b], paths.get(b))
             self.solo = {}
         for s, t in zip(rows, tokens or []):
             s.cache.add(t)

@@ -122,17 +122,6 @@ def path_of(accepted: list[bool]) -> list[int]:
     return [i for i, a in enumerate(accepted) if a]
 
 
-class Span:
-    """Where a layer's cache puts a pass's positions: per row, the first buffer index of the row's own
-    positions and the index the pass's block starts at (before the pass writes it)."""
-
-    def __init__(self, cache):
-        if isinstance(cache, RaggedKVCache):
-            self.starts, self.ends = list(cache.starts), list(cache.ends)
-        else:
-            self.starts, self.ends = [0], [cache.offset]
-
-
 class _TreeCache:
     """A layer's cache during a tree pass: the cache itself, except that the mask it makes is the tree's."""
 
@@ -174,7 +163,8 @@ class TreePass:
 
     def __init__(self, layers: list, cache: list, trees: list[Tree | None], width: int):
         self.layers, self.cache = layers, cache
-        span = Span(cache[0])
+        c = cache[0]  # per row: where its own positions start in the buffer, and where the block goes
+        starts, ends = (c.starts, c.ends) if isinstance(c, RaggedKVCache) else ([0], [c.offset])
         ancestors, depths = [], []
         for tree in trees:
             a = mx.tril(mx.ones((width, width), dtype=mx.bool_))
@@ -185,20 +175,20 @@ class TreePass:
                 d[1:w] = tree.depths
             ancestors.append(a)
             depths.append(d)
-        self.ancestors, self.depths = mx.stack(ancestors), mx.array(depths)
-        lengths = mx.array([e - s for s, e in zip(span.starts, span.ends)])
-        self.positions = lengths[:, None] + self.depths
-        self.span = span
+        self.ancestors = mx.stack(ancestors)
+        lengths = mx.array([e - s for s, e in zip(starts, ends)])
+        self.positions = lengths[:, None] + mx.array(depths)
+        self.starts, self.ends = list(starts), list(ends)
 
     def mask(self, n: int, window: int | None) -> mx.array:
         """(rows, 1, n, furthest end + n): block index j of row b sees its row's context and its own
         ancestors (within `window` positions, for sliding-window layers)."""
-        starts = mx.array(self.span.starts)[:, None]
-        ends = mx.array(self.span.ends)[:, None]
-        key = mx.arange(max(self.span.ends) + n)[None]
+        starts = mx.array(self.starts)[:, None]
+        ends = mx.array(self.ends)[:, None]
+        key = mx.arange(max(self.ends) + n)[None]
         rel = key - ends  # a key's index in the row's block
         in_block = (rel >= 0) & (rel < n)
-        index = mx.broadcast_to(mx.clip(rel, 0, n - 1)[:, None, :], (len(self.span.ends), n, key.size))
+        index = mx.broadcast_to(mx.clip(rel, 0, n - 1)[:, None, :], (len(self.ends), n, key.size))
         sees = mx.where(in_block[:, None], mx.take_along_axis(self.ancestors, index, axis=2), False)
         sees = sees | ((key >= starts) & (key < ends))[:, None]
         if window is not None:
