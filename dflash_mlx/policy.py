@@ -432,11 +432,19 @@ class AdaptivePolicy:
     def observe_tree(self, tree: Tree, values: list[list[float]], path: list[int]) -> None:
         """Learn from a tree's verify pass (`values`: the drafter's probabilities it was built from, `path`
         the accepted block indices): each node whose parent was accepted was tried, and the target took
-        one of them or none; the positions' odds learn the depth reached, as a chain's would."""
-        accepted = len(path) - 1
-        if accepted:
+        one of them or none. The positions' odds are a chain's (what `choose` prices a draft by), so they
+        learn from the tree's chain of first guesses alone: how long it was, and how many of them the
+        target took."""
+        if len(path) > 1:
             self.wait[DFLASH] = PROBE_FIRST
-        self.dflash.observe(max(tree.depths), accepted)
+        chain, node = 0, 0  # the chain of first guesses: its length, and its last node's block index
+        for i, (parent, rank) in enumerate(zip(tree.parents, tree.ranks)):
+            if parent == node and rank == 0:
+                chain, node = chain + 1, i + 1
+        taken = 0
+        while taken < len(path) - 1 and tree.ranks[path[taken + 1] - 1] == 0:
+            taken += 1
+        self.dflash.observe(max(chain, 1), taken)
         self.bins.discount(DECAY)
         on = set(path)
         for i, (parent, depth, rank) in enumerate(zip(tree.parents, tree.depths, tree.ranks)):
