@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import typer
 
-from dflash_mlx.data import generate_data, prompt_source, resume_point
+from dflash_mlx.data import generate_data, load_shards, prompt_source, resume_point
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import load, load_pair, template_kwargs
 from dflash_mlx.models.targets import Target
@@ -47,6 +48,8 @@ def data(
     batch_size: int = typer.Option(64, help="Prompts generated together."),
     shard_size: int = typer.Option(64, help="Sequences per shard (the resume granularity)."),
     think: Think = None,
+    temp: float = typer.Option(0.0, help="Sample answers at this temperature (default 0: greedy)."),
+    seed: int = typer.Option(0, help="Seed of sampled answers."),
 ):
     """Self-distillation: the target answers prompts; its answers become training sequences."""
     with user_errors():
@@ -61,6 +64,7 @@ def data(
             return
         target, tokenizer = load(model)
         Target(target)  # a family `train run` cannot use is refused before hours of generation
+        before, tic = _answer_tokens(folder), time.perf_counter()
         with progress_bar("generating answers") as bar:
             task = bar.add_task("", total=total, completed=done)
             n = generate_data(
@@ -76,9 +80,18 @@ def data(
                 source=source,
                 template_kwargs=template_kwargs(model, think),
                 progress=lambda k, _: bar.update(task, completed=k),
+                temperature=temp,
+                seed=seed,
             )
             bar.update(task, completed=total)  # done: prompts skipped as too long never count towards the bar
-    typer.echo(f"{n} sequences in {out}")
+        made = _answer_tokens(folder) - before
+        speed = made / (time.perf_counter() - tic)
+    typer.echo(f"{n} sequences in {out} ({made} new answer tokens, {speed:.0f} tokens/s)")
+
+
+def _answer_tokens(folder: Path) -> int:
+    """Answer tokens (prompts not counted) in a data folder's shards."""
+    return sum(len(ids) - plen for ids, plen in load_shards(folder)) if folder.exists() else 0
 
 
 @app.command("run")
@@ -105,12 +118,21 @@ def run(
     ),
     steps: int | None = typer.Option(
         None,
-        help="Training steps, one sequence each (default 2000; resuming: "
+        help="Training steps, --batch-size sequences each (default 2000; resuming: "
         "the run's, and a larger one stretches its schedule).",
     ),
     lr: float | None = typer.Option(None, help="Peak learning rate (default 6e-4)."),
     warmup: int | None = typer.Option(None, help="Warm-up steps (default 100)."),
     anchors: int | None = typer.Option(None, help="Blocks per sequence and step (default 64)."),
+    batch_size: int | None = typer.Option(
+        None, help="Sequences per step (default: 16 on a GPU, 1 on a CPU)."
+    ),
+    micro_batch: int | None = typer.Option(
+        None, help="Sequences per pass, for memory: a step's passes add their gradients (default: all)."
+    ),
+    precision: str | None = typer.Option(
+        None, help="The drafter's compute: bf16 (float32 master weights; default on a GPU) or float32."
+    ),
     vocab: str | None = typer.Option(
         None,
         help="The loss's softmax over the 'full' vocabulary (the paper's, "
@@ -148,6 +170,8 @@ def run(
             "lr": lr,
             "warmup": warmup,
             "anchors": anchors,
+            "batch_size": batch_size,
+            "precision": precision,
             "vocab": vocab,
             "num_layers": layers,
             "intermediate_size": intermediate_size,
@@ -163,6 +187,7 @@ def run(
             steps=steps,
             checkpoint_every=checkpoint_every,
             eval_every=eval_every,
+            micro_batch=micro_batch,
             init=init,
             eval_prompts=eval_prompts,
             feature_cache_gb=feature_cache_gb,

@@ -19,8 +19,10 @@ import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_sampler
 
 from .benchsets import SETS, bench_set, parsed_stdlib
 from .chat import apply_chat_template
@@ -330,8 +332,11 @@ def generate_data(
     source: str = "",
     template_kwargs: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> int:
-    """Generate greedy target responses for prompts into token-id shards; resumes where it stopped.
+    """Generate the target's responses to prompts (greedy, or sampled at `temperature`: other answers of
+    the same target, for more data from the same prompts) into token-id shards; resumes where it stopped.
 
     Returns the number of sequences in the folder. Prompts whose templated length exceeds
     `max_prompt_tokens` are skipped (they are counted as consumed, so resuming stays aligned).
@@ -348,6 +353,8 @@ def generate_data(
             raise UserError(f"{name} must be at least 1, got {value}")
     if limit is not None and limit < 0:
         raise UserError(f"limit cannot be negative, got {limit}")
+    if not 0 <= temperature <= 100:
+        raise UserError(f"temperature must be between 0 and 100, got {temperature}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     done, consumed = resume_point(folder, source, shard_size)
@@ -359,26 +366,32 @@ def generate_data(
         )
     prompts = list(prompts)
     index = len(list(folder.glob("shard-*.npz")))
+    per_shard = max(shard_size, batch_size)  # a shard's prompts are generated together
     while consumed < len(prompts) and (limit is None or done < limit):
-        chunk = prompts[
-            consumed : consumed + (shard_size if limit is None else min(shard_size, limit - done))
-        ]
+        chunk = prompts[consumed : consumed + (per_shard if limit is None else min(per_shard, limit - done))]
         encoded = [apply_chat_template(tokenizer, m, **(template_kwargs or {})) for m in chunk]
         keep = [e for e in encoded if len(e) <= max_prompt_tokens]
-        seqs = []
-        for start in range(0, len(keep), batch_size):
-            batch = keep[start : start + batch_size]
-            # mlx-lm's BatchGenerator rather than its batch_generate, which drops the token an answer
-            # stopped on: with several EOS ids (Qwen3, Llama 3) the label must be the one the target wrote.
-            gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
-            answers = {uid: [] for uid in gen.insert(batch, [max_new_tokens] * len(batch))}
-            while responses := gen.next_generated():
-                for r in responses:
-                    answers[r.uid].append(r.token)
-            gen.close()
-            seqs += [(p + r, len(p)) for p, r in zip(batch, answers.values())]
+        # mlx-lm's BatchGenerator rather than its batch_generate, which drops the token an answer stopped
+        # on: with several EOS ids (Qwen3, Llama 3) the label must be the one the target wrote. Continuous
+        # batching: an answer that ends makes room for the next prompt.
+        gen = BatchGenerator(
+            model,
+            stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+            completion_batch_size=batch_size,
+            prefill_batch_size=min(batch_size, 64),
+            sampler=make_sampler(temperature) if temperature > 0 else None,
+        )
+        mx.random.seed(seed + index)  # a shard's draws depend only on its prompts and its number
+        answers = {uid: [] for uid in gen.insert(keep, [max_new_tokens] * len(keep))} if keep else {}
+        finished = 0
+        while keep and (responses := gen.next_generated()):
+            for r in responses:
+                answers[r.uid].append(r.token)
+                finished += r.finish_reason is not None
             if progress is not None:
-                progress(done + len(seqs), limit or len(prompts))
+                progress(done + finished, limit or len(prompts))
+        gen.close()
+        seqs = [(p + r, len(p)) for p, r in zip(keep, answers.values())]
         if seqs:
             _write_shard(folder, index, seqs, consumed, consumed + len(chunk), source, fingerprint)
             index += 1

@@ -4,14 +4,19 @@
   (kept in RAM as float16 after the first time a sequence is seen, up to `feature_cache_gb`, so later
   epochs skip the target for those sequences).
 * The drafter shares the target's embedding and lm_head, frozen; only the drafter's own weights train.
-* Each step takes one sequence (prompt + the target's own response, from `dflash-mlx train data`;
-  in epochs: each sequence once, in random order, before any repeats) and `anchors` random
-  positions in its response. Each anchor starts a block [token, MASK x B-1]
+* Each step takes `batch_size` sequences (prompt + the target's own response, from `dflash-mlx train
+  data`; in epochs: each sequence once, in random order, before any repeats) and `anchors` random
+  positions in each response. Each anchor starts a block [token, MASK x B-1]
   whose labels are the next B-1 tokens. All blocks go through the drafter in one pass, each as its
-  own batch row, seeing the context features strictly before its anchor and its own block
-  (bidirectionally), never another block: exactly what it sees when drafting for real.
+  own batch row, seeing its own sequence's context features strictly before its anchor and its own
+  block (bidirectionally), never another block: exactly what it sees when drafting for real.
+  Sequences of a step are right-padded to one length (causal attention: padding is never seen), and
+  a step may run as several passes whose gradients add up (`micro_batch`), for memory.
+* Precision "bf16" runs the drafter's forward and backward in bfloat16 and keeps float32 master
+  weights and optimizer state; the loss's softmax is float32 either way.
 * Loss: cross-entropy on block positions k = 1..B-1 weighted by exp(-(k-1)/gamma), normalised by
-  the weight sum; AdamW, linear warm-up then cosine decay, gradient clipping.
+  the step's weight sum (every block token of the step counts the same); AdamW, linear warm-up then
+  cosine decay, gradient clipping.
 * `vocab="data"` (not the paper's; EAGLE-3 drafts over a reduced vocabulary too) takes the loss's
   softmax over only the tokens the training answers contain instead of the whole vocabulary: every
   label is among them, and a large vocabulary is mostly tokens that never occur. The drafter still
@@ -44,7 +49,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .errors import UserError
 from .files import atomic_folder
@@ -64,6 +69,9 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None  # default: the paper's spread over the target
     mask_token_id: int | None = None  # default: the tokenizer's mask token, else an unused special
     anchors: int = 64  # blocks per sequence and step (more amortise each step's fixed cost)
+    batch_size: int = 1  # sequences per step
+    micro_batch: int | None = None  # sequences per pass (a step's gradients add up); default: all of them
+    precision: str = "float32"  # the drafter's compute: "float32" or "bf16" (float32 master weights)
     steps: int = 2000
     lr: float = 6e-4
     warmup: int = 100
@@ -79,7 +87,7 @@ class TrainConfig:
     history: list = field(default_factory=list)
 
     def __post_init__(self):
-        for name in ("steps", "anchors", "checkpoint_every"):
+        for name in ("steps", "anchors", "checkpoint_every", "batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup", "eval_every"):
@@ -87,6 +95,10 @@ class TrainConfig:
                 raise UserError(f"{name.replace('_', '-')} cannot be negative, got {getattr(self, name)}")
         if not self.lr > 0:
             raise UserError(f"the learning rate must be positive, got {self.lr}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise UserError(f"micro-batch must be at least 1, got {self.micro_batch}")
+        if self.precision not in ("float32", "bf16"):
+            raise UserError(f"precision must be 'float32' or 'bf16', got {self.precision!r}")
 
     def loss_gamma(self) -> float:
         return self.gamma or GAMMA.get(self.block_size, 0.44 * self.block_size)
@@ -139,31 +151,49 @@ def block_logits(
     tokens: mx.array,
     anchors: mx.array,
     head: mx.array | None = None,
+    rows: mx.array | None = None,
 ) -> mx.array:
-    """Drafter logits (N, B-1, vocab) for blocks anchored at `anchors` of one sequence.
+    """Drafter logits (N, B-1, vocab) for blocks anchored at `anchors`.
 
-    The same `denoise` as inference, with one block per batch row and ctx_len = its anchor. `head`:
-    lm_head rows of a vocabulary subset to score instead of the whole vocabulary.
+    The same `denoise` as inference, with one block per batch row and ctx_len = its anchor. One
+    sequence: features (1, L, F), tokens (L,). A batch of S right-padded sequences: features (S, L, F),
+    tokens (S, L) and `rows`, each block's sequence. `head`: lm_head rows of a vocabulary subset to
+    score instead of the whole vocabulary.
     """
     B = draft.block_size
     ctx = draft.context(features.astype(draft.dtype))
     n = anchors.shape[0]
+    tokens = tokens.reshape(-1, tokens.shape[-1])
+
+    def per_block(x):  # each block's context keys or values: its own sequence's
+        return mx.broadcast_to(x, (n, *x.shape[1:])) if rows is None else x[rows]
+
     keys, values = [], []
     for layer in draft.layers:
         k, v = layer.self_attn.keys_values(ctx, 0)
-        keys.append(mx.broadcast_to(k, (n, *k.shape[1:])))
-        values.append(mx.broadcast_to(v, (n, *v.shape[1:])))
-    block = mx.concatenate([tokens[anchors][:, None], mx.full((n, B - 1), draft.mask_token_id)], axis=1)
+        keys.append(per_block(k))
+        values.append(per_block(v))
+    first = tokens[0, anchors] if rows is None else tokens[rows, anchors]
+    block = mx.concatenate([first[:, None], mx.full((n, B - 1), draft.mask_token_id)], axis=1)
     emb = target.embed(block).astype(draft.dtype)
     h = draft.denoise(emb, keys, values, anchors)[:, 1:]
     return target.lm_head(h) if head is None else target.finish(h @ head.T)
 
 
-def block_labels(tokens: mx.array, anchors: mx.array, block_size: int):
-    """Labels (N, B-1) of each block (the tokens after its anchor) and which ones exist."""
+def block_labels(
+    tokens: mx.array,
+    anchors: mx.array,
+    block_size: int,
+    rows: mx.array | None = None,
+    lengths: mx.array | None = None,
+):
+    """Labels (N, B-1) of each block (the tokens after its anchor) and which ones exist. A batch
+    (see block_logits) also gives each sequence's unpadded length."""
+    tokens = tokens.reshape(-1, tokens.shape[-1])
+    rows = mx.zeros_like(anchors) if rows is None else rows
+    length = tokens.shape[1] if lengths is None else lengths[rows][:, None]
     pos = anchors[:, None] + mx.arange(1, block_size)[None]
-    valid = pos < tokens.shape[0]
-    return tokens[mx.minimum(pos, tokens.shape[0] - 1)], valid
+    return tokens[rows[:, None], mx.minimum(pos, tokens.shape[1] - 1)], pos < length
 
 
 def loss_weights(block_size: int, gamma: float) -> mx.array:
@@ -232,17 +262,30 @@ class FeatureCache:
         self.target, self.max_bytes, self.store, self.nbytes = target, max_bytes, {}, 0
 
     def __call__(self, index: int, tokens: mx.array) -> mx.array:
-        if index in self.store:
-            return self.store[index]
-        _, features = self.target(tokens[None], None, last_logits_only=True)
-        features = mx.stop_gradient(features)
-        fits = features.dtype != mx.bfloat16 and mx.abs(features).max().item() < 65504
-        features = features.astype(mx.float16 if fits else mx.bfloat16)
-        mx.eval(features)
-        if self.nbytes + features.nbytes <= self.max_bytes:
-            self.store[index] = features
-            self.nbytes += features.nbytes
-        return features
+        return self.many([index], [tokens])[0]
+
+    def many(self, indices: list[int], tokens: list[mx.array]) -> list[mx.array]:
+        """Features (1, L, F) of each sequence; those not kept are computed in one target pass over the
+        sequences right-padded to one length (causal attention: the padding changes nothing before it)."""
+        out = {i: self.store[i] for i in indices if i in self.store}
+        todo = [(i, t) for i, t in zip(indices, tokens) if i not in out]
+        if todo:
+            width = max(t.shape[0] for _, t in todo)
+            batch = mx.stack([mx.pad(t, (0, width - t.shape[0])) for _, t in todo])
+            _, features = self.target(batch, None, last_logits_only=True)
+            bf16 = features.dtype == mx.bfloat16
+            # float32 first, so that each kept slice is a copy of its own, not a view holding the batch
+            features = mx.stop_gradient(features).astype(mx.float32)
+            rows = [features[row : row + 1, : t.shape[0]] for row, (_, t) in enumerate(todo)]
+            loudest = mx.stack([mx.abs(f).max() for f in rows]).tolist()
+            for (i, _), f, loud in zip(todo, rows, loudest):
+                f = f.astype(mx.bfloat16 if bf16 or loud >= 65504 else mx.float16)
+                mx.eval(f)
+                out[i] = f
+                if self.nbytes + f.nbytes <= self.max_bytes:
+                    self.store[i] = f
+                    self.nbytes += f.nbytes
+        return [out[i] for i in indices]
 
 
 class StandardisedFC(nn.Module):
@@ -292,11 +335,35 @@ def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, n: in
     return np.sort(rng.choice(choices, size=min(n, len(choices)), replace=False)).astype(np.int32)
 
 
-def sequence_for_step(seed: int, step: int, train_idx: np.ndarray) -> int:
-    """The sequence a step trains on: epochs in a fresh random order each, so every training sequence
-    is used once before any is used twice (and a resumed run draws the same ones)."""
-    epoch, k = divmod(step, len(train_idx))
+def sequence_for_step(seed: int, draw: int, train_idx: np.ndarray) -> int:
+    """The run's `draw`-th sequence (step s of a run with batch size N takes draws sN .. sN+N-1): epochs
+    in a fresh random order each, so every training sequence is used once before any is used twice (and a
+    resumed run draws the same ones)."""
+    epoch, k = divmod(draw, len(train_idx))
     return int(np.random.default_rng([seed, 1, epoch]).permutation(train_idx)[k])
+
+
+def block_weight_sum(anchors: np.ndarray, length: int, block_size: int, gamma: float) -> float:
+    """The loss weights of one sequence's blocks that have a label (see block_loss)."""
+    w = np.exp(-np.arange(block_size - 1) / gamma)
+    return float((w[None] * (anchors[:, None] + np.arange(1, block_size)[None] < length)).sum())
+
+
+def batch_arrays(features: list[mx.array], tokens: list[mx.array], anchors: list[np.ndarray]):
+    """A pass's sequences as block_logits takes them: one as it is; several right-padded to one length
+    (a multiple of 64, so that few shapes occur), with each block's sequence and each sequence's length."""
+    if len(tokens) == 1:
+        return features[0], tokens[0], mx.array(anchors[0]), None, None
+    width = -(-max(t.shape[0] for t in tokens) // 64) * 64
+    padded = [mx.pad(f, [(0, 0), (0, width - f.shape[1]), (0, 0)]) for f in features]
+    rows = np.repeat(np.arange(len(anchors)), [len(a) for a in anchors]).astype(np.int32)
+    return (
+        mx.concatenate(padded),
+        mx.stack([mx.pad(t, (0, width - t.shape[0])) for t in tokens]),
+        mx.array(np.concatenate(anchors)),
+        mx.array(rows),
+        mx.array([t.shape[0] for t in tokens]),
+    )
 
 
 def schedule(cfg: TrainConfig):
@@ -324,7 +391,8 @@ def evaluate_blocks(draft, target, features_of, seqs, indices, cfg: TrainConfig,
     return float(np.mean(taus)), np.mean(accs, axis=0)
 
 
-RUN_CONTROL = ("steps", "checkpoint_every", "eval_every")  # all a resumed run takes from the new command
+# All a resumed run takes from the new command (the rest is its recipe, which its curve depends on).
+RUN_CONTROL = ("steps", "checkpoint_every", "eval_every", "micro_batch")
 
 
 def saved_run(out: str | Path) -> dict | None:
@@ -437,8 +505,9 @@ def train(
         shutil.rmtree(stale, ignore_errors=True)
     run = saved_run(out)
     if run is not None:  # resume: the run's recipe and weights
+        # A field the run did not record (it predates the field) has the default it ran with.
         cfg = TrainConfig(
-            **{**asdict(cfg), **run["train_config"], **{k: getattr(cfg, k) for k in RUN_CONTROL}}
+            **{**asdict(TrainConfig()), **run["train_config"], **{k: getattr(cfg, k) for k in RUN_CONTROL}}
         )
         draft = DFlashDraftModel(run["config"])
         draft.load_weights(str(ckpt / "model.safetensors"))
@@ -500,32 +569,63 @@ def train(
             to_subset = mx.array(lookup)  # a label's index in the subset
             mx.eval(head, to_subset)
 
-    def loss_fn(model, features, tokens, anchors):
-        logits = block_logits(model, target, features, tokens, anchors, head)
-        labels, valid = block_labels(tokens, anchors, cfg.block_size)
-        return block_loss(logits, labels if to_subset is None else to_subset[labels], valid, gamma)
+    weights = loss_weights(cfg.block_size, gamma)
+
+    def loss_fn(model, features, tokens, anchors, rows, lengths, total):
+        """The pass's share of the step's loss: its blocks' weighted cross-entropy over the step's weight
+        sum `total`, so that the passes of a step add up to block_loss over all of its blocks."""
+        logits = block_logits(model, target, features, tokens, anchors, head, rows)
+        labels, valid = block_labels(tokens, anchors, cfg.block_size, rows, lengths)
+        labels = labels if to_subset is None else to_subset[labels]
+        return (cross_entropy(logits, labels) * (weights[None] * valid)).sum() / total
+
+    compute = mx.bfloat16 if cfg.precision == "bf16" else None
+    master = None  # bf16: the float32 weights the optimizer steps; the drafter holds their bf16 copy
+    if compute is not None:
+        master = draft.trainable_parameters()
+        draft.set_dtype(compute)
+
+    def plain_precision():  # the drafter with its float32 master weights, to save or return
+        if master is not None:
+            draft.set_dtype(mx.float32)
+            draft.update(master)
 
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     history = list(cfg.history)
+    per_pass = cfg.micro_batch or cfg.batch_size
     for step in range(start, cfg.steps):
         tic = time.perf_counter()
         rng = np.random.default_rng([cfg.seed, step])
-        i = sequence_for_step(cfg.seed, step, train_idx)
-        ids, plen = seqs[i]
-        tokens = mx.array(ids[: cfg.max_seq_len])
-        anchors = sample_anchors(rng, plen, tokens.shape[0], cfg.anchors)  # never empty: usable_sequences
-        features = features_of(i, tokens)
-        loss, grads = loss_and_grad(draft, features, tokens, mx.array(anchors))
+        n = cfg.batch_size
+        picked = [sequence_for_step(cfg.seed, step * n + j, train_idx) for j in range(n)]
+        tokens = [mx.array(seqs[i][0][: cfg.max_seq_len]) for i in picked]
+        anchors = [sample_anchors(rng, seqs[i][1], t.shape[0], cfg.anchors) for i, t in zip(picked, tokens)]
+        total = sum(block_weight_sum(a, t.shape[0], cfg.block_size, gamma) for a, t in zip(anchors, tokens))
+        features = features_of.many(picked, tokens)
+        loss, grads = mx.array(0.0), None
+        for lo in range(0, n, per_pass):
+            part = slice(lo, lo + per_pass)
+            value, g = loss_and_grad(draft, *batch_arrays(features[part], tokens[part], anchors[part]), total)
+            loss = loss + value
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            if per_pass < n:
+                mx.eval(loss, grads)  # one pass's activations at a time
+        if master is not None:
+            grads = tree_map(lambda x: x.astype(mx.float32), grads)
         grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
-        opt.update(draft, grads)
-        mx.eval(loss, draft.parameters(), opt.state)
+        if master is None:
+            opt.update(draft, grads)
+        else:
+            master = opt.apply_gradients(grads, master)
+            draft.update(tree_map(lambda x: x.astype(compute), master))
+        mx.eval(loss, draft.parameters(), opt.state, master)
         record = {
             "step": step + 1,
-            "sequence": i,
+            "sequences": picked,
             "loss": loss.item(),
             "grad_norm": norm.item(),
             "lr": float(opt.learning_rate),
-            "block_tokens": len(anchors) * cfg.block_size,
+            "block_tokens": sum(len(a) for a in anchors) * cfg.block_size,
             "seconds": time.perf_counter() - tic,
         }
         history.append({k: record[k] for k in ("step", "loss")})
@@ -542,11 +642,15 @@ def train(
             on_step(record)
         stopping = stop is not None and stop()
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps or stopping:
+            plain_precision()
             save_checkpoint(
                 ckpt, draft, opt, step + 1, TrainConfig(**{**asdict(cfg), "history": history}), data, frozen
             )
+            if master is not None and step + 1 < cfg.steps and not stopping:
+                draft.set_dtype(compute)
         if stopping:
             break
+    plain_precision()
     if isinstance(draft.fc, StandardisedFC):  # the caller gets the drafter as saved: fc a plain Linear
         draft.fc = draft.fc.plain()
         draft.unbind()

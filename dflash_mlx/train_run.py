@@ -31,6 +31,7 @@ from .loading import load, load_draft, template_kwargs
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
 from .pairing import context_length
+from .platform import backend
 from .settings import GenerationSettings
 from .speculative import generate
 from .train import TrainConfig, check_same_data, data_fingerprint, saved_run, train, usable_sequences
@@ -63,7 +64,9 @@ def resume_notes(run: dict, given: dict) -> list[str]:
         if mine is None:
             continue
         theirs = (
-            getattr(run["config"], ARCHITECTURE[key]) if key in ARCHITECTURE else run["train_config"].get(key)
+            getattr(run["config"], ARCHITECTURE[key])
+            if key in ARCHITECTURE
+            else run["train_config"].get(key, getattr(TrainConfig, key, None))
         )
         if mine != theirs:
             why = (
@@ -256,6 +259,14 @@ class PreparedRun:
         return RunEnd(reached, self.cfg.steps, asked, exported=exported)
 
 
+def backend_defaults() -> dict:
+    """A new run's batch size and precision where none is given: a GPU waits on one sequence a step and
+    computes bf16 at full rate; a CPU gains nothing from either."""
+    if backend() == "cpu":
+        return {"batch_size": 1, "precision": "float32"}
+    return {"batch_size": 16, "precision": "bf16"}
+
+
 def prepare_run(
     data: list[str],
     out: str | Path,
@@ -265,6 +276,7 @@ def prepare_run(
     steps: int | None = None,
     checkpoint_every: int | None = None,
     eval_every: int | None = None,
+    micro_batch: int | None = None,
     init: str | None = None,
     eval_prompts: int = 8,
     feature_cache_gb: float = 4.0,
@@ -294,7 +306,12 @@ def prepare_run(
         folders.append((folder, found))
     out = Path(out).expanduser()
     run = saved_run(out)
-    control = {"steps": steps, "checkpoint_every": checkpoint_every, "eval_every": eval_every}
+    control = {
+        "steps": steps,
+        "checkpoint_every": checkpoint_every,
+        "eval_every": eval_every,
+        "micro_batch": micro_batch,
+    }
     start = None
     if run is not None:  # resume: the run's recipe, the new command's control options where given
         control = {
@@ -324,6 +341,8 @@ def prepare_run(
             )
         if recipe.get("block_size") is None:
             recipe = {**recipe, "block_size": start.block_size}
+    if run is None:
+        recipe = {**backend_defaults(), **{k: v for k, v in recipe.items() if v is not None}}
     cfg = TrainConfig(**{k: v for k, v in {**recipe, **control}.items() if v is not None})
     if run is None:
         usable_sequences(seqs, cfg)  # refused before a run folder or a progress bar appears

@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from tiny import (
     _COMMON,
     FAMILIES,
@@ -450,7 +451,7 @@ def test_each_epoch_trains_on_every_sequence_once(tiny_setup, tmp_path):
         seqs,
         tmp_path / "run",
         cfg,
-        on_step=lambda r: drawn.append(r["sequence"]),
+        on_step=lambda r: drawn.extend(r["sequences"]),
     )
     train_idx = list(range(8, len(seqs)))  # the first `holdout` sequences are never trained on
     assert sorted(drawn[:32]) == train_idx and sorted(drawn[32:]) == train_idx
@@ -727,3 +728,92 @@ def test_data_made_with_another_vocabulary_is_refused(tmp_path):
     check_data_tokenizer([(old, load_shards(old))], other, 96, "tiny")
     with pytest.raises(ValueError, match="another vocabulary than tiny's"):
         check_data_tokenizer([(old, load_shards(old))], tok, 90, "tiny")
+
+
+def varied_lengths(seqs):
+    """The tiny sequences cut to lengths from 16 to 56, so that a batch holds right-padded rows."""
+    return [(ids[: 16 + (k * 7) % 41], plen) for k, (ids, plen) in enumerate(seqs)]
+
+
+def test_a_batched_pass_is_the_sequences_passes_weighted_by_their_block_tokens(tiny_setup):
+    model, seqs = tiny_setup
+    draft = make_draft(block_size=8, layers=2, layer_ids=(1, 3))
+    target = prepare(model, draft)
+    picked = varied_lengths(seqs)[8:13]
+    tokens = [mx.array(ids) for ids, _ in picked]
+    rng = np.random.default_rng(0)
+    anchors = [train_module.sample_anchors(rng, plen, len(ids), 8) for ids, plen in picked]
+    # Features of a padded batch are each sequence's own.
+    features = FeatureCache(target).many(list(range(5)), tokens)
+    for f, t in zip(features, tokens):
+        _, alone = target(t[None], None)
+        assert f.shape == alone.shape
+        np.testing.assert_allclose(np.array(f.astype(mx.float32)), np.array(alone), rtol=2e-3, atol=2e-3)
+
+    def batched(m):
+        f, t, a, rows, lengths = train_module.batch_arrays(features, tokens, anchors)
+        logits = block_logits(m, target, f, t, a, rows=rows)
+        return block_loss(logits, *block_labels(t, a, 8, rows, lengths), 7.0)
+
+    def one_by_one(m):
+        total = sum(train_module.block_weight_sum(a, t.shape[0], 8, 7.0) for a, t in zip(anchors, tokens))
+        loss = 0.0
+        for f, t, a in zip(features, tokens, anchors):
+            a = mx.array(a)
+            each = block_loss(block_logits(m, target, f, t, a), *block_labels(t, a, 8), 7.0)
+            loss = loss + each * train_module.block_weight_sum(np.array(a), t.shape[0], 8, 7.0) / total
+        return loss
+
+    together, g_together = nn.value_and_grad(draft, batched)(draft)
+    alone, g_alone = nn.value_and_grad(draft, one_by_one)(draft)
+    assert together.item() == pytest.approx(alone.item(), rel=1e-5)
+    for (name, x), (_, y) in zip(tree_flatten(g_together), tree_flatten(g_alone)):
+        np.testing.assert_allclose(np.array(x), np.array(y), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_batched_runs_accumulate_passes_and_resume_on_the_same_curve(tiny_setup, tmp_path):
+    model, seqs = tiny_setup
+    seqs = varied_lengths(seqs)
+    cfg = tiny_config(steps=12, lr=3e-3, warmup=2, batch_size=4, checkpoint_every=5)
+
+    def run(folder, cfg, stop_at=None):
+        losses = []
+
+        def on_step(r):
+            losses.append(r["loss"])
+            assert len(r["sequences"]) == 4
+            if r["step"] == stop_at:
+                raise KeyboardInterrupt
+
+        try:
+            train(Target(model), make_tokenizer(), seqs, tmp_path / folder, cfg, on_step=on_step)
+        except KeyboardInterrupt:
+            pass
+        return losses
+
+    whole = run("whole", cfg)
+    in_passes = run("passes", replace(cfg, micro_batch=3))  # passes of 3 and 1 sequences
+    np.testing.assert_allclose(in_passes, whole, rtol=1e-4)
+    first = run("resumed", cfg, stop_at=8)
+    second = run("resumed", cfg)
+    assert len(second) == 7  # steps 6..12: those after the checkpoint of step 5
+    np.testing.assert_allclose(first[:5] + second, whole, rtol=2e-3, atol=2e-3)
+
+
+def test_bf16_training_learns_and_checkpoints_float32_weights(tiny_setup, tmp_path):
+    model, seqs = tiny_setup
+    losses = []
+    draft = train(
+        Target(model),
+        make_tokenizer(),
+        seqs,
+        tmp_path / "run",
+        tiny_config(steps=120, lr=3e-3, warmup=10, batch_size=2, precision="bf16"),
+        on_step=lambda r: losses.append(r["loss"]),
+    )
+    assert np.mean(losses[-20:]) < 0.6 * np.mean(losses[:10])
+    saved = mx.load(str(tmp_path / "run" / "checkpoint" / "model.safetensors"))
+    assert all(v.dtype == mx.float32 for v in saved.values())
+    assert all(v.dtype == mx.float32 for v in flat_params(draft).values())
+    with pytest.raises(ValueError, match="precision must be 'float32' or 'bf16', got 'fp8'"):
+        tiny_config(precision="fp8")
