@@ -128,7 +128,9 @@ def run(
         None, help="Sequences per step (default: 16 on a GPU, 1 on a CPU)."
     ),
     micro_batch: int | None = typer.Option(
-        None, help="Sequences per pass, for memory: a step's passes add their gradients (default: all)."
+        None,
+        help="Sequences per pass, for memory: a step's passes add their gradients (default: all on a "
+        "GPU, 1 on a CPU).",
     ),
     precision: str | None = typer.Option(
         None, help="The drafter's compute: bf16 (float32 master weights; default on a GPU) or float32."

@@ -57,6 +57,7 @@ from .loading import read_config
 from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from .models.targets import Target
 from .pairing import check_block_size, check_pair, prepare
+from .platform import backend
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay per block size
 
@@ -70,7 +71,7 @@ class TrainConfig:
     mask_token_id: int | None = None  # default: the tokenizer's mask token, else an unused special
     anchors: int = 64  # blocks per sequence and step (more amortise each step's fixed cost)
     batch_size: int = 1  # sequences per step
-    micro_batch: int | None = None  # sequences per pass (a step's gradients add up); default: all of them
+    micro_batch: int | None = None  # sequences per pass (gradients add up); default: all (GPU), 1 (CPU)
     precision: str = "float32"  # the drafter's compute: "float32" or "bf16" (float32 master weights)
     steps: int = 2000
     lr: float = 6e-4
@@ -165,8 +166,11 @@ def block_logits(
     n = anchors.shape[0]
     tokens = tokens.reshape(-1, tokens.shape[-1])
 
-    def per_block(x):  # each block's context keys or values: its own sequence's
-        return mx.broadcast_to(x, (n, *x.shape[1:])) if rows is None else x[rows]
+    counts = [n] if rows is None else np.bincount(np.array(rows), minlength=features.shape[0]).tolist()
+
+    def per_block(x):  # each block's context keys or values: its own sequence's (rows are in order)
+        parts = [mx.broadcast_to(x[s : s + 1], (c, *x.shape[1:])) for s, c in enumerate(counts) if c]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     keys, values = [], []
     for layer in draft.layers:
@@ -201,11 +205,19 @@ def loss_weights(block_size: int, gamma: float) -> mx.array:
     return mx.exp(-mx.arange(block_size - 1) / gamma)
 
 
-def _softmax_parts(x: np.ndarray):
-    """exp(x - max), its row sums, and the row max."""
-    m = x.max(-1, keepdims=True)
-    e = np.exp(x - m)
-    return e, e.sum(-1, keepdims=True), m
+CE_ROWS = 64  # rows of the NumPy softmax at a time: a reused buffer, not fresh pages for every temporary
+
+
+def _softmax_rows(x: np.ndarray):
+    """Per row chunk of x: (rows, exp(x - max) in a reused buffer, row sums, row max)."""
+    buf = np.empty((min(CE_ROWS, len(x)), x.shape[1]), dtype=np.float32)
+    for lo in range(0, len(x), CE_ROWS):
+        rows = slice(lo, lo + CE_ROWS)
+        e = buf[: len(x[rows])]
+        m = x[rows].max(-1, keepdims=True)
+        np.subtract(x[rows], m, out=e)
+        np.exp(e, out=e)
+        yield rows, e, e.sum(-1, keepdims=True), m
 
 
 @mx.custom_function
@@ -214,17 +226,20 @@ def _cpu_cross_entropy(logits, labels):
     code, NumPy's is vectorised, and the vocabulary-wide softmax is a large part of a training step).
     Same values as nn.losses.cross_entropy."""
     x = np.array(logits, copy=False)
-    _, s, m = _softmax_parts(x)
-    lse = np.log(s[:, 0]) + m[:, 0]
+    lse = np.empty(len(x), dtype=np.float32)
+    for rows, _, s, m in _softmax_rows(x):
+        lse[rows] = np.log(s[:, 0]) + m[:, 0]
     return mx.array(lse - x[np.arange(len(x)), np.array(labels)])
 
 
 @_cpu_cross_entropy.vjp
 def _cpu_cross_entropy_vjp(primals, cotangent, output):
     logits, labels = primals
-    e, s, _ = _softmax_parts(np.array(logits, copy=False))
+    x = np.array(logits, copy=False)
     d = np.array(cotangent)[:, None]
-    grad = e * (d / s)
+    grad = np.empty_like(x)
+    for rows, e, s, _ in _softmax_rows(x):
+        np.multiply(e, d[rows] / s, out=grad[rows])
     grad[np.arange(len(grad)), np.array(labels)] -= d[:, 0]
     return mx.array(grad), mx.zeros_like(labels)
 
@@ -592,7 +607,8 @@ def train(
 
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     history = list(cfg.history)
-    per_pass = cfg.micro_batch or cfg.batch_size
+    # A CPU runs a batch one sequence a pass: padded passes cost it more memory traffic than they save.
+    per_pass = cfg.micro_batch or (1 if backend() == "cpu" else cfg.batch_size)
     for step in range(start, cfg.steps):
         tic = time.perf_counter()
         rng = np.random.default_rng([cfg.seed, step])

@@ -774,7 +774,8 @@ def test_a_batched_pass_is_the_sequences_passes_weighted_by_their_block_tokens(t
 def test_batched_runs_accumulate_passes_and_resume_on_the_same_curve(tiny_setup, tmp_path):
     model, seqs = tiny_setup
     seqs = varied_lengths(seqs)
-    cfg = tiny_config(steps=12, lr=3e-3, warmup=2, batch_size=4, checkpoint_every=5)
+    # One padded pass of 4, passes of 3 and 1, and (resumed) the CPU's default of one sequence a pass.
+    cfg = tiny_config(steps=12, lr=3e-3, warmup=2, batch_size=4, micro_batch=4, checkpoint_every=5)
 
     def run(folder, cfg, stop_at=None):
         losses = []
@@ -794,8 +795,8 @@ def test_batched_runs_accumulate_passes_and_resume_on_the_same_curve(tiny_setup,
     whole = run("whole", cfg)
     in_passes = run("passes", replace(cfg, micro_batch=3))  # passes of 3 and 1 sequences
     np.testing.assert_allclose(in_passes, whole, rtol=1e-4)
-    first = run("resumed", cfg, stop_at=8)
-    second = run("resumed", cfg)
+    first = run("resumed", replace(cfg, micro_batch=None), stop_at=8)
+    second = run("resumed", replace(cfg, micro_batch=None))
     assert len(second) == 7  # steps 6..12: those after the checkpoint of step 5
     np.testing.assert_allclose(first[:5] + second, whole, rtol=2e-3, atol=2e-3)
 
