@@ -279,12 +279,15 @@ class FeatureCache:
     def __call__(self, index: int, tokens: mx.array) -> mx.array:
         return self.many([index], [tokens])[0]
 
-    def many(self, indices: list[int], tokens: list[mx.array]) -> list[mx.array]:
-        """Features (1, L, F) of each sequence; those not kept are computed in one target pass over the
-        sequences right-padded to one length (causal attention: the padding changes nothing before it)."""
+    def many(self, indices: list[int], tokens: list[mx.array], per_pass: int | None = None) -> list[mx.array]:
+        """Features (1, L, F) of each sequence; those not kept are computed in target passes over up to
+        `per_pass` of them (default: all) right-padded to one length (causal attention: the padding
+        changes nothing before it)."""
         out = {i: self.store[i] for i in indices if i in self.store}
-        todo = [(i, t) for i, t in zip(indices, tokens) if i not in out]
-        if todo:
+        missing = [(i, t) for i, t in zip(indices, tokens) if i not in out]
+        per_pass = per_pass or max(len(missing), 1)
+        for lo in range(0, len(missing), per_pass):
+            todo = missing[lo : lo + per_pass]
             width = max(t.shape[0] for _, t in todo)
             batch = mx.stack([mx.pad(t, (0, width - t.shape[0])) for _, t in todo])
             _, features = self.target(batch, None, last_logits_only=True)
@@ -607,7 +610,8 @@ def train(
 
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     history = list(cfg.history)
-    # A CPU runs a batch one sequence a pass: padded passes cost it more memory traffic than they save.
+    # A CPU runs a batch one sequence a pass (the target's too): on it padded passes cost more than they
+    # save.
     per_pass = cfg.micro_batch or (1 if backend() == "cpu" else cfg.batch_size)
     for step in range(start, cfg.steps):
         tic = time.perf_counter()
@@ -617,7 +621,7 @@ def train(
         tokens = [mx.array(seqs[i][0][: cfg.max_seq_len]) for i in picked]
         anchors = [sample_anchors(rng, seqs[i][1], t.shape[0], cfg.anchors) for i, t in zip(picked, tokens)]
         total = sum(block_weight_sum(a, t.shape[0], cfg.block_size, gamma) for a, t in zip(anchors, tokens))
-        features = features_of.many(picked, tokens)
+        features = features_of.many(picked, tokens, per_pass)
         loss, grads = mx.array(0.0), None
         for lo in range(0, n, per_pass):
             part = slice(lo, lo + per_pass)
