@@ -412,23 +412,24 @@ class Engine:
         return logits
 
     def _build_plain(self, rows: list[Sequence], tokens: mx.array):
-        """A plain step on (lazy) tokens, built but not run: (features, next tokens)."""
+        """A plain step on (lazy) tokens, built but not run: (features, each row's next token). Each
+        row's token is its own array of the step: one sliced out later would queue behind whatever
+        was launched since, and reading it would wait for that."""
         if self.batch is None:
             (s,) = rows
             logits, features = s.cache.verify(tokens.reshape(1, 1), unrun=True)
-            return features, s.pick_at(logits[0], len(s.cache.tokens) + 1)
+            return features, [s.pick_at(logits[0], len(s.cache.tokens) + 1)[0]]
         for s in rows:
             s.cache.broken = True
         logits, features, self.undo = self.target.verify(tokens.reshape(-1, 1), self.batch, unrun=True)
-        nxt = [s.pick_at(logits[b], len(s.cache.tokens) + 1)[0] for b, s in enumerate(rows)]
-        return features, mx.stack(nxt)
+        return features, [s.pick_at(logits[b], len(s.cache.tokens) + 1)[0] for b, s in enumerate(rows)]
 
-    def _launch_built(self, features, nxt) -> None:
+    def _launch_built(self, features, nxt: list[mx.array]) -> None:
         if self.batch is None:
-            self.step_rows[0].cache.launch(features, nxt)
+            self.step_rows[0].cache.launch(features, *nxt)
         else:
             self.undo.buffers = None  # (see Target.verify)
-            mx.async_eval(features, nxt)
+            mx.async_eval(features, *nxt)
 
     def _keep(self, rows: list[Sequence], keep: list[int], tokens=None, paths: dict | None = None) -> None:
         """Keep each row's first keep[b] positions of the pass under way (and commit its tokens); for
