@@ -694,6 +694,26 @@ def test_data_answers_are_the_targets_greedy_ones_ending_on_the_stop_token_it_wr
     assert load_shards(tmp_path)[1][0][-1] == second
 
 
+def test_sampled_answers_follow_their_seed_through_a_resume_and_differ_from_greedy(tmp_path):
+    model, tok = make_target("llama"), make_tokenizer(eos=95)
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 11)]
+
+    def answers(folder, **options):
+        generate_data(
+            model, tok, prompts, tmp_path / folder, max_new_tokens=12, batch_size=3, shard_size=3, **options
+        )
+        return [ids[plen:] for ids, plen in load_shards(tmp_path / folder)]
+
+    greedy = answers("greedy")
+    sampled = answers("a", temperature=1.0, seed=1)
+    assert answers("b", temperature=1.0, seed=1) == sampled
+    assert answers("c", temperature=1.0, seed=2) != sampled and sampled != greedy
+    answers("d", temperature=1.0, seed=1, limit=3)  # stopped after its first shard, then resumed
+    assert answers("d", temperature=1.0, seed=1) == sampled
+    with pytest.raises(ValueError, match="temperature must be between 0 and 100, got -1"):
+        answers("e", temperature=-1)
+
+
 def test_data_generation_will_not_resume_a_folder_from_another_source(tmp_path):
     model, tok = make_target("llama"), make_tokenizer(eos=95)
     prompts = [[{"role": "user", "content": f"w{i}"}] for i in range(5, 9)]
