@@ -339,7 +339,8 @@ def generate_data(
     the same target, for more data from the same prompts) into token-id shards; resumes where it stopped.
 
     Returns the number of sequences in the folder. Prompts whose templated length exceeds
-    `max_prompt_tokens` are skipped (they are counted as consumed, so resuming stays aligned).
+    `max_prompt_tokens`, and prompts answered already (the same tokens), are skipped (they are counted
+    as consumed, so resuming stays aligned).
     `source` names the prompt list; resuming a folder made from another source is an error, since
     the resume point counts prompts of the first one.
     """
@@ -366,11 +367,16 @@ def generate_data(
         )
     prompts = list(prompts)
     index = len(list(folder.glob("shard-*.npz")))
+    seen = {tuple(ids[:plen]) for ids, plen in load_shards(folder)}  # a prompt is answered once
     per_shard = max(shard_size, batch_size)  # a shard's prompts are generated together
     while consumed < len(prompts) and (limit is None or done < limit):
         chunk = prompts[consumed : consumed + (per_shard if limit is None else min(per_shard, limit - done))]
         encoded = [apply_chat_template(tokenizer, m, **(template_kwargs or {})) for m in chunk]
-        keep = [e for e in encoded if len(e) <= max_prompt_tokens]
+        keep = []
+        for e in encoded:
+            if len(e) <= max_prompt_tokens and tuple(e) not in seen:
+                seen.add(tuple(e))
+                keep.append(e)
         # mlx-lm's BatchGenerator rather than its batch_generate, which drops the token an answer stopped
         # on: with several EOS ids (Qwen3, Llama 3) the label must be the one the target wrote. Continuous
         # batching: an answer that ends makes room for the next prompt.

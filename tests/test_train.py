@@ -714,6 +714,17 @@ def test_sampled_answers_follow_their_seed_through_a_resume_and_differ_from_gree
         answers("e", temperature=-1)
 
 
+def test_a_repeated_prompt_is_answered_once_also_across_a_resume(tmp_path):
+    model, tok = make_target("llama"), make_tokenizer(eos=95)
+    prompts = [[{"role": "user", "content": f"w{i}"}] for i in (5, 6, 5, 7, 6, 8)]
+    kw = dict(max_new_tokens=2, batch_size=2, shard_size=2)
+    generate_data(model, tok, prompts, tmp_path, limit=1, **kw)
+    assert generate_data(model, tok, prompts, tmp_path, **kw) == 4
+    assert [ids[:plen] for ids, plen in load_shards(tmp_path)] == [
+        apply_chat_template(tok, prompts[i]) for i in (0, 1, 3, 5)
+    ]
+
+
 def test_data_generation_will_not_resume_a_folder_from_another_source(tmp_path):
     model, tok = make_target("llama"), make_tokenizer(eos=95)
     prompts = [[{"role": "user", "content": f"w{i}"}] for i in range(5, 9)]
