@@ -394,7 +394,6 @@ class Engine:
         """The step's target pass(es) -> the shared pass's logits (rows holding trees masked as trees).
         A row verifying alone runs its own pass first (`self.solo[row]`: its views, logits, features and
         undo) and has only its pending token in the shared one, whose position there it does not keep."""
-        trees = trees if any(t is not None for t in trees) else None
         if self.batch is None:
             (s,) = rows
             logits, self.features = s.cache.verify(blocks[0][None], trees=trees)

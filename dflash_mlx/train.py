@@ -363,7 +363,7 @@ def sequence_for_step(seed: int, draw: int, train_idx: np.ndarray) -> int:
 
 def block_weight_sum(anchors: np.ndarray, length: int, block_size: int, gamma: float) -> float:
     """The loss weights of one sequence's blocks that have a label (see block_loss)."""
-    w = np.exp(-np.arange(block_size - 1) / gamma)
+    w = np.array(loss_weights(block_size, gamma))
     return float((w[None] * (anchors[:, None] + np.arange(1, block_size)[None] < length)).sum())
 
 
