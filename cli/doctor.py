@@ -17,8 +17,9 @@ def doctor(as_json: Json = False):
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return
+    width = max(map(len, r["facts"]))
     for key, value in r["facts"].items():
-        typer.echo(f"{key:>18}: {value}")
+        typer.echo(f"{key:>{width}}: {value}")
     for line in r["advice"]:
         typer.secho(f"advice: {line}", fg="yellow")
     if not r["advice"]:

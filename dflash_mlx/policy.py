@@ -11,7 +11,12 @@ learnt online from what the target accepted, per source and position, with old c
 and less. A DFlash drafter's own probability for each proposal predicts its acceptance better than its
 position does, so once the block is drafted its width is cut back where those odds no longer pay.
 An option that loses is parked and probed now and then, less often while it keeps losing, so that it
-comes back when the text changes.
+comes back when the text changes. What a cycle of each source really takes (timed by the engine, with
+its Python, a draft pass that cannot overlap the cycle before and a consumer reading the tokens) is
+learnt too, per source and context (each power of two), as a pace: wall time over the model's price,
+by which that source's prices are scaled. A cost measured at a busy moment, or what the price leaves
+out, then no longer decides; plain steps are probed too where the choice is close and they were not
+timed, so that an overpriced plain step does not keep losing to drafts that are slower in fact.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import hashlib
 import itertools
 import json
 import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -31,10 +37,9 @@ from .batching import batchable, merge
 from .cache import SpeculativeCache
 from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS, draft_block
 from .files import atomic_file
-from .loading import cache_home
 from .models.dflash import DraftCache
 from .pairing import context_length
-from .platform import backend, blas
+from .platform import backend, blas, cache_home
 from .trees import TREE_MAX, Tree, build
 
 PLAIN, LOOKUP, DFLASH = "plain", "lookup", "dflash"
@@ -47,6 +52,13 @@ DECAY = 0.97
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0
 CONFIDENCE_BINS = 10
 PROBE_FIRST, PROBE_MAX, PROBE_KEEP = 16, 1024, 0.25
+# Cycles are timed in runs of up to PACE_RUN of the same source (a plain step starts the next before its
+# own token is read, so on some backends one step's time holds part of the next's); a source's pace is
+# the median ratio of its last PACE_RUNS runs. A run over PACE_OUTLIER times its price (or under
+# 1 / PACE_OUTLIER) is not counted (a kernel compiled on first use, the machine busy elsewhere for a
+# moment). Where the best option is expected to beat plain steps by less than PACE_CLOSE, they are
+# probed: a run of PACE_RUN, at once where their pace is not known yet.
+PACE_RUN, PACE_RUNS, PACE_OUTLIER, PACE_CLOSE = 4, 9, 3.0, 2.0
 
 
 @dataclass(frozen=True)
@@ -212,7 +224,7 @@ class FixedPolicy:
         self.k = block_size - 1 if drafting else 0
         self.tree = tree
 
-    def choose(self, context: int, lookup: tuple[list[int], int], built: bool = False) -> Choice:
+    def choose(self, context: int, lookup: tuple[list[int], int]) -> Choice:
         return Choice(DFLASH, self.k) if self.k else Choice(PLAIN, 0)
 
     def plain_next(self, context: int, index) -> bool:
@@ -232,6 +244,9 @@ class FixedPolicy:
         pass
 
     def observe_tree(self, tree: Tree, values: list, path: list[int]) -> None:
+        pass
+
+    def timed(self, choice: Choice, verified: int, context: int, after: str | None, seconds: float) -> None:
         pass
 
     def measure(self, cache) -> None:
@@ -260,12 +275,16 @@ class AdaptivePolicy:
         self.follows = {n: _Odds(1) for n in LOOKUP_NGRAMS}  # the chance a match follows where one may
         self.waited_for: list[int] = []  # the suffix lengths plain_next waited for a match at
         self.bins = _Odds(CONFIDENCE_BINS)  # acceptance by the drafter's confidence (bins 1..10)
-        self.idle = {DFLASH: 0, LOOKUP: 0}  # cycles an available option was not chosen
-        self.wait = {DFLASH: PROBE_FIRST, LOOKUP: PROBE_FIRST}
+        self.idle = {DFLASH: 0, LOOKUP: 0, PLAIN: 0}  # cycles an available option was not chosen
+        self.wait = {DFLASH: PROBE_FIRST, LOOKUP: PROBE_FIRST, PLAIN: PROBE_FIRST}
+        self.pace: dict[tuple, list] = {}  # (source, context bucket) -> the last runs' wall time / price
+        self.run: list = [None, 0.0, 0.0, 0]  # the run being timed: (source, bucket), seconds, price, cycles
+        self.probing = 0  # plain steps left in a probe
+        self.probed: set[int] = set()  # the context buckets where plain steps were probed
 
     def learn_from(self, other: AdaptivePolicy) -> None:
-        """Start from what `other` learnt (odds, parked options) and the costs it measured since."""
-        for name in ("dflash", "lookup", "follows", "bins", "idle", "wait"):
+        """Start from what `other` learnt (odds, parked options, paces) and the costs it measured since."""
+        for name in ("dflash", "lookup", "follows", "bins", "idle", "wait", "pace", "probed"):
             setattr(self, name, copy.deepcopy(getattr(other, name)))
         if other.costs.contexts[-1] > self.costs.contexts[-1]:
             self.costs = other.costs
@@ -294,8 +313,10 @@ class AdaptivePolicy:
         by_dflash = expected_tokens(self.dflash.rates(self.max[DFLASH])) if self.max[DFLASH] else [1.0]
         return by_lookup, by_dflash
 
-    def choose(self, context: int, lookup: tuple[list[int], int], built: bool = False) -> Choice:
-        """`built`: a plain step is built already, which makes it cheaper."""
+    def choose(self, context: int, lookup: tuple[list[int], int]) -> Choice:
+        """A plain step is priced as one of a run of them (each started before the last one's token is
+        read): choosing plain leads to more plain steps while it pays, and pricing the first of them
+        alone would keep the policy drafting at a loss once it drafts."""
         tokens, n = lookup
         for m in self.waited_for:  # where plain_next waited for a match: did one follow?
             if n > m:
@@ -304,7 +325,9 @@ class AdaptivePolicy:
             if n == m:
                 break
         self.waited_for = []
-        options = [(1.0 / self.costs.step_time(context, "built" if built else None), Choice(PLAIN, 0))]
+        pace = self._paces(context)
+        step = self.costs.step_time(context, "ahead")
+        options = [(1.0 / (step * pace[PLAIN]), Choice(PLAIN, 0))]
         if self.max[LOOKUP] and tokens:
             odds = self.lookup[min(n, 8)]
             rate, k = self._best(
@@ -312,15 +335,28 @@ class AdaptivePolicy:
                 lambda k: 0.0,
                 context,
             )
-            options.append((rate, Choice(LOOKUP, k)))
+            options.append((rate / pace[LOOKUP], Choice(LOOKUP, k)))
         if self.max[DFLASH]:
             rate, k = self._best(
                 self.dflash.rates(self.max[DFLASH]),
                 lambda k: self._draft_time(k, context),
                 context,
             )
-            options.append((rate, Choice(DFLASH, k)))
-        choice = max(options, key=lambda o: o[0])[1]
+            options.append((rate / pace[DFLASH], Choice(DFLASH, k)))
+        rate, choice = max(options, key=lambda o: o[0])
+        if self.probing:
+            self.probing -= 1
+            return options[0][1]
+        if choice.source != PLAIN and rate < PACE_CLOSE * options[0][0]:  # (see PACE_CLOSE)
+            self.idle[PLAIN] += 1
+            unknown = context.bit_length() not in self.probed  # (probed at once)
+            if self.idle[PLAIN] >= self.wait[PLAIN] or unknown:
+                self.probed.add(context.bit_length())
+                self.idle[PLAIN], self.wait[PLAIN] = 0, min(2 * self.wait[PLAIN], PROBE_MAX)
+                self.probing = PACE_RUN - 1
+                return options[0][1]
+        elif choice.source == PLAIN:
+            self.idle[PLAIN] = 0
         for _, option in options[1:]:
             source = option.source
             if source == choice.source:
@@ -339,21 +375,25 @@ class AdaptivePolicy:
         it cheaper still than a step built in advance (`CostModel`). Not when the drafter is due a probe
         or would beat it, nor when lookup, which needs that token, is worth waiting for: at each suffix
         length a match may follow at, the learnt chance that one does times what it would gain."""
-        ahead = 1.0 / self.costs.step_time(context, "ahead")
+        if self.probing:
+            return True
+        pace = self._paces(context)
+        ahead = 1.0 / (self.costs.step_time(context, "ahead") * pace[PLAIN])
         if self.max[DFLASH]:
             if self.idle[DFLASH] >= self.wait[DFLASH]:
                 return False
             rates = self.dflash.rates(self.max[DFLASH])
-            if self._best(rates, lambda k: self._draft_time(k, context), context)[0] > ahead:
+            if self._best(rates, lambda k: self._draft_time(k, context), context)[0] / pace[DFLASH] > ahead:
                 return False
         lengths = index.possible() if self.max[LOOKUP] else []
         if lengths and self.idle[LOOKUP] >= self.wait[LOOKUP]:
             return False
-        step = 1.0 / self.costs.step_time(context, "built")
+        step = 1.0 / (self.costs.step_time(context, "built") * pace[PLAIN])
         waiting, rest = 0.0, 1.0
         for n in lengths:
             chance = rest * self.follows[n].rates(1)[0]
             lookup = self._best(self.lookup[min(n, 8)].rates(self.max[LOOKUP]), lambda k: 0.0, context)[0]
+            lookup /= pace[LOOKUP]
             waiting, rest = waiting + chance * max(lookup, step), rest - chance
         if waiting + rest * step > ahead:
             self.waited_for = lengths
@@ -370,6 +410,29 @@ class AdaptivePolicy:
         self.costs = self.costs.extended(context, *_live_row(cache, self.costs))
         if self.keep is not None:
             self.keep(self.costs)
+
+    def timed(self, choice: Choice, verified: int, context: int, after: str | None, seconds: float) -> None:
+        """A cycle of this choice took `seconds` of wall time, from the end of the cycle before to the end
+        of its own (`verified`: the proposals it verified; `after`: how a plain step was started, as in
+        `CostModel.step_time`)."""
+        if choice.source == PLAIN:
+            price = self.costs.step_time(context, after)
+        else:
+            price = self.costs.target_time(verified + 1, context)
+            if choice.source == DFLASH:
+                price += self._draft_time(choice.k, context)
+        run, key = self.run, (choice.source, context.bit_length())
+        if run[0] != key or run[3] == PACE_RUN:
+            if run[0] is not None and 1 / PACE_OUTLIER < run[1] / run[2] < PACE_OUTLIER:
+                ratios = self.pace.setdefault(run[0], [])
+                ratios[:] = [*ratios[1 - PACE_RUNS :], run[1] / run[2]]
+            run[:] = [key, 0.0, 0.0, 0]
+        run[1:] = [run[1] + seconds, run[2] + price, run[3] + 1]
+
+    def _paces(self, context: int) -> dict[str, float]:
+        """Each source's pace at this context (1 where none of its cycles were timed)."""
+        bucket = context.bit_length()
+        return {s: statistics.median(self.pace.get((s, bucket), [1.0])) for s in (PLAIN, LOOKUP, DFLASH)}
 
     def _bin(self, c: float) -> int:
         return 1 + min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)

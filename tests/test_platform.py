@@ -88,3 +88,45 @@ def test_the_blas_the_install_brings_is_found_and_preloaded():
         assert got["library"] == installed[0] and got["status"] == f"loaded {installed[0]}"
     forced = json.loads(python(STATUS, DFLASH_MLX_BLAS=installed[0]).stdout)
     assert forced["status"] == f"loaded {installed[0]}"
+
+
+def fake_backend(site, name: str, size: int) -> None:
+    """An MLX backend package as pip leaves it: its dist-info, whose RECORD lists the shared library."""
+    info = site / f"{name.replace('-', '_')}-0.32.4.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.32.4\n")
+    (info / "RECORD").write_text(f"mlx/lib/libmlx.so,sha256=x,{size}\n{info.name}/RECORD,,\n")
+
+
+def test_with_the_cpu_and_cuda_backends_both_installed_the_library_in_place_is_named(tmp_path):
+    from dflash_mlx.platform import backend_advice, backend_library
+
+    fake_backend(tmp_path, "mlx-cpu", 3)
+    fake_backend(tmp_path, "mlx-cuda-13", 4)
+    lib = tmp_path / "mlx" / "lib" / "libmlx.so"
+    lib.parent.mkdir(parents=True)
+    lib.write_text("CPU")  # pip wrote the CPU backend's library last
+    in_place, installed = backend_library([str(tmp_path)])
+    assert (in_place, installed) == ("mlx-cpu", ["mlx-cuda-13", "mlx-cpu"])
+    advice = backend_advice(in_place, installed)
+    assert "mlx-cpu's library is in place" in advice
+    assert "pip install --force-reinstall --no-deps 'mlx-cuda-13==" in advice
+    lib.write_text("CUDA")
+    assert backend_library([str(tmp_path)]) == ("mlx-cuda-13", ["mlx-cuda-13", "mlx-cpu"])
+    assert backend_advice("mlx-cuda-13", installed) is None
+    # This machine's own install: the CPU backend alone, its library in place.
+    assert backend_library() == ("mlx-cpu", ["mlx-cpu"]) and backend_advice("mlx-cpu", ["mlx-cpu"]) is None
+
+
+def test_gpu_kernels_are_kept_under_the_home_unless_the_user_chose_a_folder(tmp_path, monkeypatch):
+    from dflash_mlx.platform import PTX_ENV, keep_kernels
+
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path))
+    monkeypatch.delenv(PTX_ENV, raising=False)
+    keep_kernels("NVIDIA H100 80GB HBM3")
+    folder = os.environ[PTX_ENV]
+    assert folder.startswith(str(tmp_path / "kernels" / "mlx-")) and folder.endswith("NVIDIA-H100-80GB-HBM3")
+    assert os.path.isdir(folder)
+    monkeypatch.setenv(PTX_ENV, "/mine")
+    keep_kernels("NVIDIA H100 80GB HBM3")
+    assert os.environ[PTX_ENV] == "/mine"

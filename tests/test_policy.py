@@ -276,11 +276,61 @@ def test_on_this_cpu_with_a_weak_drafter_the_policy_parks_dflash_and_comes_back_
     assert sum(s == DFLASH for s, _ in made[-100:]) > 90
 
 
+def run_timed(policy, accept, cycles, real: CostModel):
+    """run_trace, with each cycle timed as `real` costs it (a plain step after a plain step started
+    ahead) -> (the choices made, tokens per unit of real time over the last half)."""
+    import mlx.core as mx
+
+    made, last, tokens, seconds = [], None, 0, 0.0
+    for i in range(cycles):
+        choice = policy.choose(500, ([], 0))
+        k = 0
+        if choice.source == DFLASH:
+            k, conf = policy.narrow(choice, mx.array([0.35] * choice.k), 500)
+        n = accept(k) if k else 0
+        policy.observe(choice, k, n, conf if k else [], 0)
+        if choice.source == PLAIN:
+            after = "ahead" if last == PLAIN else None
+            cost = real.step_time(500, after)
+        else:
+            after, cost = None, real.target_time(k + 1, 500) + real.draft_time(choice.k, 500)
+        policy.timed(choice, k, 500, after, cost)
+        last = choice.source if k or choice.source == PLAIN else PLAIN
+        made.append(last)
+        if i >= cycles // 2:
+            tokens, seconds = tokens + n + 1, seconds + cost
+    return made, tokens / seconds
+
+
+def test_a_policy_whose_plain_steps_were_priced_too_high_learns_their_real_pace():
+    # The CPU costs as measured at a busy moment: plain steps and narrow passes 60% dearer than they are.
+    busy = CostModel(
+        [64],
+        [1, 2, 4, 8, 16],
+        [[1.6, 1.65, 1.7, 1.8, 2.0]],
+        [1, 3, 7, 15],
+        [[0.27, 0.3, 0.32, 0.42]],
+        [1.6],
+        [1.6],
+    )
+    plain_rate = 1 / CPU.step_time(500, "ahead")
+    rng = random.Random(3)
+    made = run_trace(AdaptivePolicy(busy, 15, lookup=False), geometric(0.35, rng), 200)
+    assert sum(s == DFLASH for s, _ in made[100:]) > 90  # untimed, it drafts at a loss
+    made, rate = run_timed(AdaptivePolicy(busy, 15, lookup=False), geometric(0.35, rng), 200, CPU)
+    assert sum(s == PLAIN for s in made[100:]) > 90
+    assert rate > 0.95 * plain_rate
+    # ... and a drafter that pays is kept where the prices are right.
+    made, rate = run_timed(AdaptivePolicy(CPU, 15, lookup=False), geometric(0.9, rng), 200, CPU)
+    assert sum(s == DFLASH for s in made[100:]) > 90 and rate > 1.5 * plain_rate
+
+
 def test_a_later_answer_starts_from_what_the_policy_learnt_in_an_earlier_one():
     rng = random.Random(2)
     first = AdaptivePolicy(CPU, 15, lookup=False)
     run_trace(first, geometric(0.3, rng), 300, confidence=0.3)  # parks the weak drafter
     later, fresh = AdaptivePolicy(CPU, 15, lookup=False), AdaptivePolicy(CPU, 15, lookup=False)
+    first.idle[DFLASH] = 0  # (no probe due)
     later.learn_from(first)
     assert all(s == PLAIN for s, _ in run_trace(later, geometric(0.3, rng), 10, confidence=0.3))
     assert any(s == DFLASH for s, _ in run_trace(fresh, geometric(0.3, rng), 10, confidence=0.3))
@@ -324,7 +374,7 @@ def test_a_plain_step_starts_early_unless_a_lookup_match_worth_waiting_for_may_f
     assert policy.plain_next(500, fresh)  # nothing to wait for
     assert not policy.plain_next(500, index)  # a match may follow, and it would pay
     for _ in range(60):  # ... but none ever does
-        assert policy.choose(500, ([], 0), built=True) == Choice(PLAIN, 0)
+        assert policy.choose(500, ([], 0)) == Choice(PLAIN, 0)
         policy.idle[DFLASH] = 0
         if policy.plain_next(500, index):
             break
