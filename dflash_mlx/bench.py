@@ -25,6 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import stream_generate as plain_stream_generate
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from .cache import SpeculativeCache
@@ -65,6 +66,19 @@ def _dflash(target, draft, tokenizer, ids, settings: GenerationSettings, seed: i
             mix[r.source] += 1
     end = time.perf_counter()
     return dict(_record(tokens, tic, first, end, acc), mix=dict(mix))
+
+
+def first_difference(model, ids: list[int], plain: list[int], ours: list[int]) -> dict | None:
+    """Where `ours` first leaves `plain` (greedy decoding), and the target's top-2 logit gap there, from
+    one pass over the prompt and the tokens both share: a gap near 0 is a near-tie that floating
+    point can flip (a many-token pass and a one-token step round differently); a wide one, a wrong
+    token. None where they are the same."""
+    if plain == ours:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(plain, ours)) if a != b), min(len(plain), len(ours)))
+    logits = model(mx.array([list(ids) + plain[:at]]), cache=make_prompt_cache(model))[0, -1]
+    top = mx.sort(logits.astype(mx.float32))[-2:]
+    return {"at": at, "gap": (top[1] - top[0]).item()}
 
 
 def _record(tokens, tic, first, end, acc):
@@ -155,7 +169,10 @@ def run_bench(
             for b, t in configs:
                 r = _dflash(target, draft, tokenizer, ids, grid[b, t], seed)
                 if t == 0:
-                    r["identical"] = r["tokens"] == row["baseline"][str(t)]["tokens"]
+                    plain = row["baseline"][str(t)]["tokens"]
+                    r["identical"] = r["tokens"] == plain
+                    if not r["identical"]:
+                        r["first_difference"] = first_difference(model, ids, plain, r["tokens"])
                 row["dflash"][f"{b or 'adaptive'}@{t}"] = r
                 counted()
             if k > 0:
@@ -191,6 +208,11 @@ def run_bench(
                 "identical": all(r.get("identical", True) for r in ours) if t == 0 else None,
                 "mismatched_prompts": [
                     p["prompt"] for p, r in zip(per_prompt, ours) if r.get("identical") is False
+                ],
+                "differences": [
+                    dict(prompt=p["prompt"], **r["first_difference"])
+                    for p, r in zip(per_prompt, ours)
+                    if r.get("first_difference")
                 ],
                 "mix": dict(sum((Counter(r["mix"]) for r in ours), Counter())),
             }
@@ -376,9 +398,11 @@ def markdown(results: dict, title: str) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in results["summary"]:
+        first = min(s.get("differences", []), key=lambda d: d["gap"], default=None)
+        where = f"; the nearest tie: token {first['at']}, top-2 gap {first['gap']:.2g}" if first else ""
         same = {
             True: "yes",
-            False: f"**NO** ({_count(len(s['mismatched_prompts']), 'prompt')})",
+            False: f"**NO** ({_count(len(s['mismatched_prompts']), 'prompt')}{where})",
             None: "n/a (sampling)",
         }
         mix = " / ".join(str(s["mix"].get(k, 0)) for k in ("dflash", "tree", "lookup", "plain"))

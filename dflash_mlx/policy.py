@@ -54,11 +54,11 @@ CONFIDENCE_BINS = 10
 PROBE_FIRST, PROBE_MAX, PROBE_KEEP = 16, 1024, 0.25
 # Cycles are timed in runs of up to PACE_RUN of the same source (a plain step starts the next before its
 # own token is read, so on some backends one step's time holds part of the next's); a source's pace is
-# the median ratio of its last PACE_RUNS runs. A run over PACE_OUTLIER times its price (or under
-# 1 / PACE_OUTLIER) is not counted (a kernel compiled on first use, the machine busy elsewhere for a
-# moment). Where the best option is expected to beat plain steps by less than PACE_CLOSE, they are
-# probed: a run of PACE_RUN, at once where their pace is not known yet.
-PACE_RUN, PACE_RUNS, PACE_OUTLIER, PACE_CLOSE = 4, 9, 3.0, 2.0
+# the median ratio of its last PACE_RUNS runs (a busy moment moves it little), the first run in each
+# context range left out (kernels compiled on first use). Where the best option is expected to beat
+# plain steps by less than PACE_CLOSE, they are probed: a run of PACE_RUN, at once where their pace is
+# not known yet.
+PACE_RUN, PACE_RUNS, PACE_CLOSE = 4, 9, 2.0
 
 
 @dataclass(frozen=True)
@@ -423,16 +423,17 @@ class AdaptivePolicy:
                 price += self._draft_time(choice.k, context)
         run, key = self.run, (choice.source, context.bit_length())
         if run[0] != key or run[3] == PACE_RUN:
-            if run[0] is not None and 1 / PACE_OUTLIER < run[1] / run[2] < PACE_OUTLIER:
-                ratios = self.pace.setdefault(run[0], [])
-                ratios[:] = [*ratios[1 - PACE_RUNS :], run[1] / run[2]]
+            if run[0] in self.pace:
+                self.pace[run[0]] = [*self.pace[run[0]][1 - PACE_RUNS :], run[1] / run[2]]
+            elif run[0] is not None:
+                self.pace[run[0]] = []  # (the first run: left out)
             run[:] = [key, 0.0, 0.0, 0]
         run[1:] = [run[1] + seconds, run[2] + price, run[3] + 1]
 
     def _paces(self, context: int) -> dict[str, float]:
         """Each source's pace at this context (1 where none of its cycles were timed)."""
         bucket = context.bit_length()
-        return {s: statistics.median(self.pace.get((s, bucket), [1.0])) for s in (PLAIN, LOOKUP, DFLASH)}
+        return {s: statistics.median(self.pace.get((s, bucket)) or [1.0]) for s in (PLAIN, LOOKUP, DFLASH)}
 
     def _bin(self, c: float) -> int:
         return 1 + min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)

@@ -489,6 +489,12 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
     assert r.exit_code == 1
     assert "DFlash output differed from plain greedy decoding" in r.stderr
     assert "**NO**" in (tmp_path / "b" / "summary.md").read_text()
+    assert "top-2 gap" in (tmp_path / "b" / "summary.md").read_text()
+    # each differing answer: where it first left plain decoding, and the target's top-2 logit gap there
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    for s in results["summary"]:
+        assert sorted(d["prompt"] for d in s["differences"]) == s["mismatched_prompts"] != []
+        assert all(0 <= d["at"] < 16 and d["gap"] >= 0 for d in s["differences"])
     # stopped with Ctrl-C after a prompt that differed: the failure is still said
     import dflash_mlx.bench
 

@@ -159,3 +159,19 @@ def test_array_prompt_and_a_custom_greedy_sampler(targets):
         sampler=make_sampler(0.0),
     )
     assert out.tokens == ref and max(out.acceptance_lengths) > 1
+
+
+def test_bench_names_where_an_answer_left_plain_decoding_and_the_targets_margin_there():
+    import mlx.core as mx
+
+    from dflash_mlx.bench import first_difference
+
+    model, prompt = make_target("llama"), prompt_of(12)
+    plain = greedy_reference(model, prompt, 10)
+    assert first_difference(model, prompt, plain, list(plain)) is None
+    ours = plain[:6] + [(plain[6] + 1) % 50] + plain[7:]
+    d = first_difference(model, prompt, plain, ours)
+    row = model(mx.array([prompt + plain]))[0, len(prompt) + 5]  # (one pass over all, the row before 6)
+    top = sorted(row.tolist())[-2:]
+    assert d["at"] == 6 and abs(d["gap"] - (top[1] - top[0])) < 1e-4
+    assert first_difference(model, prompt, plain, plain[:4])["at"] == 4  # one stopped early

@@ -325,6 +325,15 @@ def test_a_policy_whose_plain_steps_were_priced_too_high_learns_their_real_pace(
     assert sum(s == DFLASH for s in made[100:]) > 90 and rate > 1.5 * plain_rate
 
 
+def test_an_answer_times_its_cycles_for_its_policy():
+    model, draft = make_target("llama"), make_draft()
+    prompt = prompt_of(24)
+    generate(model, draft, no_eos_tokenizer(prompt), prompt, max_tokens=48)
+    learnt = policy_for(prepare(model, draft), draft, block_size=None, lookup=True, trees=True)
+    assert any(learnt.pace.values()) and all(r > 0 for ratios in learnt.pace.values() for r in ratios)
+    assert {source for source, _ in learnt.pace} <= {PLAIN, LOOKUP, DFLASH}
+
+
 def test_a_later_answer_starts_from_what_the_policy_learnt_in_an_earlier_one():
     rng = random.Random(2)
     first = AdaptivePolicy(CPU, 15, lookup=False)
