@@ -57,7 +57,7 @@ PROBE_FIRST, PROBE_MAX, PROBE_KEEP = 16, 1024, 0.25
 # the median ratio of its last PACE_RUNS runs (a busy moment moves it little), the first run in each
 # context range left out (kernels compiled on first use). Where the best option is expected to beat
 # plain steps by less than PACE_CLOSE, they are probed: a run of PACE_RUN, at once where their pace is
-# not known yet.
+# not known yet (unless the option is a lookup match).
 PACE_RUN, PACE_RUNS, PACE_CLOSE = 4, 9, 2.0
 
 
@@ -280,11 +280,11 @@ class AdaptivePolicy:
         self.pace: dict[tuple, list] = {}  # (source, context bucket) -> the last runs' wall time / price
         self.run: list = [None, 0.0, 0.0, 0]  # the run being timed: (source, bucket), seconds, price, cycles
         self.probing = 0  # plain steps left in a probe
-        self.probed: set[int] = set()  # the context buckets where plain steps were probed
+        self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
 
     def learn_from(self, other: AdaptivePolicy) -> None:
         """Start from what `other` learnt (odds, parked options, paces) and the costs it measured since."""
-        for name in ("dflash", "lookup", "follows", "bins", "idle", "wait", "pace", "probed"):
+        for name in ("dflash", "lookup", "follows", "bins", "idle", "wait", "pace", "plain_probed"):
             setattr(self, name, copy.deepcopy(getattr(other, name)))
         if other.costs.contexts[-1] > self.costs.contexts[-1]:
             self.costs = other.costs
@@ -349,15 +349,22 @@ class AdaptivePolicy:
             return options[0][1]
         if choice.source != PLAIN and rate < PACE_CLOSE * options[0][0]:  # (see PACE_CLOSE)
             self.idle[PLAIN] += 1
-            unknown = context.bit_length() not in self.probed  # (probed at once)
+            # (at once where their pace is unknown, unless a lookup match is on offer: it will not wait)
+            unknown = context.bit_length() not in self.plain_probed and choice.source != LOOKUP
             if self.idle[PLAIN] >= self.wait[PLAIN] or unknown:
-                self.probed.add(context.bit_length())
+                self.plain_probed.add(context.bit_length())
                 self.idle[PLAIN], self.wait[PLAIN] = 0, min(2 * self.wait[PLAIN], PROBE_MAX)
                 self.probing = PACE_RUN - 1
                 return options[0][1]
         elif choice.source == PLAIN:
             self.idle[PLAIN] = 0
-        for _, option in options[1:]:
+        return self.probed(choice, [option for _, option in options[1:]], n)
+
+    def probed(self, choice: Choice, offered: list[Choice], n: int) -> Choice:
+        """The choice made, or where it is a plain step, a parked option of those `offered` that is due a
+        probe (its old evidence discounted first); counts the cycles each was passed over. `n`: the
+        lookup match's suffix length."""
+        for option in offered:
             source = option.source
             if source == choice.source:
                 self.idle[source] = 0
@@ -528,7 +535,9 @@ def choose_batch(
     sequence whose own wide pass adds tokens faster than the step makes them goes alone (a long lookup
     match among sequences that have none, where a shared wide pass would compute every sequence's
     padding); the width with the most tokens per second wins (width 1 and no one alone: batched plain
-    decoding). Policies that are not adaptive (a fixed block) choose for themselves, together."""
+    decoding). A sequence's parked option that is due a probe is tried: in the shared pass where it
+    fits, else in a pass of its own. Policies that are not adaptive (a fixed block) choose for
+    themselves, together."""
     if not all(isinstance(p, AdaptivePolicy) for p in policies):
         return [p.choose(c, f) for p, c, f in zip(policies, contexts, lookups)], [False] * len(policies)
     first, batch, context = policies[0], len(policies), max(contexts)  # (one pair: the same costs)
@@ -539,7 +548,7 @@ def choose_batch(
         _alone(costs, by_lookup, by_dflash, drafted, c)
         for (by_lookup, by_dflash), c in zip(expected, contexts)
     ]
-    best = (0.0, None, None)
+    best = (0.0, None, None, 1)
     for width in costs.widths:
         step = costs.batch_time(batch, width, context)
         share, options = step / batch, []
@@ -566,8 +575,16 @@ def choose_batch(
             seconds += alone[b][2] - options[b][2]
             options[b] = alone[b]
         if tokens / seconds > best[0]:
-            best = (tokens / seconds, [o[1] for o in options], solo)
-    return best[1], best[2]
+            best = (tokens / seconds, [o[1] for o in options], solo, width)
+    _, choices, solo, width = best
+    for b, (p, (tokens, n)) in enumerate(zip(policies, lookups)):  # parked options are probed here too
+        offered = [Choice(LOOKUP, min(len(tokens), p.max[LOOKUP]))] if p.max[LOOKUP] and tokens else []
+        offered += [Choice(DFLASH, p.max[DFLASH])] if p.max[DFLASH] else []
+        probe = p.probed(choices[b], offered, n)
+        if probe is not choices[b]:  # (in the shared pass if it fits, else in a pass of its own)
+            k = min(probe.k, width - 1) or probe.k
+            choices[b], solo[b] = Choice(probe.source, k), k >= width
+    return choices, solo
 
 
 def _alone(costs, by_lookup, by_dflash, drafted, context) -> tuple | None:

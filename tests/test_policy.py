@@ -31,6 +31,7 @@ from dflash_mlx.policy import (
     Choice,
     CostModel,
     FixedPolicy,
+    choose_batch,
     policy_for,
 )
 
@@ -334,6 +335,21 @@ def test_an_answer_times_its_cycles_for_its_policy():
     assert {source for source, _ in learnt.pace} <= {PLAIN, LOOKUP, DFLASH}
 
 
+def test_in_a_batch_a_parked_drafter_is_still_probed_now_and_then():
+    rng = random.Random(4)
+    policies = [AdaptivePolicy(CPU, 15, lookup=False) for _ in range(3)]
+    for p in policies:
+        run_trace(p, geometric(0.3, rng), 200, confidence=0.3)  # parks the weak drafter
+    made = []
+    for _ in range(300):
+        choices, solo = choose_batch(policies, [500] * 3, [([], 0)] * 3)
+        for p, c, alone in zip(policies, choices, solo):
+            p.observe(c, c.k, 0, [0.3] * c.k if c.source == DFLASH else [], 0)
+            made.append((c.source, alone))
+    drafted = [alone for source, alone in made if source == DFLASH]
+    assert 3 <= len(drafted) < 0.1 * len(made) and all(drafted)  # (a batch of plain steps: alone)
+
+
 def test_a_later_answer_starts_from_what_the_policy_learnt_in_an_earlier_one():
     rng = random.Random(2)
     first = AdaptivePolicy(CPU, 15, lookup=False)
@@ -434,6 +450,7 @@ def test_sampled_output_follows_the_target_distribution_with_lookup_and_the_adap
         draft = None
     else:
         policy = AdaptivePolicy(MAC, 2, lookup=True)
+        policy.timed = lambda *a: None  # (priced as MAC, not as the tiny model's Python-bound cycles)
         monkeypatch.setattr(engine, "policy_for", lambda *a, **k: policy)
         draft = make_draft(seed=11, vocab=V, block_size=3)
     tok = make_tokenizer(vocab=V, eos=V + 5)
