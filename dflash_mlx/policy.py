@@ -56,8 +56,8 @@ PROBE_FIRST, PROBE_MAX, PROBE_KEEP = 16, 1024, 0.25
 # own token is read, so on some backends one step's time holds part of the next's); a source's pace is
 # the median ratio of its last PACE_RUNS runs (a busy moment moves it little), the first run in each
 # context range left out (kernels compiled on first use). Where the best option is expected to beat
-# plain steps by less than PACE_CLOSE, they are probed: a run of PACE_RUN, at once where their pace is
-# not known yet (unless the option is a lookup match).
+# plain steps by less than PACE_CLOSE, they are probed: a run of PACE_RUN (two where none was timed in
+# that range yet), at once where their pace is not known yet (unless the option is a lookup match).
 PACE_RUN, PACE_RUNS, PACE_CLOSE = 4, 9, 2.0
 
 
@@ -354,7 +354,8 @@ class AdaptivePolicy:
             if self.idle[PLAIN] >= self.wait[PLAIN] or unknown:
                 self.plain_probed.add(context.bit_length())
                 self.idle[PLAIN], self.wait[PLAIN] = 0, min(2 * self.wait[PLAIN], PROBE_MAX)
-                self.probing = PACE_RUN - 1
+                timed = (PLAIN, context.bit_length()) in self.pace  # (else its first run is left out)
+                self.probing = (1 if timed else 2) * PACE_RUN - 1
                 return options[0][1]
         elif choice.source == PLAIN:
             self.idle[PLAIN] = 0
