@@ -420,9 +420,8 @@ class AdaptivePolicy:
             self.keep(self.costs)
 
     def timed(self, choice: Choice, verified: int, context: int, after: str | None, seconds: float) -> None:
-        """A cycle of this choice took `seconds` of wall time, from the end of the cycle before to the end
-        of its own (`verified`: the proposals it verified; `after`: how a plain step was started, as in
-        `CostModel.step_time`)."""
+        """A cycle of this choice took `seconds` of wall time, as the engine timed it (`verified`: the
+        proposals it verified; `after`: how a plain step was started, as in `CostModel.step_time`)."""
         if choice.source == PLAIN:
             price = self.costs.step_time(context, after)
         else:
