@@ -535,9 +535,9 @@ def choose_batch(
     sequence whose own wide pass adds tokens faster than the step makes them goes alone (a long lookup
     match among sequences that have none, where a shared wide pass would compute every sequence's
     padding); the width with the most tokens per second wins (width 1 and no one alone: batched plain
-    decoding). A sequence's parked option that is due a probe is tried: in the shared pass where it
-    fits, else in a pass of its own. Policies that are not adaptive (a fixed block) choose for
-    themselves, together."""
+    decoding). A sequence's parked option that is due a probe is tried in a step whose shared pass is
+    wider than one token, within that width. Policies that are not adaptive (a fixed block) choose
+    for themselves, together."""
     if not all(isinstance(p, AdaptivePolicy) for p in policies):
         return [p.choose(c, f) for p, c, f in zip(policies, contexts, lookups)], [False] * len(policies)
     first, batch, context = policies[0], len(policies), max(contexts)  # (one pair: the same costs)
@@ -577,13 +577,14 @@ def choose_batch(
         if tokens / seconds > best[0]:
             best = (tokens / seconds, [o[1] for o in options], solo, width)
     _, choices, solo, width = best
-    for b, (p, (tokens, n)) in enumerate(zip(policies, lookups)):  # parked options are probed here too
+    for b, (p, (tokens, n)) in enumerate(zip(policies, lookups)):
+        if width == 1 or solo[b]:
+            continue  # (a pass of its own for a probe would cost more than the step: measured)
         offered = [Choice(LOOKUP, min(len(tokens), p.max[LOOKUP]))] if p.max[LOOKUP] and tokens else []
         offered += [Choice(DFLASH, p.max[DFLASH])] if p.max[DFLASH] else []
         probe = p.probed(choices[b], offered, n)
-        if probe is not choices[b]:  # (in the shared pass if it fits, else in a pass of its own)
-            k = min(probe.k, width - 1) or probe.k
-            choices[b], solo[b] = Choice(probe.source, k), k >= width
+        if probe is not choices[b]:
+            choices[b] = Choice(probe.source, min(probe.k, width - 1))
     return choices, solo
 
 

@@ -336,18 +336,21 @@ def test_an_answer_times_its_cycles_for_its_policy():
 
 
 def test_in_a_batch_a_parked_drafter_is_still_probed_now_and_then():
-    rng = random.Random(4)
-    policies = [AdaptivePolicy(CPU, 15, lookup=False) for _ in range(3)]
+    policies = [AdaptivePolicy(MAC, 15, lookup=True) for _ in range(3)]  # (wide passes cost little)
     for p in policies:
-        run_trace(p, geometric(0.3, rng), 200, confidence=0.3)  # parks the weak drafter
+        run_trace(p, lambda k: 0, 200, confidence=0.05)  # parks a drafter that is never right
+    match = ([7] * 16, 4)  # the first sequence's lookup match, always right: the step is wide
+    for p in policies:
+        for _ in range(20):
+            p.observe(Choice(LOOKUP, 8), 8, 8, [], 4)
     made = []
     for _ in range(300):
-        choices, solo = choose_batch(policies, [500] * 3, [([], 0)] * 3)
-        for p, c, alone in zip(policies, choices, solo):
-            p.observe(c, c.k, 0, [0.3] * c.k if c.source == DFLASH else [], 0)
-            made.append((c.source, alone))
-    drafted = [alone for source, alone in made if source == DFLASH]
-    assert 3 <= len(drafted) < 0.1 * len(made) and all(drafted)  # (a batch of plain steps: alone)
+        choices, solo = choose_batch(policies, [500] * 3, [match, ([], 0), ([], 0)])
+        for p, c in zip(policies, choices):
+            p.observe(c, c.k, c.k if c.source == LOOKUP else 0, [0.3] * c.k if c.source == DFLASH else [], 4)
+        assert choices[0].source == LOOKUP and not any(solo)
+        made += [c.source for c in choices[1:]]
+    assert 3 <= made.count(DFLASH) < 0.1 * len(made)  # (tried within the step's width, now and then)
 
 
 def test_a_later_answer_starts_from_what_the_policy_learnt_in_an_earlier_one():
