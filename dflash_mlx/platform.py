@@ -138,7 +138,7 @@ def preload_blas() -> dict:
         return blas
     if not sys.platform.startswith("linux"):
         blas["status"] = "not needed (MLX uses Accelerate/Metal on macOS)"
-    elif "mlx.core" not in sys.modules and (gpu := _on_cuda()) is not None:
+    elif (gpu := _on_cuda()) is not None:
         blas["status"] = f"not needed (MLX computes on the GPU: {gpu})"
         keep_kernels(gpu)
     elif os.environ.get(DISABLE_ENV, "") not in ("", "0"):
@@ -253,9 +253,9 @@ def backend_advice(in_place: str | None, installed: list[str]) -> str | None:
         pin = f"=={md.version('mlx')}"
     except md.PackageNotFoundError:
         pin = ""
-    have = f"{in_place}'s" if in_place else "no backend's"
+    have = f"{in_place}'s" if in_place else "missing"
     return (
-        f"{' and '.join(installed)} are installed and {have} library is in place (both write "
+        f"MLX's library in place is {have} while {wanted} is installed (every MLX backend writes "
         f"mlx/lib/libmlx.so): pip install --force-reinstall --no-deps '{wanted}{pin}'"
     )
 

@@ -57,7 +57,7 @@ PROBE_FIRST, PROBE_MAX, PROBE_KEEP = 16, 1024, 0.25
 # the median ratio of its last PACE_RUNS runs (a busy moment moves it little), the first run in each
 # context range left out (kernels compiled on first use). Where the best option is expected to beat
 # plain steps by less than PACE_CLOSE, they are probed: a run of PACE_RUN (two where none was timed in
-# that range yet), at once where their pace is not known yet (unless the option is a lookup match).
+# that range yet), at once where their pace is not known yet.
 PACE_RUN, PACE_RUNS, PACE_CLOSE = 4, 9, 2.0
 
 
@@ -349,8 +349,7 @@ class AdaptivePolicy:
             return options[0][1]
         if choice.source != PLAIN and rate < PACE_CLOSE * options[0][0]:  # (see PACE_CLOSE)
             self.idle[PLAIN] += 1
-            # (at once where their pace is unknown, unless a lookup match is on offer: it will not wait)
-            unknown = context.bit_length() not in self.plain_probed and choice.source != LOOKUP
+            unknown = context.bit_length() not in self.plain_probed  # (probed at once)
             if self.idle[PLAIN] >= self.wait[PLAIN] or unknown:
                 self.plain_probed.add(context.bit_length())
                 self.idle[PLAIN], self.wait[PLAIN] = 0, min(2 * self.wait[PLAIN], PROBE_MAX)

@@ -109,7 +109,7 @@ def test_with_the_cpu_and_cuda_backends_both_installed_the_library_in_place_is_n
     in_place, installed = backend_library([str(tmp_path)])
     assert (in_place, installed) == ("mlx-cpu", ["mlx-cuda-13", "mlx-cpu"])
     advice = backend_advice(in_place, installed)
-    assert "mlx-cpu's library is in place" in advice
+    assert "MLX's library in place is mlx-cpu's while mlx-cuda-13 is installed" in advice
     assert "pip install --force-reinstall --no-deps 'mlx-cuda-13==" in advice
     lib.write_text("CUDA")
     assert backend_library([str(tmp_path)]) == ("mlx-cuda-13", ["mlx-cuda-13", "mlx-cpu"])
