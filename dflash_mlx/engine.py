@@ -262,8 +262,8 @@ class Engine:
                     self._launch_built(*ready)
                 self.features, self.step_rows = ready[0], rows
                 after = "ahead" if started else "built"
-                if started:  # (it runs from the last step's collection on)
-                    self.launched = self.launched and self.collected
+                if started and self.launched is not None:  # (it runs from the last collection on)
+                    self.launched = self.collected
                 for b, (s, c) in enumerate(zip(rows, choices)):
                     s.cycle = Cycle(c, NONE, [], founds[b], b, mx.array(0), ready[1][b], after=after)
                 return

@@ -1,6 +1,7 @@
 """The adaptive cycle: prompt lookup, the cost model and the per-cycle choice, and that no choice it can
 make changes the output."""
 
+import dataclasses
 import random
 
 import pytest
@@ -305,15 +306,7 @@ def run_timed(policy, accept, cycles, real: CostModel):
 
 def test_a_policy_whose_plain_steps_were_priced_too_high_learns_their_real_pace():
     # The CPU costs as measured at a busy moment: plain steps and narrow passes 60% dearer than they are.
-    busy = CostModel(
-        [64],
-        [1, 2, 4, 8, 16],
-        [[1.6, 1.65, 1.7, 1.8, 2.0]],
-        [1, 3, 7, 15],
-        [[0.27, 0.3, 0.32, 0.42]],
-        [1.6],
-        [1.6],
-    )
+    busy = dataclasses.replace(CPU, target=[[1.6, 1.65, 1.7, 1.8, 2.0]], ahead=[1.6], built=[1.6])
     plain_rate = 1 / CPU.step_time(500, "ahead")
     rng = random.Random(3)
     made = run_trace(AdaptivePolicy(busy, 15, lookup=False), geometric(0.35, rng), 200)
