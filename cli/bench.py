@@ -45,6 +45,11 @@ def bench(
     draft_window: DraftWindow = None,
     temps: str = typer.Option("0", help="Comma-separated temperatures (identity is checked at 0)."),
     max_tokens: MaxTokens = 256,
+    rounds: int = typer.Option(
+        1,
+        help="Run every prompt this many times (all, then all again); a speedup is the rounds' median "
+        "(a noisy machine).",
+    ),
     out: str = typer.Option(
         "bench-results", "--out", "-o", help="Folder for results.json, summary.md, plot.png."
     ),
@@ -69,6 +74,8 @@ def bench(
                 f"got {block_sizes!r}, {temps!r} "
                 f"and {concurrency!r}"
             ) from None
+        if rounds < 1 or (rounds > 1 and concurrency is not None):
+            raise UserError(f"--rounds takes a number of 1 or more, without --concurrency; got {rounds}")
         if levels is not None and (not levels or min(levels) < 1):
             raise UserError(f"--concurrency takes numbers of answers of 1 or more, got {concurrency!r}")
         grid = settings_grid(bs, ts, max_tokens, lookup=not no_lookup, draft_window=draft_window)
@@ -108,7 +115,7 @@ def bench(
                     )
                 else:
                     runs = len({t for _, t in grid}) + len(grid)  # the plain baseline at each temperature
-                    task = bar.add_task("warming up (not counted)", total=len(ps) * runs)
+                    task = bar.add_task("warming up (not counted)", total=rounds * len(ps) * runs)
                     results = run_bench(
                         target,
                         drafter,
@@ -121,6 +128,7 @@ def bench(
                         max_tokens=max_tokens,
                         template_kwargs=template_kwargs(model, think),
                         progress=done,
+                        rounds=rounds,
                     )
         except BaseException:  # nothing to show: do not leave behind an empty folder this run made
             if made and not any(folder.iterdir()):
@@ -146,7 +154,8 @@ def bench(
         )
     if results.get("interrupted"):
         typer.secho(
-            f"stopped with Ctrl-C: the results cover the {len(results['prompts'])} prompts finished by then",
+            f"stopped with Ctrl-C: the results cover the {len(results['prompts'])} prompt runs finished by "
+            "then",
             fg="yellow",
             err=True,
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -128,9 +129,12 @@ def run_bench(
     seed: int = 0,
     template_kwargs: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
+    rounds: int = 1,
 ) -> dict:
     """-> results: per prompt and configuration, a summary per configuration, and the machine.
-    `template_kwargs` reach the chat template (e.g. enable_thinking=False)."""
+    `template_kwargs` reach the chat template (e.g. enable_thinking=False). With several `rounds`, every
+    prompt is run that many times (all prompts, then all again) and a speedup is the median of the
+    rounds' own: on a shared machine one busy moment then moves it little."""
     grid = settings_grid(block_sizes, temperatures, max_tokens, lookup, draft_window)
     temperatures, configs = list(dict.fromkeys(t for _, t in grid)), list(grid)
     target = prepare(model, draft)
@@ -147,22 +151,26 @@ def run_bench(
                 f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
                 f"model's context: lower --max-tokens"
             )
+    if rounds < 1:
+        raise UserError(f"rounds must be 1 or more, got {rounds}")
     per_prompt = []
-    total = len(encoded) * (len(temperatures) + len(configs))
+    total = rounds * len(encoded) * (len(temperatures) + len(configs))
     done, interrupted = 0, False
 
     def counted():
         nonlocal done
-        if k > 0:
+        if n > 0:
             done += 1
             if progress:
                 progress(done, total)
 
     try:
-        for k, ids in enumerate([encoded[0]] + encoded):  # the first pass over prompt 0 is the warm-up
-            if k == 1 and progress:
+        order = [(0, 0)] + [(r, k) for r in range(rounds) for k in range(len(encoded))]
+        for n, (rnd, k) in enumerate(order):  # the first pass over prompt 0 is the warm-up
+            if n == 1 and progress:
                 progress(0, total)  # the warm-up is over
-            row = {"prompt": k - 1, "prompt_tokens": len(ids), "baseline": {}, "dflash": {}}
+            ids = encoded[k]
+            row = {"prompt": k, "round": rnd, "prompt_tokens": len(ids), "baseline": {}, "dflash": {}}
             for t in temperatures:
                 row["baseline"][str(t)] = _plain(model, tokenizer, ids, max_tokens, t, seed)
                 counted()
@@ -175,7 +183,7 @@ def run_bench(
                         r["first_difference"] = first_difference(model, ids, plain, r["tokens"])
                 row["dflash"][f"{b or 'adaptive'}@{t}"] = r
                 counted()
-            if k > 0:
+            if n > 0:
                 per_prompt.append(row)
     except KeyboardInterrupt:
         if not per_prompt:
@@ -190,7 +198,7 @@ def run_bench(
             {
                 "block_size": b,
                 "temperature": t,
-                "prompts": len(ours),
+                "prompts": len({p["prompt"] for p in per_prompt}),
                 "tokens": sum(r["n"] for r in ours),
                 "baseline_tokens": sum(r["n"] for r in base),
                 "baseline_decode_tps": _rate(base, "decode"),
@@ -198,8 +206,7 @@ def run_bench(
                 "baseline_e2e_tps": _rate(base, "e2e"),
                 "dflash_e2e_tps": _rate(ours, "e2e"),
                 # None when there was nothing to compare: no decode phase (answers of one token), no cycle
-                "speedup_decode": _ratio(_rate(ours, "decode"), _rate(base, "decode")),
-                "speedup_e2e": _ratio(_rate(ours, "e2e"), _rate(base, "e2e")),
+                **_speedups(per_prompt, base, ours),
                 "tau": sum(acc) / len(acc) if acc else None,
                 "tau_histogram": dict(sorted(Counter(acc).items())),
                 "ttft_s": sum(r["ttft_s"] for r in ours) / len(ours),
@@ -220,6 +227,7 @@ def run_bench(
     return {
         "machine": report()["facts"],
         "max_tokens": max_tokens,
+        "rounds": rounds,
         "summary": summary,
         "prompts": per_prompt,
         "interrupted": interrupted,
@@ -360,12 +368,35 @@ def _rate(records, kind):
     return sum(r["n"] for r in records) / max(sum(r["total_s"] for r in records), 1e-9)
 
 
+def _speedups(rows: list[dict], base: list[dict], ours: list[dict]) -> dict:
+    """Each round's speedups (decode, end to end) and, as "speedup_decode" and "speedup_e2e", their
+    medians."""
+    out = {}
+    for kind in ("decode", "e2e"):
+        by_round = []
+        for rnd in sorted({row["round"] for row in rows}):
+            pick = [j for j, row in enumerate(rows) if row["round"] == rnd]
+            pair = [_rate([records[j] for j in pick], kind) for records in (ours, base)]
+            by_round.append(_ratio(*pair))
+        known = [x for x in by_round if x is not None]
+        out[f"speedup_{kind}"] = statistics.median(known) if known else None
+        out[f"speedup_{kind}_rounds"] = by_round
+    return out
+
+
 def _ratio(a: float, b: float) -> float | None:
     return a / b if a > 0 and b > 0 else None
 
 
 def _fmt(x: float | None, spec: str, unit: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{unit}"
+
+
+def _speedup(summary: dict, kind: str) -> str:
+    """A speedup cell: the median, with the rounds' range where there were several."""
+    cell = _fmt(summary[f"speedup_{kind}"], ".2f", "x")
+    rounds = [x for x in summary.get(f"speedup_{kind}_rounds", []) if x is not None]
+    return f"{cell} ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else cell
 
 
 def _count(n: int, noun: str) -> str:
@@ -386,12 +417,14 @@ def markdown(results: dict, title: str) -> str:
     stopped = (
         " (stopped early with Ctrl-C: the prompts finished by then)" if results.get("interrupted") else ""
     )
+    n = results.get("rounds", 1)
+    rounds = f", {n} rounds (a speedup: the rounds' median, and their range)" if n > 1 else ""
     lines = [
         f"# {title}",
         "",
         f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
         f"BLAS: {m.get('blas preload')}. {_count(results['summary'][0]['prompts'], 'prompt')}, up to "
-        f"{results['max_tokens']} tokens each; warm-up excluded{stopped}.",
+        f"{results['max_tokens']} tokens each{rounds}; warm-up excluded{stopped}.",
         "",
         "| policy | temp | tau | plain tok/s | ours tok/s | speedup (decode) | speedup (end to end) "
         "| TTFT plain / ours (s) | cycles: dflash / tree / lookup / plain | identical |",
@@ -409,7 +442,7 @@ def markdown(results: dict, title: str) -> str:
         lines.append(
             f"| {policy_name(s['block_size'])} | {s['temperature']} | {_fmt(s['tau'], '.2f')} | "
             f"{s['baseline_decode_tps']:.1f} | {s['dflash_decode_tps']:.1f} | "
-            f"{_fmt(s['speedup_decode'], '.2f', 'x')} | {_fmt(s['speedup_e2e'], '.2f', 'x')} | "
+            f"{_speedup(s, 'decode')} | {_speedup(s, 'e2e')} | "
             f"{s['baseline_ttft_s']:.2f} / {s['ttft_s']:.2f} | {mix} | {same[s['identical']]} |"
         )
     return "\n".join(lines) + "\n"

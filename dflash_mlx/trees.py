@@ -31,7 +31,7 @@ import mlx.nn as nn
 
 from .batching import RaggedKVCache
 
-ALTERNATIVES = 4  # candidates per position a tree chooses from
+ALTERNATIVES = 8  # candidates per position a tree chooses from
 TREE_MAX = 32  # the widest tree pass: the pending token and up to 31 nodes
 
 

@@ -428,6 +428,34 @@ def test_bench_runs_each_setting_once_and_says_n_a_without_a_decode_phase(pair, 
     assert "| block 4 | 0.0 | n/a |" in (tmp_path / "b" / "summary.md").read_text()
 
 
+def test_bench_rounds_run_every_prompt_again_and_give_the_median_speedup(pair, tmp_path):
+    import statistics
+
+    root, _ = pair
+    r = run(
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --limit 2 --rounds 3 "
+        f"--block-sizes 4 --max-tokens 8 -o {tmp_path}/b"
+    )
+    assert r.exit_code == 0, r.output
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    rows = results["prompts"]
+    assert [(row["round"], row["prompt"]) for row in rows] == [(i, k) for i in range(3) for k in range(2)]
+    for row in rows:  # every round gives every prompt plain decoding's answer
+        assert (
+            row["dflash"]["4@0.0"]["identical"]
+            and row["dflash"]["4@0.0"]["n"] == rows[row["prompt"]]["baseline"]["0.0"]["n"]
+        )
+    [s] = results["summary"]
+    assert s["prompts"] == 2 and s["identical"] is True and len(s["speedup_decode_rounds"]) == 3
+    assert s["speedup_decode"] == statistics.median(s["speedup_decode_rounds"])
+    low, high = min(s["speedup_decode_rounds"]), max(s["speedup_decode_rounds"])
+    summary = (tmp_path / "b" / "summary.md").read_text()
+    assert "3 rounds" in summary and f"({low:.2f}-{high:.2f})" in summary
+    for args in ("--rounds 0", "--rounds 2 --concurrency 1"):
+        r = run(f"bench -m {root}/target -d {root}/draft {args} -o {tmp_path}/c")
+        assert r.exit_code == 1 and "--rounds takes a number of 1 or more" in r.stderr, args
+
+
 def png_size(path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
