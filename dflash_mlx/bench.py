@@ -213,9 +213,9 @@ def run_bench(
                 "baseline_ttft_s": sum(r["ttft_s"] for r in base) / len(base),
                 "peak_memory_gb": max(r["peak_memory_gb"] for r in ours),
                 "identical": all(r.get("identical", True) for r in ours) if t == 0 else None,
-                "mismatched_prompts": [
-                    p["prompt"] for p, r in zip(per_prompt, ours) if r.get("identical") is False
-                ],
+                "mismatched_prompts": sorted(
+                    {p["prompt"] for p, r in zip(per_prompt, ours) if r.get("identical") is False}
+                ),
                 "differences": [
                     dict(prompt=p["prompt"], **r["first_difference"])
                     for p, r in zip(per_prompt, ours)

@@ -511,8 +511,8 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
 
     monkeypatch.setattr(engine, "acceptance", lossy)
     r = run(
-        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 16 -o "
-        f"{tmp_path}/b"
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 16 --rounds 2 "
+        f"-o {tmp_path}/b"
     )
     assert r.exit_code == 1
     assert "DFlash output differed from plain greedy decoding" in r.stderr
@@ -520,8 +520,9 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
     assert "top-2 gap" in (tmp_path / "b" / "summary.md").read_text()
     # each differing answer: where it first left plain decoding, and the target's top-2 logit gap there
     results = json.loads((tmp_path / "b" / "results.json").read_text())
-    for s in results["summary"]:
-        assert sorted(d["prompt"] for d in s["differences"]) == s["mismatched_prompts"] != []
+    for s in results["summary"]:  # (each prompt named once, its answers differing in both rounds)
+        assert sorted(d["prompt"] for d in s["differences"]) == sorted(2 * s["mismatched_prompts"]) != []
+        assert f"**NO** ({len(s['mismatched_prompts'])} prompt" in (tmp_path / "b" / "summary.md").read_text()
         assert all(0 <= d["at"] < 16 and d["gap"] >= 0 for d in s["differences"])
     # stopped with Ctrl-C after a prompt that differed: the failure is still said
     import dflash_mlx.bench
