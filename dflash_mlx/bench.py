@@ -371,13 +371,15 @@ def _rate(records, kind):
 def _speedups(rows: list[dict], base: list[dict], ours: list[dict]) -> dict:
     """Each round's speedups (decode, end to end) and, as "speedup_decode" and "speedup_e2e", their
     medians."""
+    rounds = [
+        [j for j, row in enumerate(rows) if row["round"] == r] for r in sorted({row["round"] for row in rows})
+    ]
     out = {}
     for kind in ("decode", "e2e"):
-        by_round = []
-        for rnd in sorted({row["round"] for row in rows}):
-            pick = [j for j, row in enumerate(rows) if row["round"] == rnd]
-            pair = [_rate([records[j] for j in pick], kind) for records in (ours, base)]
-            by_round.append(_ratio(*pair))
+        by_round = [
+            _ratio(_rate([ours[j] for j in pick], kind), _rate([base[j] for j in pick], kind))
+            for pick in rounds
+        ]
         known = [x for x in by_round if x is not None]
         out[f"speedup_{kind}"] = statistics.median(known) if known else None
         out[f"speedup_{kind}_rounds"] = by_round

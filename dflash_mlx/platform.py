@@ -105,16 +105,21 @@ def keep_kernels(gpu: str) -> None:
     another."""
     if os.environ.get(PTX_ENV):
         return
-    try:
-        version = md.version("mlx")
-    except md.PackageNotFoundError:
-        version = "unknown"
-    folder = cache_home() / "kernels" / f"mlx-{version}" / re.sub(r"[^A-Za-z0-9.-]+", "-", gpu).strip("-")
+    model = re.sub(r"[^A-Za-z0-9.-]+", "-", gpu).strip("-")
+    folder = cache_home() / "kernels" / f"mlx-{_version('mlx') or 'unknown'}" / model
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         return  # a home that cannot be written: MLX keeps its own cache under /tmp
     os.environ[PTX_ENV] = str(folder)
+
+
+def _version(package: str) -> str | None:
+    """An installed package's version, or None."""
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return None
 
 
 def pypi_blas_patterns() -> list[str]:
@@ -182,16 +187,12 @@ def backend() -> str:
 
 def report() -> dict:
     """Facts about this machine's MLX setup, and advice where something is slow or missing."""
-    import importlib.metadata as md
     import platform as pf
 
     import mlx.core as mx
 
-    def version(pkg):
-        try:
-            return md.version(pkg)
-        except md.PackageNotFoundError:
-            return "not installed"
+    def version(package: str) -> str:
+        return _version(package) or "not installed"
 
     dev = backend()
     facts = {
@@ -249,10 +250,7 @@ def backend_advice(in_place: str | None, installed: list[str]) -> str | None:
     if not installed or (in_place is not None and (in_place in cuda or not cuda)):
         return None
     wanted = cuda[0] if cuda else installed[0]
-    try:
-        pin = f"=={md.version('mlx')}"
-    except md.PackageNotFoundError:
-        pin = ""
+    pin = f"=={mlx}" if (mlx := _version("mlx")) else ""
     have = f"{in_place}'s" if in_place else "missing"
     return (
         f"MLX's library in place is {have} while {wanted} is installed (every MLX backend writes "

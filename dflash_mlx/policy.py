@@ -278,7 +278,7 @@ class AdaptivePolicy:
         self.idle = {DFLASH: 0, LOOKUP: 0, PLAIN: 0}  # cycles an available option was not chosen
         self.wait = {DFLASH: PROBE_FIRST, LOOKUP: PROBE_FIRST, PLAIN: PROBE_FIRST}
         self.pace: dict[tuple, list] = {}  # (source, context bucket) -> the last runs' wall time / price
-        self.run: list = [None, 0.0, 0.0, 0]  # the run being timed: (source, bucket), seconds, price, cycles
+        self.run: tuple = (None, 0.0, 0.0, 0)  # the run being timed: (source, bucket), seconds, price, cycles
         self.probing = 0  # plain steps left in a probe
         self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
 
@@ -349,11 +349,11 @@ class AdaptivePolicy:
             return options[0][1]
         if choice.source != PLAIN and rate < PACE_CLOSE * options[0][0]:  # (see PACE_CLOSE)
             self.idle[PLAIN] += 1
-            unknown = context.bit_length() not in self.plain_probed  # (probed at once)
-            if self.idle[PLAIN] >= self.wait[PLAIN] or unknown:
-                self.plain_probed.add(context.bit_length())
+            bucket = context.bit_length()
+            if self.idle[PLAIN] >= self.wait[PLAIN] or bucket not in self.plain_probed:  # (unknown: at once)
+                self.plain_probed.add(bucket)
                 self.idle[PLAIN], self.wait[PLAIN] = 0, min(2 * self.wait[PLAIN], PROBE_MAX)
-                timed = (PLAIN, context.bit_length()) in self.pace  # (else its first run is left out)
+                timed = (PLAIN, bucket) in self.pace  # (else its first run is left out)
                 self.probing = (1 if timed else 2) * PACE_RUN - 1
                 return options[0][1]
         elif choice.source == PLAIN:
@@ -427,14 +427,15 @@ class AdaptivePolicy:
             price = self.costs.target_time(verified + 1, context)
             if choice.source == DFLASH:
                 price += self._draft_time(choice.k, context)
-        run, key = self.run, (choice.source, context.bit_length())
-        if run[0] != key or run[3] == PACE_RUN:
-            if run[0] in self.pace:
-                self.pace[run[0]] = [*self.pace[run[0]][1 - PACE_RUNS :], run[1] / run[2]]
-            elif run[0] is not None:
-                self.pace[run[0]] = []  # (the first run: left out)
-            run[:] = [key, 0.0, 0.0, 0]
-        run[1:] = [run[1] + seconds, run[2] + price, run[3] + 1]
+        key = (choice.source, context.bit_length())
+        last, spent, priced, cycles = self.run
+        if last != key or cycles == PACE_RUN:
+            if last in self.pace:
+                self.pace[last] = [*self.pace[last][1 - PACE_RUNS :], spent / priced]
+            elif last is not None:
+                self.pace[last] = []  # (the first run: left out)
+            spent, priced, cycles = 0.0, 0.0, 0
+        self.run = (key, spent + seconds, priced + price, cycles + 1)
 
     def _paces(self, context: int) -> dict[str, float]:
         """Each source's pace at this context (1 where none of its cycles were timed)."""
