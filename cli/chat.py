@@ -30,6 +30,7 @@ from .options import (
     check_utf8,
     mix_text,
     user_errors,
+    warm,
 )
 
 HELP = """[bold]commands[/bold]
@@ -70,6 +71,7 @@ def chat(
         with console.status(f"loading {model} ..."):
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
+        warm(target, drafter, console)
         session = ChatSession(
             target,
             drafter,

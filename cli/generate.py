@@ -38,7 +38,9 @@ from .options import (
     Tree,
     check_utf8,
     mix_text,
+    stderr,
     user_errors,
+    warm,
 )
 
 
@@ -97,6 +99,7 @@ def generate(
             (target, tokenizer), drafter = load(model), None
         else:
             target, drafter, tokenizer = load_pair(model, draft)
+            warm(target, drafter, stderr())
         ids = (
             apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think))
             if chat_template

@@ -14,6 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dflash_mlx.data import prompt_source
 from dflash_mlx.errors import UserError
+from dflash_mlx.platform import backend
+from dflash_mlx.policy import warm_up
 
 DEMO = "smollm2-135m-instruct"
 
@@ -74,6 +76,14 @@ def progress_bar(label: str, *, detail: bool = False, disable: bool = False) -> 
     if detail:
         columns.append(TextColumn("{task.description}"))
     return Progress(*columns, TimeRemainingColumn(), console=stderr(), disable=disable)
+
+
+def warm(target, drafter, console: Console) -> None:
+    """On a GPU, where MLX compiles kernels on first use, run each pass shape the policy may choose once
+    before the first answer (`warm_up`; the compiled kernels are kept for the next process too)."""
+    if backend() != "cpu":
+        with console.status("warming up: each pass shape once (compiled kernels are kept for next time) ..."):
+            warm_up(target, drafter)
 
 
 @contextmanager

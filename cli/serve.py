@@ -31,6 +31,7 @@ from .options import (
     TopP,
     stderr,
     user_errors,
+    warm,
 )
 
 
@@ -98,6 +99,7 @@ def serve(
         if block_size is None:  # measured now, not in the first request's time
             with stderr().status("measuring this machine's costs for the pair (once) ..."):
                 costs_for(prepare(target, drafter), drafter, batches=batch_sizes(max_concurrency))
+        warm(target, drafter, stderr())
         config = ServerConfig(
             model_id=name or model,
             defaults=defaults,

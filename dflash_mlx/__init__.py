@@ -11,6 +11,7 @@ from .errors import UserError  # noqa: E402
 from .loading import load, load_draft, load_pair  # noqa: E402
 from .models.dflash import DFlashConfig, DFlashDraftModel  # noqa: E402
 from .models.targets import SUPPORTED_FAMILIES, Target  # noqa: E402
+from .policy import warm_up  # noqa: E402
 from .speculative import GenerationResponse, GenerationResult, generate, stream_generate  # noqa: E402
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "load_draft",
     "load_pair",
     "stream_generate",
+    "warm_up",
 ]

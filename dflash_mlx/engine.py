@@ -426,7 +426,7 @@ class Engine:
             views = [RowView(c, b) for c in self.batch]
             self.solo[b] = (views, *self.target.verify(blocks[b][None], views))
             blocks = blocks[:b] + [blocks[b][:1]] + blocks[b + 1 :]
-        width = max(b.size for b in blocks)
+        width = rows[0].policy.padded(max(b.size for b in blocks))
         tokens = mx.stack([mx.pad(b, (0, width - b.size)) for b in blocks])
         logits, self.features, self.undo = self.target.verify(tokens, self.batch, trees=trees)
         return logits

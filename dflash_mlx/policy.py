@@ -35,10 +35,10 @@ import mlx.core as mx
 
 from .batching import batchable, merge
 from .cache import SpeculativeCache
-from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS, draft_block
+from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS, DFlashDrafter, draft_block, from_logits
 from .files import atomic_file
 from .models.dflash import DraftCache
-from .pairing import context_length
+from .pairing import context_length, prepare
 from .platform import backend, blas, cache_home
 from .trees import TREE_MAX, Tree, build
 
@@ -130,6 +130,12 @@ class CostModel:
         """A plain step's seconds; `after` "ahead" or "built" for one following a plain step."""
         times = {None: [row[0] for row in self.target], "ahead": self.ahead, "built": self.built}[after]
         return _interpolate(self.contexts, times, context)
+
+    def counts(self, most: int) -> list[int]:
+        """The proposal counts 1..most whose verify pass has a width measured here: the policy verifies
+        only those, so a pass is one of a few shapes, whose kernels (where a GPU compiles them on first
+        use) are compiled at load (`warm_up`), never mid-answer."""
+        return [w - 1 for w in self.widths if 1 < w <= most + 1]
 
     def draft_time(self, k: int, context: int) -> float:
         return _at(self.contexts, self.proposals, self.draft, k, context) if self.proposals else 0.0
@@ -240,6 +246,9 @@ class FixedPolicy:
             return choice.k, [], None
         return self.tree - 1, [], build(ids.tolist(), values.tolist(), self.tree - 1)[0]
 
+    def padded(self, width: int) -> int:
+        return width
+
     def observe(self, choice: Choice, k: int, accepted: int, confidence, ngram: int) -> None:
         pass
 
@@ -299,7 +308,7 @@ class AdaptivePolicy:
         """-> (tokens per second, k) of the best k >= 1 for these acceptance odds."""
         e = expected_tokens(rates)
         best = (0.0, 0)
-        for k in range(1, len(rates) + 1):
+        for k in self.costs.counts(len(rates)):
             t = self.costs.target_time(k + 1, context) + draft_cost(k)
             best = max(best, (e[k] / t, -k))
         return best[0], -best[1]
@@ -463,7 +472,8 @@ class AdaptivePolicy:
         the most tokens per second, the fewest where they tie."""
         drafted = self._draft_time(choice.k, context)
         return max(
-            range(len(e)), key=lambda k: (e[k] / (self.costs.target_time(k + 1, context) + drafted), -k)
+            [0, *self.costs.counts(len(e) - 1)],
+            key=lambda k: (e[k] / (self.costs.target_time(k + 1, context) + drafted), -k),
         )
 
     def shape(self, choice: Choice, ids: mx.array, values: mx.array, context: int, most: int = TREE_MAX):
@@ -485,6 +495,10 @@ class AdaptivePolicy:
         n = self._widest_paying(list(itertools.accumulate(scores, initial=1.0)), choice, context)
         tree = tree.first(n)
         return n, [row[0] for row in values], None if tree.is_chain else tree
+
+    def padded(self, width: int) -> int:
+        """The width a batched pass whose widest block is `width` is padded to: one measured (`counts`)."""
+        return next((w for w in self.costs.widths if w >= width), width)
 
     def observe(self, choice: Choice, k: int, accepted: int, confidence: list[float], ngram: int) -> None:
         if accepted:
@@ -555,7 +569,7 @@ def choose_batch(
         for by_lookup, by_dflash in expected:
             k = min(width - 1, len(by_lookup) - 1)
             option = (by_lookup[k], Choice(LOOKUP, k) if k else Choice(PLAIN, 0), 0.0)
-            for j in range(1, min(width - 1, len(by_dflash) - 1) + 1):
+            for j in costs.counts(min(width - 1, len(by_dflash) - 1)):
                 if by_dflash[j] - drafted[j] / share > option[0] - option[2] / share:
                     option = (by_dflash[j], Choice(DFLASH, j), drafted[j])
             options.append(option)
@@ -591,10 +605,11 @@ def choose_batch(
 def _alone(costs, by_lookup, by_dflash, drafted, context) -> tuple | None:
     """A sequence's best pass of its own: (expected tokens, choice, seconds), the most tokens per second."""
     options = [
-        (by_lookup[k], Choice(LOOKUP, k), costs.target_time(k + 1, context)) for k in range(1, len(by_lookup))
+        (by_lookup[k], Choice(LOOKUP, k), costs.target_time(k + 1, context))
+        for k in costs.counts(len(by_lookup) - 1)
     ] + [
         (by_dflash[j], Choice(DFLASH, j), costs.target_time(j + 1, context) + drafted[j])
-        for j in range(1, len(by_dflash))
+        for j in costs.counts(len(by_dflash) - 1)
     ]
     return max(options, key=lambda o: o[0] / o[2], default=None)
 
@@ -680,8 +695,8 @@ def measure_costs(
     target,
     draft,
     contexts=(64, 1024),
-    widths=(1, 2, 4, 8, 16),
-    proposals=(1, 2, 3, 4, 7, 8, 15),
+    widths=(1, 2, 4, 8, 16, 32),
+    proposals=(1, 3, 7, 15, 31),
     repeats: int = 3,
 ) -> CostModel:
     """Time the target's passes by width and the drafter's by proposals, after random prompts of each
@@ -712,6 +727,31 @@ def measure_costs(
     built = [min(b, row[0]) for b, row in zip(built, table)]
     ahead = [min(a, b) for a, b in zip(ahead, built)]
     return CostModel(list(contexts), list(widths), table, proposals, _monotone(drafts), ahead, built)
+
+
+def warm_up(model, draft, context: int = 64) -> None:
+    """Run once, at a short context, each pass the adaptive policy may choose for this pair: a verify
+    pass of every width it verifies (`CostModel.counts`), as a chain and, where trees may be built, as a
+    tree, and the drafter's pass for every proposal count. Where MLX compiles kernels on first use (a
+    GPU), they are then compiled, or read from the kernel cache, before the first answer instead of
+    during it. The pair's costs are measured first where they are not yet (they warm up as they go)."""
+    target = prepare(model, draft)
+    costs = costs_for(target, draft)
+    cache = SpeculativeCache(target, draft)
+    tokens = mx.random.randint(0, target.vocab_size, (context + max(costs.widths),), key=mx.random.key(0))
+    cache.prefill(tokens[:context].tolist())
+    cache.add(tokens[context : context + 1].tolist())  # (the pending token each pass starts from)
+    trees = draft is not None and from_logits(draft) and target.trimmable
+    for w in costs.widths:
+        block = tokens[None, context : context + w]
+        shapes = [None, [Tree([1] * (w - 1), [0] * (w - 1), [1] * (w - 1))]] if trees and w > 2 else [None]
+        for tree in shapes:
+            mx.eval(cache.verify(block, trees=tree)[0])
+            cache.cancel()
+    if draft is not None:
+        drafter = DFlashDrafter(draft, draft.block_size)
+        for k in costs.counts(draft.block_size - 1):
+            mx.eval(drafter.candidates(cache.pending[-1], cache.draft_cache, k))
 
 
 def _batch_pass(target, batch: list, tokens: mx.array):
@@ -768,7 +808,7 @@ def cost_key(target, draft) -> str:
         )
 
     facts = {
-        "method": 5,  # how costs are measured: files from another method are measured again
+        "method": 6,  # how costs are measured: files from another method are measured again
         "target": [
             target.family,
             vars(target.args),

@@ -20,7 +20,7 @@ from tiny import CONFIGS, greedy_reference, make_draft, make_target, make_tokeni
 from typer.testing import CliRunner
 
 import dflash_mlx.engine as engine
-from dflash_mlx import UserError, apply_chat_template, generate, load_pair
+from dflash_mlx import UserError, apply_chat_template, generate, load_pair, warm_up
 from dflash_mlx.cli.main import app
 from dflash_mlx.data import jsonl_prompts
 from dflash_mlx.loading import load as load_target
@@ -54,6 +54,22 @@ def test_generate_prints_the_text_and_keeps_stats_off_stdout(pair):
     ref = greedy_reference(model, [5, 6, 7], 12, eos={95})
     assert r.stdout.split() == [f"w{t}" for t in ref if t != 95]
     assert "tokens/s" in r.stderr and "tokens/s" not in r.stdout
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_generate_warms_up_on_a_gpu_only(pair, device, monkeypatch):
+    """On a GPU the passes run once before the answer (MLX compiles kernels on first use there); on a
+    CPU there is nothing to compile, and the first answer starts at once."""
+    import dflash_mlx.cli.options as options
+
+    warmed = []
+    monkeypatch.setattr(options, "backend", lambda: device)
+    monkeypatch.setattr(options, "warm_up", lambda *pair: warmed.append(pair) or warm_up(*pair))
+    root, model = pair
+    r = run(f"generate -m {root}/target -d {root}/draft -p 'w5 w6 w7' --max-tokens 12 --no-chat-template")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.split() == [f"w{t}" for t in greedy_reference(model, [5, 6, 7], 12, eos={95}) if t != 95]
+    assert len(warmed) == (device == "cuda")
 
 
 def test_generate_json_and_the_plain_baseline_agree(pair):

@@ -348,9 +348,10 @@ def test_in_a_batch_a_parked_drafter_is_still_probed_now_and_then():
 
 def test_a_later_answer_starts_from_what_the_policy_learnt_in_an_earlier_one():
     rng = random.Random(2)
-    first = AdaptivePolicy(CPU, 15, lookup=False)
+    costs = dataclasses.replace(CPU, ahead=[1.0], built=[1.0])  # (the priors' odds pay a draft here)
+    first = AdaptivePolicy(costs, 15, lookup=False)
     run_trace(first, geometric(0.3, rng), 300, confidence=0.3)  # parks the weak drafter
-    later, fresh = AdaptivePolicy(CPU, 15, lookup=False), AdaptivePolicy(CPU, 15, lookup=False)
+    later, fresh = AdaptivePolicy(costs, 15, lookup=False), AdaptivePolicy(costs, 15, lookup=False)
     first.idle[DFLASH] = 0  # (no probe due)
     later.learn_from(first)
     assert all(s == PLAIN for s, _ in run_trace(later, geometric(0.3, rng), 10, confidence=0.3))
@@ -466,6 +467,60 @@ def test_drafting_at_every_width_does_not_compile_the_draft_step_again(scripted)
     generate(model, draft, None, prompt, max_tokens=600)
     # One trace per drafting block (2, 4, 8, 16) and size of the cache buffer (256 rows at a time).
     assert draft.traces <= 4 * 3
+
+
+@pytest.fixture
+def pass_widths(monkeypatch):
+    """Every target verify pass's (width, whether it holds a tree), as the engine runs them."""
+    from dflash_mlx.models.targets import Target
+
+    seen, verify = [], Target.verify
+
+    def spy(self, tokens, cache, unrun=False, trees=None):
+        seen.append((tokens.shape[1], trees is not None and any(t is not None for t in trees)))
+        return verify(self, tokens, cache, unrun, trees)
+
+    monkeypatch.setattr(Target, "verify", spy)
+    return seen
+
+
+def test_the_adaptive_policy_verifies_only_the_widths_its_costs_were_measured_at(pass_widths):
+    """A few pass shapes, each warmed up at load (GPUs compile kernels on first use): lookup's matches
+    and the drafter's blocks are cut to a measured width, never verified at a width in between."""
+    model, prompt = make_target("llama"), prompt_of(24, seed=8)
+    prompt = prompt + prompt[:20]  # lookup finds matches of every length
+    ref = greedy_reference(model, prompt, 120)
+    draft = OracleDraft(draft_config(block_size=16), prompt + ref, [None, 0, 3, 5, 1, 9, 2])
+    out = generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=120)
+    assert out.tokens == ref
+    widths = policy_for(prepare(model, draft), draft, block_size=None, lookup=True).costs.widths
+    verified = {w for w, _ in pass_widths}
+    assert verified <= set(widths), verified
+    assert {LOOKUP, DFLASH} <= set(out.sources) and len(verified) > 2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_warm_up_runs_every_pass_shape_the_policy_may_choose_and_changes_no_answer(family, pass_widths):
+    """In a process whose costs were measured earlier (read from disk), the warm-up meets every verify
+    width, as a chain and as a tree, and every drafter block the policy may use: an answer after it
+    meets no new shape, and is the target's own."""
+    from dflash_mlx.policy import warm_up
+
+    model, prompt = make_target(family), prompt_of(12, seed=9)
+    widths = policy_for(
+        prepare(model, make_draft(block_size=16)), make_draft(block_size=16), block_size=None, lookup=True
+    ).costs.widths
+    draft = make_draft(block_size=16)  # a new process's drafter: nothing compiled
+    pass_widths.clear()
+    warm_up(model, draft)
+    trees = family == "llama"  # (a recurrent target verifies chains only)
+    assert pass_widths == [
+        (w, tree) for w in widths for tree in ((False, True) if trees and w > 2 else (False,))
+    ]
+    assert draft.traces == 4  # the drafter's blocks of 2, 4, 8 and 16
+    out = generate(model, draft, no_eos_tokenizer(prompt), prompt, max_tokens=40)
+    assert out.tokens == greedy_reference(model, prompt, 40)
+    assert draft.traces == 4  # nothing new to compile mid-answer
 
 
 def test_the_offline_bench_sets_build_in_a_fixed_order():
