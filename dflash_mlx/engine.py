@@ -249,8 +249,6 @@ class Engine:
             return
         self.launched = tic if self.batch is None else None
         contexts = [len(s.cache.tokens) for s in rows]
-        if ready is None and len(rows) == 1:
-            rows[0].policy.measure(rows[0].cache)  # (past the contexts its costs were measured at)
         founds = [s.cache.index.match() if s.lookup and not started else ([], 0) for s in rows]
         if len(rows) == 1:
             choices, solo = [rows[0].policy.choose(contexts[0], founds[0])], [False]

@@ -14,9 +14,11 @@ An option that loses is parked and probed now and then, less often while it keep
 comes back when the text changes. What a cycle of each source really takes (timed by the engine, with
 its Python, a draft pass that cannot overlap the cycle before and a consumer reading the tokens) is
 learnt too, per source and context (each power of two), as a pace: wall time over the model's price,
-by which that source's prices are scaled. A cost measured at a busy moment, or what the price leaves
-out, then no longer decides; plain steps are probed too where the choice is close and they were not
-timed, so that an overpriced plain step does not keep losing to drafts that are slower in fact.
+by which that source's prices are scaled. A cost measured at a busy moment, what the price leaves
+out, or a cost extrapolated past the contexts measured (passes there are not measured again: that
+would cost the first answer to get there seconds) then no longer decides; plain steps are probed too
+where the choice is close and they were not timed, so that an overpriced plain step does not keep
+losing to drafts that are slower in fact.
 """
 
 from __future__ import annotations
@@ -143,21 +145,6 @@ class CostModel:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def extended(self, context: int, target: list[float], draft: list[float]) -> CostModel:
-        """These costs and a row measured at a longer context (plain steps after a plain step scaled
-        from the longest context before, as they are not measured on a live cache)."""
-        scale = target[0] / self.target[-1][0]
-        return CostModel(
-            [*self.contexts, context],
-            self.widths,
-            _monotone([*self.target, target]),
-            self.proposals,
-            _monotone([*self.draft, draft]) if self.proposals else [],
-            [*self.ahead, self.ahead[-1] * scale],
-            [*self.built, self.built[-1] * scale],
-            {b: [*rows, [t * scale for t in rows[-1]]] for b, rows in self.batches.items()},
-        )
-
 
 def _increasing(xs: list) -> bool:
     return all(a < b for a, b in zip(xs, xs[1:]))
@@ -258,9 +245,6 @@ class FixedPolicy:
     def timed(self, choice: Choice, verified: int, context: int, after: str | None, seconds: float) -> None:
         pass
 
-    def measure(self, cache) -> None:
-        pass
-
 
 class AdaptivePolicy:
     """The per-cycle choice among a plain step, lookup with k proposals and DFlash with k proposals."""
@@ -271,11 +255,10 @@ class AdaptivePolicy:
         max_dflash: int,
         lookup: bool,
         max_lookup: int = LOOKUP_MAX,
-        keep=None,
         draft_window: int | None = None,
         trees: bool = False,
     ):
-        self.costs, self.keep = costs, keep  # keep(costs): where costs measured later are kept
+        self.costs = costs
         self.draft_window = draft_window
         self.trees = trees  # whether a drafted block may be verified as a tree (`shape`)
         self.max = {DFLASH: max_dflash, LOOKUP: max_lookup if lookup else 0}
@@ -292,11 +275,9 @@ class AdaptivePolicy:
         self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
 
     def learn_from(self, other: AdaptivePolicy) -> None:
-        """Start from what `other` learnt (odds, parked options, paces) and the costs it measured since."""
+        """Start from what `other` learnt (odds, parked options, paces)."""
         for name in ("dflash", "lookup", "follows", "bins", "idle", "wait", "pace", "plain_probed"):
             setattr(self, name, copy.deepcopy(getattr(other, name)))
-        if other.costs.contexts[-1] > self.costs.contexts[-1]:
-            self.costs = other.costs
 
     def _draft_time(self, k: int, context: int) -> float:
         """A draft pass's seconds: under a draft window, as at a context of the window (and a step more)."""
@@ -415,17 +396,6 @@ class AdaptivePolicy:
             self.waited_for = lengths
             return False
         return True
-
-    def measure(self, cache: SpeculativeCache) -> None:
-        """Measure the costs at this cache's context when it is past twice the longest one measured:
-        wide passes grow with the context faster than the rest (attention over it), so extrapolated
-        costs would price them too low. The cache is as it was after; the costs are kept."""
-        context = len(cache.tokens)
-        if context < 2 * self.costs.contexts[-1]:
-            return
-        self.costs = self.costs.extended(context, *_live_row(cache, self.costs))
-        if self.keep is not None:
-            self.keep(self.costs)
 
     def timed(self, choice: Choice, verified: int, context: int, after: str | None, seconds: float) -> None:
         """A cycle of this choice took `seconds` of wall time, as the engine timed it (`verified`: the
@@ -667,25 +637,6 @@ def _plain_steps(target, cache, ahead: bool, steps: int):
     return run
 
 
-def _live_row(cache: SpeculativeCache, costs: CostModel, repeats: int = 2) -> tuple[list, list]:
-    """The target's passes by width and the drafter's by proposals over a live cache (whose pending token
-    each pass starts from), each taken back after (-> the two rows)."""
-    block = [cache.pending[-1]] * max(costs.widths)
-
-    def verify(w):
-        def run():
-            mx.eval(cache.verify(mx.array([block[:w]]))[0])
-            cache.cancel()
-
-        return run
-
-    target = [fastest_seconds(verify(w), repeats) for w in costs.widths]
-    if cache.draft_window is not None:  # its passes are not those of the whole context: extrapolate
-        return target, [costs.draft_time(k, len(cache.tokens)) for k in costs.proposals]
-    draft = [fastest_seconds(_draft_pass(cache.draft, cache, k), repeats) for k in costs.proposals]
-    return target, draft
-
-
 def _draft_pass(draft, cache, k: int):
     block = draft_block(k, draft.block_size)
     return lambda: mx.eval(draft.propose_logits(1, cache.draft_cache, block, True, heads=k))
@@ -891,7 +842,6 @@ def policy_for(
         costs_for(target, draft),
         draft.block_size - 1 if draft is not None else 0,
         lookup,
-        keep=lambda costs: keep_costs(path, costs),
         draft_window=draft_window,
         trees=trees,
     )

@@ -404,29 +404,6 @@ def test_a_plain_step_starts_early_unless_a_lookup_match_worth_waiting_for_may_f
         pytest.fail("plain steps never started early where the matches waited for never came")
 
 
-def test_past_twice_the_longest_context_measured_the_costs_are_measured_on_the_live_cache():
-    model, prompt = make_target("qwen3_5"), prompt_of(40, seed=13)
-    draft = make_draft(block_size=8)
-    kept = []
-    policy = AdaptivePolicy(
-        CostModel([8], [1, 2], [[1.0, 1.1]], [1, 3], [[0.2, 0.3]], [0.9], [0.95]), 7, True, keep=kept.append
-    )
-    cache = SpeculativeCache(model, draft)
-    cache.prefill(prompt)
-    cache.add([5])
-    policy.measure(cache)
-    assert policy.costs.contexts == [8, 41] and kept == [policy.costs]
-    assert len(policy.costs.target[1]) == 2 and len(policy.costs.draft[1]) == 2
-    assert not cache.in_flight and not cache.broken  # the cache is as it was
-    fresh = SpeculativeCache(model, draft)
-    fresh.prefill(prompt)
-    assert_same_caches(cache, fresh)
-    policy.measure(cache)  # not past twice 41: nothing more
-    assert policy.costs.contexts == [8, 41]
-    ref = greedy_reference(model, prompt + [5], 8)
-    assert generate(model, draft, no_eos_tokenizer(ref), [], max_tokens=8, prompt_cache=cache).tokens == ref
-
-
 def test_costs_are_interpolated_over_width_and_context():
     costs = CostModel([100, 1100], [1, 16], [[1.0, 2.0], [2.0, 4.0]], [], [], [0.9, 1.8], [0.95, 1.9])
     assert costs.target_time(1, 100) == 1.0 and costs.target_time(16, 1100) == 4.0
