@@ -417,9 +417,15 @@ class AdaptivePolicy:
         self.run = (key, spent + seconds, priced + price, cycles + 1)
 
     def _paces(self, context: int) -> dict[str, float]:
-        """Each source's pace at this context (1 where none of its cycles were timed)."""
-        bucket = context.bit_length()
-        return {s: statistics.median(self.pace.get((s, bucket)) or [1.0]) for s in (PLAIN, LOOKUP, DFLASH)}
+        """Each source's pace at this context: from its runs in this context range, else in the nearest
+        range that has some (costs past the contexts measured are extrapolated, so their error changes
+        little from one range to the next: a first answer at a longer context starts from it), else 1."""
+        bucket, paces = context.bit_length(), {}
+        for source in (PLAIN, LOOKUP, DFLASH):
+            timed = [b for (s, b), runs in self.pace.items() if s == source and runs]
+            near = min(timed, key=lambda b: (abs(b - bucket), b), default=None)
+            paces[source] = 1.0 if near is None else statistics.median(self.pace[(source, near)])
+        return paces
 
     def _bin(self, c: float) -> int:
         return 1 + min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)

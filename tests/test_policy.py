@@ -319,6 +319,39 @@ def test_a_policy_whose_plain_steps_were_priced_too_high_learns_their_real_pace(
     assert sum(s == DFLASH for s in made[100:]) > 90 and rate > 1.5 * plain_rate
 
 
+def test_a_longer_context_starts_from_the_paces_learnt_at_the_nearest_one():
+    """Drafts that really take three times their price are parked at 1,500 tokens; at 3,000 (a context range
+    where nothing was timed yet, whose costs are extrapolated) the policy starts from that pace rather
+    than from the price, and does not draft at a loss again while it learns."""
+    import mlx.core as mx
+
+    rng = random.Random(4)
+    policy = AdaptivePolicy(MAC, 15, lookup=False)
+
+    def cycles(context, n):
+        made, last = [], None
+        for _ in range(n):
+            choice = policy.choose(context, ([], 0))
+            k, conf = 0, []
+            if choice.source == DFLASH:
+                k, conf = policy.narrow(choice, mx.array([0.6] * choice.k), context)
+            policy.observe(choice, k, geometric(0.6, rng)(k) if k else 0, conf, 0)
+            if choice.source == PLAIN:
+                after = "ahead" if last == PLAIN else None
+                cost = MAC.step_time(context, after)
+            else:
+                after, cost = None, 3 * (MAC.target_time(k + 1, context) + MAC.draft_time(choice.k, context))
+            policy.timed(choice, k, context, after, cost)
+            last = choice.source if k or choice.source == PLAIN else PLAIN
+            made.append(last)
+        return made
+
+    made = cycles(1500, 200)
+    assert DFLASH in made[:20] and made[-50:].count(DFLASH) < 5  # priced as measured it pays; timed, not
+    policy.idle[DFLASH] = 0  # (no probe due)
+    assert cycles(3000, 20).count(DFLASH) <= 1  # (a probe at most; priced from the costs alone: 9)
+
+
 def test_an_answer_times_its_cycles_for_its_policy():
     model, draft = make_target("llama"), make_draft()
     prompt = prompt_of(24)
