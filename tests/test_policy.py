@@ -320,9 +320,9 @@ def test_a_policy_whose_plain_steps_were_priced_too_high_learns_their_real_pace(
 
 
 def test_a_longer_context_starts_from_the_paces_learnt_at_the_nearest_one():
-    """Drafts that really take three times their price are parked at 1,500 tokens; at 3,000 (a context range
-    where nothing was timed yet, whose costs are extrapolated) the policy starts from that pace rather
-    than from the price, and does not draft at a loss again while it learns."""
+    """Drafts that really take three times their price are parked at 1,500 tokens; at 3,000 (a context
+    range where nothing was timed yet, whose costs are extrapolated) the policy starts from that pace
+    rather than from the price, and does not draft at a loss again while it learns."""
     import mlx.core as mx
 
     rng = random.Random(4)
