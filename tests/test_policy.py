@@ -506,7 +506,7 @@ def test_the_adaptive_policy_verifies_only_the_widths_its_costs_were_measured_at
     widths = policy_for(prepare(model, draft), draft, block_size=None, lookup=True).costs.widths
     verified = {w for w, _ in pass_widths}
     assert verified <= set(widths), verified
-    assert {LOOKUP, DFLASH} <= set(out.sources) and len(verified) > 2
+    assert len(verified) >= 3 and max(verified) >= 8  # (several widths, wide ones among them)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
