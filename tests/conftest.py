@@ -36,3 +36,12 @@ def smollm2(smollm2_loaded):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_MLX_HOME", str(smollm2_loaded[2]))
         yield smollm2_loaded
+
+
+@pytest.fixture(autouse=True)
+def fresh_policies():
+    """Each test's answers start from the policy's priors: what an earlier test's answers learnt (odds,
+    paces) would otherwise carry over to the same tiny pair and make a test depend on the order."""
+    from dflash_mlx.policy import _LEARNT
+
+    _LEARNT.clear()
