@@ -9,7 +9,15 @@ import typer
 from rich.console import Console
 from rich.markdown import Markdown
 
-from dflash_mlx.bench import has_matplotlib, markdown, run_bench, run_concurrent, settings_grid, write
+from dflash_mlx.bench import (
+    has_matplotlib,
+    markdown,
+    run_bench,
+    run_concurrent,
+    run_fresh,
+    settings_grid,
+    write,
+)
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
 
@@ -59,9 +67,15 @@ def bench(
         help="Comma-separated numbers of answers at a time (e.g. 1,2,4,8): all the prompts at once through "
         "our engine and mlx-lm's continuous batching, aggregate tokens/s (adaptive policy, temperature 0).",
     ),
+    fresh: int | None = typer.Option(
+        None,
+        help="Answer each prompt in new processes, as `generate` does (plain decoding and each policy in "
+        "one of their own, temperature 0), N times each: the first answer's speed, where a GPU compiles "
+        "kernels on first use, and the Nth's.",
+    ),
 ):
     """DFlash against plain mlx-lm decoding of the same target, prompt by prompt (or many at once with
-    --concurrency), in one process."""
+    --concurrency), in one process (or, with --fresh, in new ones)."""
     with user_errors():
         try:
             bs = [_policy(x.strip()) for x in block_sizes.split(",")]
@@ -76,6 +90,11 @@ def bench(
             ) from None
         if rounds < 1 or (rounds > 1 and concurrency is not None):
             raise UserError(f"--rounds takes a number of 1 or more, without --concurrency; got {rounds}")
+        if fresh is not None and (fresh < 1 or rounds > 1 or levels is not None or set(ts) != {0.0}):
+            raise UserError(
+                f"--fresh takes a number of answers of 1 or more, at temperature 0, without --rounds or "
+                f"--concurrency; got --fresh {fresh}"
+            )
         if levels is not None and (not levels or min(levels) < 1):
             raise UserError(f"--concurrency takes numbers of answers of 1 or more, got {concurrency!r}")
         grid = settings_grid(bs, ts, max_tokens, lookup=not no_lookup, draft_window=draft_window)
@@ -110,6 +129,22 @@ def bench(
                         ps,
                         concurrency=levels,
                         max_tokens=max_tokens,
+                        template_kwargs=template_kwargs(model, think),
+                        progress=done,
+                    )
+                elif fresh is not None:
+                    task = bar.add_task("loading", total=len(ps) * (1 + len(grid)))
+                    results = run_fresh(
+                        (model, draft),
+                        target,
+                        drafter,
+                        tokenizer,
+                        ps,
+                        block_sizes=bs,
+                        lookup=not no_lookup,
+                        draft_window=draft_window,
+                        max_tokens=max_tokens,
+                        answers=fresh,
                         template_kwargs=template_kwargs(model, think),
                         progress=done,
                     )

@@ -1,10 +1,14 @@
-"""`dflash-mlx bench`: DFlash against plain decoding of the same target, in one process.
+"""`dflash-mlx bench`: DFlash against plain decoding of the same target.
 
 For every prompt, in turn: plain autoregressive decoding through mlx-lm (`mlx_lm.stream_generate`,
 what a user would otherwise run), then DFlash at each fixed block size and with the adaptive policy
 (block size None), at each temperature. The first prompt is
 run once more beforehand as a warm-up and not counted. At temperature 0 every DFlash output must be
 token for token the baseline's; a difference is reported as a failure, never averaged away.
+
+With `fresh` (`run_fresh`), each prompt is answered in new processes instead, one for plain decoding
+and one per policy, as `dflash-mlx generate` runs: what a first answer gives where a GPU compiles
+kernels on first use, against a later one in the same process.
 
 With `concurrency` (`run_concurrent`), many answers at once: for each number of sequences at a time,
 all the prompts through mlx-lm's continuous batching (`BatchGenerator`, what `mlx_lm.server` runs) and
@@ -16,7 +20,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -34,8 +41,10 @@ from .chat import apply_chat_template
 from .engine import Engine, Sequence
 from .errors import UserError
 from .files import atomic_file
+from .loading import load, load_pair
 from .pairing import context_room, prepare
-from .platform import has_module, report
+from .platform import backend, has_module, report
+from .policy import costs_for, warm_up
 from .settings import GenerationSettings
 from .speculative import stream_generate
 
@@ -80,6 +89,13 @@ def first_difference(model, ids: list[int], plain: list[int], ours: list[int]) -
     logits = model(mx.array([list(ids) + plain[:at]]), cache=make_prompt_cache(model))[0, -1]
     top = mx.sort(logits.astype(mx.float32))[-2:]
     return {"at": at, "gap": (top[1] - top[0]).item()}
+
+
+def _compare(model, ids: list[int], plain: list[int], r: dict) -> None:
+    """Mark a greedy run `r` identical to plain decoding's tokens or not (and where it left them)."""
+    r["identical"] = r["tokens"] == plain
+    if not r["identical"]:
+        r["first_difference"] = first_difference(model, ids, plain, r["tokens"])
 
 
 def _record(tokens, tic, first, end, acc):
@@ -138,19 +154,7 @@ def run_bench(
     grid = settings_grid(block_sizes, temperatures, max_tokens, lookup, draft_window)
     temperatures, configs = list(dict.fromkeys(t for _, t in grid)), list(grid)
     target = prepare(model, draft)
-    encoded = [apply_chat_template(tokenizer, p, **(template_kwargs or {})) for p in prompts]
-    if not encoded:
-        raise UserError("no prompts to benchmark")
-    for k, ids in enumerate(encoded):
-        try:
-            room = context_room(target, len(ids))
-        except UserError as e:
-            raise UserError(f"prompt {k}: {e}") from None
-        if room < max_tokens:
-            raise UserError(
-                f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
-                f"model's context: lower --max-tokens"
-            )
+    encoded = _encode(target, tokenizer, prompts, template_kwargs, max_tokens)
     if rounds < 1:
         raise UserError(f"rounds must be 1 or more, got {rounds}")
     per_prompt = []
@@ -177,10 +181,7 @@ def run_bench(
             for b, t in configs:
                 r = _dflash(target, draft, tokenizer, ids, grid[b, t], seed)
                 if t == 0:
-                    plain = row["baseline"][str(t)]["tokens"]
-                    r["identical"] = r["tokens"] == plain
-                    if not r["identical"]:
-                        r["first_difference"] = first_difference(model, ids, plain, r["tokens"])
+                    _compare(model, ids, row["baseline"][str(t)]["tokens"], r)
                 row["dflash"][f"{b or 'adaptive'}@{t}"] = r
                 counted()
             if n > 0:
@@ -189,6 +190,36 @@ def run_bench(
         if not per_prompt:
             raise
         interrupted = True  # the prompts finished so far are summarised; the one under way is not
+    return {
+        "machine": report()["facts"],
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "summary": _summaries(configs, per_prompt),
+        "prompts": per_prompt,
+        "interrupted": interrupted,
+    }
+
+
+def _encode(target, tokenizer, prompts, template_kwargs, max_tokens: int) -> list[list[int]]:
+    """The prompts as token ids through the chat template, each leaving room for max_tokens."""
+    encoded = [apply_chat_template(tokenizer, p, **(template_kwargs or {})) for p in prompts]
+    if not encoded:
+        raise UserError("no prompts to benchmark")
+    for k, ids in enumerate(encoded):
+        try:
+            room = context_room(target, len(ids))
+        except UserError as e:
+            raise UserError(f"prompt {k}: {e}") from None
+        if room < max_tokens:
+            raise UserError(
+                f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens} of the "
+                f"model's context: lower --max-tokens"
+            )
+    return encoded
+
+
+def _summaries(configs: list, per_prompt: list[dict]) -> list[dict]:
+    """One summary per configuration over the prompts' runs."""
     summary = []
     for b, t in configs:
         base = [p["baseline"][str(t)] for p in per_prompt]
@@ -224,14 +255,123 @@ def run_bench(
                 "mix": dict(sum((Counter(r["mix"]) for r in ours), Counter())),
             }
         )
+    return summary
+
+
+def run_fresh(
+    names: tuple[str, str | None],
+    model,
+    draft,
+    tokenizer,
+    prompts: list[list[dict]],
+    *,
+    block_sizes=(None,),
+    lookup: bool = True,
+    draft_window: int | None = None,
+    max_tokens: int = 256,
+    answers: int = 3,
+    seed: int = 0,
+    template_kwargs: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Each prompt answered (temperature 0) by plain decoding and by each policy, each in a new process
+    of its own that does what `dflash-mlx generate` does: load the pair (`names`: target and drafter, as
+    `load_pair` takes them), warm up on a GPU, answer; then answers the same prompt `answers - 1` times
+    more. -> results as `run_bench`'s for the first answers (what a fresh process gives; where MLX
+    compiles kernels on first use, it pays for that), and as "warm_summary" for the last ones. Costs
+    are measured here first where they are not yet (a one-time cost that no answer should carry);
+    processes after the first read the kernels the earlier ones compiled, as a user's next run does."""
+    if answers < 1:
+        raise UserError(f"answers must be 1 or more, got {answers}")
+    grid = settings_grid(block_sizes, [0.0], max_tokens, lookup, draft_window)
+    configs = list(grid)
+    target = prepare(model, draft)
+    encoded = _encode(target, tokenizer, prompts, template_kwargs, max_tokens)
+    if any(b is None for b, _ in configs):
+        costs_for(target, draft)
+    first, last, interrupted = [], [], False
+    total = len(encoded) * (1 + len(configs))
+    if progress:
+        progress(0, total)
+    try:
+        for k, ids in enumerate(encoded):
+            job = dict(names=names, ids=ids, max_tokens=max_tokens, answers=answers, seed=seed)
+            rows = [
+                {"prompt": k, "round": 0, "answer": a + 1, "prompt_tokens": len(ids)}
+                for a in (0, answers - 1)
+            ]
+            for row, r in zip(rows, _in_new_process(dict(job, settings=None))):
+                row.update(baseline={"0.0": r}, dflash={})
+            if progress:
+                progress(k * (1 + len(configs)) + 1, total)
+            for n, (b, t) in enumerate(configs):
+                runs = _in_new_process(dict(job, settings=asdict(grid[b, t])))
+                for row, r in zip(rows, runs):
+                    _compare(model, ids, row["baseline"]["0.0"]["tokens"], r)
+                    row["dflash"][f"{b or 'adaptive'}@{t}"] = r
+                if progress:
+                    progress(k * (1 + len(configs)) + 2 + n, total)
+            first.append(rows[0])
+            last.append(rows[1])
+    except KeyboardInterrupt:
+        if not first:
+            raise
+        interrupted = True  # the prompts finished so far are summarised
+    summaries, kept = {}, [("summary", first)] + ([("warm_summary", last)] if answers > 1 else [])
+    for name, rows in kept:
+        summaries[name] = _summaries(configs, rows)
+        for (b, t), s in zip(configs, summaries[name]):
+            s["startup_s"] = statistics.mean(
+                row["dflash"][f"{b or 'adaptive'}@{t}"]["startup_s"] for row in rows
+            )
+            s["baseline_startup_s"] = statistics.mean(row["baseline"]["0.0"]["startup_s"] for row in rows)
     return {
         "machine": report()["facts"],
         "max_tokens": max_tokens,
-        "rounds": rounds,
-        "summary": summary,
-        "prompts": per_prompt,
+        "rounds": 1,
+        "fresh": answers,
+        **summaries,
+        "prompts": [row for _, rows in kept for row in rows],
         "interrupted": interrupted,
     }
+
+
+def _in_new_process(job: dict) -> list[dict]:
+    """`answer_fresh(job)` run by a new Python process: -> its first and last answers' records, each
+    with `startup_s`, the seconds from starting the process to its first answer."""
+    job = dict(job, started=time.time())
+    done = subprocess.run(
+        [sys.executable, "-c", "import dflash_mlx.bench as b; b.answer_fresh()"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        if done.returncode == -signal.SIGINT:
+            raise KeyboardInterrupt
+        raise RuntimeError(f"a fresh process failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def answer_fresh() -> None:
+    """A new process's part of `run_fresh`: the job on stdin, the first and last answers' records as
+    one JSON line on stdout."""
+    job = json.loads(sys.stdin.read())
+    target_name, draft_name = job["names"]
+    settings = job["settings"] and GenerationSettings(**job["settings"])
+    if settings is None:
+        model, tokenizer = load(target_name)
+        answer = lambda: _plain(model, tokenizer, job["ids"], job["max_tokens"], 0.0, job["seed"])  # noqa: E731
+    else:
+        model, draft, tokenizer = load_pair(target_name, draft_name)
+        if backend() != "cpu":  # (as `generate` does: see cli/options.warm)
+            warm_up(model, draft)
+        answer = lambda: _dflash(model, draft, tokenizer, job["ids"], settings, job["seed"])  # noqa: E731
+    startup = time.time() - job["started"]
+    records = [answer() for _ in range(job["answers"])]
+    records[0]["startup_s"] = startup
+    records[-1]["startup_s"] = startup
+    print(json.dumps([records[0], records[-1]]))
 
 
 def run_concurrent(
@@ -421,18 +561,42 @@ def markdown(results: dict, title: str) -> str:
     )
     n = results.get("rounds", 1)
     rounds = f", {n} rounds (a speedup: the rounds' median, and their range)" if n > 1 else ""
+    answers = results.get("fresh")
+    how = (
+        f"; plain decoding and each policy in a new process of their own per prompt (loading, a warm-up "
+        f"on a GPU, then the answer), which then answers it {_count(answers - 1, 'time')} more"
+        if answers
+        else "; warm-up excluded"
+    )
     lines = [
         f"# {title}",
         "",
         f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
         f"BLAS: {m.get('blas preload')}. {_count(results['summary'][0]['prompts'], 'prompt')}, up to "
-        f"{results['max_tokens']} tokens each{rounds}; warm-up excluded{stopped}.",
+        f"{results['max_tokens']} tokens each{rounds}{how}{stopped}.",
         "",
+    ]
+    if not answers:
+        return "\n".join(lines + _table(results["summary"])) + "\n"
+    starts = ", ".join(f"{policy_name(s['block_size'])} {s['startup_s']:.1f} s" for s in results["summary"])
+    lines += ["## The first answer in a fresh process", "", *_table(results["summary"]), ""]
+    lines += [
+        f"From starting the process to the answer's start (imports, loading, warm-up): plain decoding "
+        f"{results['summary'][0]['baseline_startup_s']:.1f} s, {starts}.",
+        "",
+    ]
+    if answers > 1:
+        lines += [f"## Answer {answers} in the same process", "", *_table(results["warm_summary"])]
+    return "\n".join(lines) + "\n"
+
+
+def _table(summaries: list[dict]) -> list[str]:
+    lines = [
         "| policy | temp | tau | plain tok/s | ours tok/s | speedup (decode) | speedup (end to end) "
         "| TTFT plain / ours (s) | cycles: dflash / tree / lookup / plain | identical |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in results["summary"]:
+    for s in summaries:
         first = min(s.get("differences", []), key=lambda d: d["gap"], default=None)
         where = f"; the nearest tie: token {first['at']}, top-2 gap {first['gap']:.2g}" if first else ""
         same = {
@@ -447,7 +611,7 @@ def markdown(results: dict, title: str) -> str:
             f"{_speedup(s, 'decode')} | {_speedup(s, 'e2e')} | "
             f"{s['baseline_ttft_s']:.2f} / {s['ttft_s']:.2f} | {mix} | {same[s['identical']]} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def markdown_concurrent(results: dict, title: str) -> str:

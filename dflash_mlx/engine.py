@@ -30,7 +30,7 @@ from .cache import SpeculativeCache
 from .drafters import DFlashDrafter, from_logits, propose_together
 from .errors import UserError
 from .pairing import prepare
-from .policy import DFLASH, LOOKUP, PLAIN, TREE, Choice, choose_batch, policy_for
+from .policy import DFLASH, LOOKUP, PLAIN, TREE, Choice, choose_batch, keep_learnt, policy_for
 from .sampling import acceptance, match_accept
 from .settings import GenerationSettings
 from .trees import TREE_MAX, Tree, path_of, walk
@@ -227,6 +227,8 @@ class Engine:
         """Let finished and removed rows go (their caches handed back), new ones in; lend the caches to
         a batch while two or more rows can step together."""
         gone = [s for s in self.rows if s.finish is not None or s.removed]
+        for s in gone:  # an answer's end: what its policy learnt is kept for the next process
+            keep_learnt(s.policy)
         if not gone and not self.joining:
             return
         if self.batch is not None:

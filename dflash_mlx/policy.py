@@ -273,11 +273,53 @@ class AdaptivePolicy:
         self.run: tuple = (None, 0.0, 0.0, 0)  # the run being timed: (source, bucket), seconds, price, cycles
         self.probing = 0  # plain steps left in a probe
         self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
+        self.key: tuple | None = None  # where what it learns is kept (`policy_for`, `keep_learnt`)
+
+    LEARNT = ("dflash", "lookup", "follows", "bins", "idle", "wait", "pace", "plain_probed")
 
     def learn_from(self, other: AdaptivePolicy) -> None:
         """Start from what `other` learnt (odds, parked options, paces)."""
-        for name in ("dflash", "lookup", "follows", "bins", "idle", "wait", "pace", "plain_probed"):
+        for name in self.LEARNT:
             setattr(self, name, copy.deepcopy(getattr(other, name)))
+
+    def learnt(self) -> dict:
+        """What it learnt (`LEARNT`), as JSON takes it."""
+        odds = lambda o: [o.hits, o.trials]  # noqa: E731
+        return {
+            "dflash": odds(self.dflash),
+            "lookup": {n: odds(o) for n, o in self.lookup.items()},
+            "follows": {n: odds(o) for n, o in self.follows.items()},
+            "bins": odds(self.bins),
+            "idle": self.idle,
+            "wait": self.wait,
+            "pace": [[source, bucket, runs] for (source, bucket), runs in self.pace.items()],
+            "plain_probed": sorted(self.plain_probed),
+        }
+
+    def restore(self, state: dict) -> None:
+        """Start from `learnt()`'s record; one that is not this policy's (its odds cover other positions,
+        a field is missing) raises ValueError, KeyError or TypeError and changes nothing."""
+
+        def odds(mine: _Odds, kept: list) -> _Odds:
+            hits, trials = ([float(x) for x in xs] for xs in kept)
+            if not len(hits) == len(trials) == len(mine.hits):
+                raise ValueError("learnt for other positions")
+            new = _Odds(len(hits) - 1)
+            new.hits, new.trials = hits, trials
+            return new
+
+        restored = {
+            "dflash": odds(self.dflash, state["dflash"]),
+            "bins": odds(self.bins, state["bins"]),
+            "lookup": {n: odds(o, state["lookup"][str(n)]) for n, o in self.lookup.items()},
+            "follows": {n: odds(o, state["follows"][str(n)]) for n, o in self.follows.items()},
+            "idle": {k: int(state["idle"][k]) for k in self.idle},
+            "wait": {k: int(state["wait"][k]) for k in self.wait},
+            "pace": {(str(s), int(b)): [float(x) for x in runs] for s, b, runs in state["pace"]},
+            "plain_probed": {int(b) for b in state["plain_probed"]},
+        }
+        for name, value in restored.items():
+            setattr(self, name, value)
 
     def _draft_time(self, k: int, context: int) -> float:
         """A draft pass's seconds: under a draft window, as at a context of the window (and a step more)."""
@@ -819,8 +861,30 @@ def keep_costs(path: Path, costs: CostModel) -> None:
 
 # The adaptive policy last made in this process for each pair, lookup setting, draft window and kind of
 # acceptance (matching or sampling): the next call (a chat turn, a request, a prompt) starts from what it
-# learnt, not from the priors, which would spend the first cycles of every answer finding out again.
+# learnt, not from the priors, which would spend the first cycles of every answer finding out again. What
+# it learnt is kept on disk too (`keep_learnt`), so that the first answer of the next process (each
+# `dflash-mlx generate`) starts from it as well.
 _LEARNT: dict[tuple, AdaptivePolicy] = {}
+
+
+def learnt_path(key: tuple) -> Path:
+    """Where what the policies of this `_LEARNT` key learnt is kept."""
+    name = hashlib.sha256(json.dumps([str(x) for x in key]).encode()).hexdigest()[:16]
+    return cache_home() / "policies" / f"{name}.json"
+
+
+def keep_learnt(policy) -> None:
+    """Keep what an adaptive policy (made by `policy_for`) has learnt for the next process (a fixed
+    policy learns nothing)."""
+    if not isinstance(policy, AdaptivePolicy) or policy.key is None:
+        return
+    try:
+        path = learnt_path(policy.key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps(policy.learnt()))
+    except OSError:
+        pass  # a home that cannot be written: the next process learns again
 
 
 def policy_for(
@@ -838,7 +902,7 @@ def policy_for(
     """A fixed block (or a fixed `tree` pass of that width) when one is given (or nothing to choose
     from), else the adaptive policy (choosing trees too where `trees`): from the priors if `fresh` (a
     seeded answer, whose draws must not depend on what came before), else from what the last one for
-    the same pair learnt."""
+    the same pair learnt (in this process, else in the last one: `keep_learnt`)."""
     if tree is not None:
         return FixedPolicy(block_size or draft.block_size, True, tree)
     if block_size is not None or (draft is None and not lookup):
@@ -854,5 +918,11 @@ def policy_for(
     key = (path, lookup, draft_window, sampled, trees)
     if key in _LEARNT and not fresh:
         policy.learn_from(_LEARNT[key])
+    elif not fresh:
+        try:  # what the last process learnt
+            policy.restore(json.loads(learnt_path(key).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none kept, or unreadable: from the priors
+    policy.key = key
     _LEARNT[key] = policy
     return policy

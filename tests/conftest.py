@@ -2,6 +2,7 @@
 anything imports mlx.core (a module that imports mlx_lm first would otherwise get the slow BLAS)."""
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -41,7 +42,10 @@ def smollm2(smollm2_loaded):
 @pytest.fixture(autouse=True)
 def fresh_policies():
     """Each test's answers start from the policy's priors: what an earlier test's answers learnt (odds,
-    paces) would otherwise carry over to the same tiny pair and make a test depend on the order."""
+    paces), in this process or kept on disk for the next, would otherwise carry over to the same tiny
+    pair and make a test depend on the order."""
+    from dflash_mlx.platform import cache_home
     from dflash_mlx.policy import _LEARNT
 
     _LEARNT.clear()
+    shutil.rmtree(cache_home() / "policies", ignore_errors=True)

@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import time
+from dataclasses import asdict as dataclasses_asdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -494,6 +495,62 @@ def test_bench_writes_results_summary_and_plot(pair, tmp_path):
     assert "| tree 8 | 0.0 |" in (tmp_path / "b" / "summary.md").read_text()
     w, h = png_size(tmp_path / "b" / "plot.png")
     assert w > 400 and h > 200
+
+
+def test_bench_fresh_answers_each_prompt_in_new_processes(pair, tmp_path, monkeypatch):
+    import dflash_mlx.bench
+
+    def not_here(*args):
+        raise AssertionError("an answer ran in the bench's own process")
+
+    monkeypatch.setattr(dflash_mlx.bench, "_dflash", not_here)
+    monkeypatch.setattr(dflash_mlx.bench, "_plain", not_here)
+    root, model = pair
+    r = run(
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --limit 1 --max-tokens 8 "
+        f"--block-sizes 4,adaptive --fresh 2 -o {tmp_path}/f"
+    )
+    assert r.exit_code == 0, r.output
+    results = json.loads((tmp_path / "f" / "results.json").read_text())
+    assert results["fresh"] == 2 and [row["answer"] for row in results["prompts"]] == [1, 2]
+    for summaries in (results["summary"], results["warm_summary"]):
+        assert [s["block_size"] for s in summaries] == [4, None]
+        assert all(s["identical"] is True and s["startup_s"] > 0 for s in summaries)
+    ids = apply_chat_template(
+        load_pair(f"{root}/target", f"{root}/draft")[2], [{"role": "user", "content": "w5 w12 w8"}]
+    )
+    reference = greedy_reference(model, ids, 8, eos={95})
+    for row in results["prompts"]:
+        assert row["baseline"]["0.0"]["n"] == len(reference)
+        assert all(run_["n"] == len(reference) for run_ in row["dflash"].values())
+    summary = (tmp_path / "f" / "summary.md").read_text()
+    assert (
+        "## The first answer in a fresh process" in summary and "## Answer 2 in the same process" in summary
+    )
+    for args in ("--fresh 0", "--fresh 2 --rounds 2", "--fresh 2 --temps 1", "--fresh 2 --concurrency 2"):
+        r = run(f"bench -m {root}/target -d {root}/draft {args} -o {tmp_path}/g")
+        assert r.exit_code == 1 and "--fresh takes a number of answers of 1 or more" in r.stderr, args
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_fresh_bench_process_warms_up_as_generate_does(pair, device, monkeypatch, capsys):
+    import io
+
+    import dflash_mlx.bench as bench
+
+    warmed = []
+    monkeypatch.setattr(bench, "backend", lambda: device)
+    monkeypatch.setattr(bench, "warm_up", lambda *pair: warmed.append(pair) or warm_up(*pair))
+    root, model = pair
+    job = dict(names=[f"{root}/target", f"{root}/draft"], ids=[5, 6, 7], max_tokens=10, answers=3, seed=0)
+    for settings in (None, dataclasses_asdict(bench.GenerationSettings(max_tokens=10))):
+        monkeypatch.setattr(
+            "sys.stdin", io.StringIO(json.dumps(dict(job, settings=settings, started=time.time())))
+        )
+        bench.answer_fresh()
+        first, last = json.loads(capsys.readouterr().out)
+        assert first["tokens"] == last["tokens"] == greedy_reference(model, [5, 6, 7], 10, eos={95})
+    assert len(warmed) == (device == "cuda")  # (ours only: plain decoding has no warm-up)
 
 
 def test_bench_concurrency_races_mlx_lms_continuous_batching_with_the_same_outputs(pair, tmp_path):

@@ -400,6 +400,36 @@ def test_a_later_answer_starts_from_what_the_policy_learnt_in_an_earlier_one():
     assert policy_for(target, draft, block_size=None, lookup=True).dflash.trials == one.dflash.trials
 
 
+def test_the_next_process_starts_from_what_the_last_one_learnt():
+    """What an answer's policy learnt is kept in the home when the answer ends, and a new process (here:
+    the in-process record cleared) starts from it; a seeded answer starts from the priors; a record
+    that is not this policy's, or a broken file, leaves the priors."""
+    from dflash_mlx.policy import _LEARNT, learnt_path
+
+    model, draft = make_target("llama"), make_draft()
+    target, prompt = prepare(model, draft), prompt_of(24)
+    out = generate(model, draft, no_eos_tokenizer(prompt), prompt, max_tokens=48)
+    assert out.tokens == greedy_reference(model, prompt, 48)
+
+    def policy(**kw):
+        return policy_for(target, draft, block_size=None, lookup=True, trees=True, **kw)
+
+    last = policy()  # (in this process: from the answer's)
+    priors = AdaptivePolicy(last.costs, 15, lookup=True, trees=True).learnt()
+    assert any(last.pace.values()) and last.learnt() != priors
+    _LEARNT.clear()  # a new process
+    assert policy().learnt() == last.learnt()
+    _LEARNT.clear()
+    assert policy(fresh=True).learnt() == priors
+    other = AdaptivePolicy(last.costs, 7, lookup=True)  # (a drafter with another block)
+    with pytest.raises(ValueError):
+        other.restore(last.learnt())
+    assert other.learnt() == AdaptivePolicy(last.costs, 7, lookup=True).learnt()  # (unchanged)
+    learnt_path(last.key).write_text('{"dflash": [[1.0], [')
+    _LEARNT.clear()
+    assert policy().learnt() == priors
+
+
 def test_lookup_is_chosen_where_it_pays_and_left_where_it_does_not():
     policy = AdaptivePolicy(CPU, 0, lookup=True)
     for _ in range(60):  # a match whose continuations are always right
