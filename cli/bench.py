@@ -132,39 +132,26 @@ def bench(
                         template_kwargs=template_kwargs(model, think),
                         progress=done,
                     )
-                elif fresh is not None:
-                    task = bar.add_task("loading", total=len(ps) * (1 + len(grid)))
-                    results = run_fresh(
-                        (model, draft),
-                        target,
-                        drafter,
-                        tokenizer,
-                        ps,
-                        block_sizes=bs,
-                        lookup=not no_lookup,
-                        draft_window=draft_window,
-                        max_tokens=max_tokens,
-                        answers=fresh,
-                        template_kwargs=template_kwargs(model, think),
-                        progress=done,
-                    )
                 else:
-                    runs = len({t for _, t in grid}) + len(grid)  # the plain baseline at each temperature
-                    task = bar.add_task("warming up (not counted)", total=rounds * len(ps) * runs)
-                    results = run_bench(
-                        target,
-                        drafter,
-                        tokenizer,
-                        ps,
+                    common = dict(
                         block_sizes=bs,
                         lookup=not no_lookup,
                         draft_window=draft_window,
-                        temperatures=ts,
                         max_tokens=max_tokens,
                         template_kwargs=template_kwargs(model, think),
                         progress=done,
-                        rounds=rounds,
                     )
+                    if fresh is not None:
+                        task = bar.add_task("loading", total=len(ps) * (1 + len(grid)))
+                        results = run_fresh(
+                            (model, draft), target, drafter, tokenizer, ps, answers=fresh, **common
+                        )
+                    else:
+                        runs = len({t for _, t in grid}) + len(grid)  # the plain baseline at each temperature
+                        task = bar.add_task("warming up (not counted)", total=rounds * len(ps) * runs)
+                        results = run_bench(
+                            target, drafter, tokenizer, ps, temperatures=ts, rounds=rounds, **common
+                        )
         except BaseException:  # nothing to show: do not leave behind an empty folder this run made
             if made and not any(folder.iterdir()):
                 folder.rmdir()

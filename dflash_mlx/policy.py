@@ -18,7 +18,8 @@ by which that source's prices are scaled. A cost measured at a busy moment, what
 out, or a cost extrapolated past the contexts measured (passes there are not measured again: that
 would cost the first answer to get there seconds) then no longer decides; plain steps are probed too
 where the choice is close and they were not timed, so that an overpriced plain step does not keep
-losing to drafts that are slower in fact.
+losing to drafts that are slower in fact. What a policy learnt is handed to the next answer for the
+same pair, and kept on disk for the next process (`policy_for`, `keep_learnt`).
 """
 
 from __future__ import annotations
