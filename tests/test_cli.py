@@ -9,7 +9,7 @@ import struct
 import subprocess
 import sys
 import time
-from dataclasses import asdict as dataclasses_asdict
+from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -543,7 +543,7 @@ def test_a_fresh_bench_process_warms_up_as_generate_does(pair, device, monkeypat
     monkeypatch.setattr(bench, "warm_up", lambda *pair: warmed.append(pair) or warm_up(*pair))
     root, model = pair
     job = dict(names=[f"{root}/target", f"{root}/draft"], ids=[5, 6, 7], max_tokens=10, answers=3, seed=0)
-    for settings in (None, dataclasses_asdict(bench.GenerationSettings(max_tokens=10))):
+    for settings in (None, asdict(bench.GenerationSettings(max_tokens=10))):
         monkeypatch.setattr(
             "sys.stdin", io.StringIO(json.dumps(dict(job, settings=settings, started=time.time())))
         )
