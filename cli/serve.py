@@ -7,13 +7,11 @@ import logging
 import socket
 
 import typer
-import uvicorn
 
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
 from dflash_mlx.pairing import prepare
 from dflash_mlx.policy import batch_sizes, costs_for
-from dflash_mlx.server.app import ServerConfig, create_app
 from dflash_mlx.settings import GenerationSettings
 
 from .options import (
@@ -100,6 +98,12 @@ def serve(
             with stderr().status("measuring this machine's costs for the pair (once) ..."):
                 costs_for(prepare(target, drafter), drafter, batches=batch_sizes(max_concurrency))
         warm(target, drafter, stderr())
+        # Imported here: FastAPI and uvicorn take a quarter of a second to import, which every other
+        # command (each `generate`) would pay too.
+        import uvicorn
+
+        from dflash_mlx.server.app import ServerConfig, create_app
+
         config = ServerConfig(
             model_id=name or model,
             defaults=defaults,

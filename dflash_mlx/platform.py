@@ -53,8 +53,8 @@ PTX_ENV = "MLX_PTX_CACHE_DIR"
 
 
 def cache_home() -> Path:
-    """Where converted models, measured costs and compiled GPU kernels live: $DFLASH_MLX_HOME, else
-    ~/.cache/dflash-mlx."""
+    """Where converted models, measured costs, what the adaptive policy learnt and compiled GPU kernels
+    live: $DFLASH_MLX_HOME, else ~/.cache/dflash-mlx."""
     return Path(os.environ.get("DFLASH_MLX_HOME", Path.home() / ".cache" / "dflash-mlx"))
 
 
