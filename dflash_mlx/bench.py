@@ -358,11 +358,11 @@ def answer_fresh() -> None:
     one JSON line on stdout."""
     job = json.loads(sys.stdin.read())
     target_name, draft_name = job["names"]
-    settings = job["settings"] and GenerationSettings(**job["settings"])
-    if settings is None:
+    if job["settings"] is None:  # plain decoding
         model, tokenizer = load(target_name)
         answer = lambda: _plain(model, tokenizer, job["ids"], job["max_tokens"], 0.0, job["seed"])  # noqa: E731
     else:
+        settings = GenerationSettings(**job["settings"])
         model, draft, tokenizer = load_pair(target_name, draft_name)
         if backend() != "cpu":  # (as `generate` does: see cli/options.warm)
             warm_up(model, draft)
