@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .batching import batchable, merge
 from .cache import SpeculativeCache
@@ -868,6 +869,17 @@ def keep_costs(path: Path, costs: CostModel) -> None:
 _LEARNT: dict[tuple, AdaptivePolicy] = {}
 
 
+def weights_digest(model) -> str | None:
+    """A few of a model's weights, as a short digest: what tells apart models of the same shapes (a
+    drafter and its retrained successor, a target and its fine-tune)."""
+    if model is None:
+        return None
+    arrays = [v for _, v in tree_flatten(model.parameters())]
+    spread = sorted({0, len(arrays) // 2, len(arrays) - 1})
+    picked = [arrays[i].reshape(-1)[:32].astype(mx.float32).tolist() for i in spread]
+    return hashlib.sha256(json.dumps(picked).encode()).hexdigest()[:16]
+
+
 def learnt_path(key: tuple) -> Path:
     """Where what the policies of this `_LEARNT` key learnt is kept."""
     name = hashlib.sha256(json.dumps([str(x) for x in key]).encode()).hexdigest()[:16]
@@ -916,7 +928,8 @@ def policy_for(
         draft_window=draft_window,
         trees=trees,
     )
-    key = (path, lookup, draft_window, sampled, trees)
+    # (the weights too: a retrained drafter has its predecessor's costs, not its acceptance)
+    key = (path, lookup, draft_window, sampled, trees, weights_digest(target.model), weights_digest(draft))
     if key in _LEARNT and not fresh:
         policy.learn_from(_LEARNT[key])
     elif not fresh:

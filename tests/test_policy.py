@@ -5,6 +5,7 @@ import dataclasses
 import random
 
 import pytest
+from mlx.utils import tree_map
 from test_cache import assert_same_caches
 from test_sampling import RUNS, T, V, chi_square_p, exact_joint
 from tiny import (
@@ -402,8 +403,8 @@ def test_a_later_answer_starts_from_what_the_policy_learnt_in_an_earlier_one():
 
 def test_the_next_process_starts_from_what_the_last_one_learnt():
     """What an answer's policy learnt is kept in the home when the answer ends, and a new process (here:
-    the in-process record cleared) starts from it; a seeded answer starts from the priors; a record
-    that is not this policy's, or a broken file, leaves the priors."""
+    the in-process record cleared) starts from it; a seeded answer, or a drafter with other weights,
+    starts from the priors; a record that is not this policy's, or a broken file, leaves the priors."""
     from dflash_mlx.policy import _LEARNT, learnt_path
 
     model, draft = make_target("llama"), make_draft()
@@ -419,6 +420,10 @@ def test_the_next_process_starts_from_what_the_last_one_learnt():
     assert any(last.pace.values()) and last.learnt() != priors
     _LEARNT.clear()  # a new process
     assert policy().learnt() == last.learnt()
+    retrained = make_draft()  # the same shapes, other weights: its acceptance is its own to learn
+    retrained.update(tree_map(lambda p: p + 0.01, retrained.parameters()))
+    kept = policy_for(prepare(model, retrained), retrained, block_size=None, lookup=True, trees=True)
+    assert kept.costs == last.costs and kept.learnt() == priors
     _LEARNT.clear()
     assert policy(fresh=True).learnt() == priors
     other = AdaptivePolicy(last.costs, 7, lookup=True)  # (a drafter with another block)
