@@ -98,7 +98,7 @@ def serve(
             with stderr().status("measuring this machine's costs for the pair (once) ..."):
                 costs_for(prepare(target, drafter), drafter, batches=batch_sizes(max_concurrency))
         warm(target, drafter, stderr())
-        # Imported here: FastAPI and uvicorn take a quarter of a second to import, which every other
+        # Imported here: FastAPI and uvicorn take about 0.3 s to import, which every other
         # command (each `generate`) would pay too.
         import uvicorn
 
