@@ -49,6 +49,7 @@ print(json.dumps(out))
 
 
 def fresh(home: Path, *stages: str) -> dict:
+    shutil.rmtree(home / "policies", ignore_errors=True)  # (from the priors: the last process's work again)
     env = {k: v for k, v in os.environ.items() if k != PTX_ENV} | {"DFLASH_MLX_HOME": str(home)}
     r = subprocess.run(
         [sys.executable, "-c", FRESH.format(tests=TESTS), *stages], env=env, capture_output=True, text=True
