@@ -112,6 +112,11 @@ def _record(tokens, tic, first, end, acc):
     }
 
 
+def run_name(policy, temperature: float) -> str:
+    """A run's key in a prompt's "dflash" record, e.g. "16@0.0" or "adaptive@1.0"."""
+    return f"{policy or 'adaptive'}@{temperature}"
+
+
 def settings_grid(block_sizes, temperatures, max_tokens: int, lookup: bool = True, draft_window=None) -> dict:
     """{(policy, temperature): its settings}, checked before anything runs, where a policy is a fixed
     block size, "treeN" (every cycle a tree in a pass of N) or None (the adaptive policy); each
@@ -182,7 +187,7 @@ def run_bench(
                 r = _dflash(target, draft, tokenizer, ids, grid[b, t], seed)
                 if t == 0:
                     _compare(model, ids, row["baseline"][str(t)]["tokens"], r)
-                row["dflash"][f"{b or 'adaptive'}@{t}"] = r
+                row["dflash"][run_name(b, t)] = r
                 counted()
             if n > 0:
                 per_prompt.append(row)
@@ -223,7 +228,7 @@ def _summaries(configs: list, per_prompt: list[dict]) -> list[dict]:
     summary = []
     for b, t in configs:
         base = [p["baseline"][str(t)] for p in per_prompt]
-        ours = [p["dflash"][f"{b or 'adaptive'}@{t}"] for p in per_prompt]
+        ours = [p["dflash"][run_name(b, t)] for p in per_prompt]
         acc = [a for r in ours for a in r["acceptance"]]
         summary.append(
             {
@@ -308,7 +313,7 @@ def run_fresh(
                 runs = _in_new_process(dict(job, settings=asdict(grid[b, t])))
                 for row, r in zip(rows, runs):
                     _compare(model, ids, row["baseline"]["0.0"]["tokens"], r)
-                    row["dflash"][f"{b or 'adaptive'}@{t}"] = r
+                    row["dflash"][run_name(b, t)] = r
                 if progress:
                     progress(k * (1 + len(configs)) + 2 + n, total)
             first.append(rows[0])
@@ -321,9 +326,7 @@ def run_fresh(
     for name, rows in kept:
         summaries[name] = _summaries(configs, rows)
         for (b, t), s in zip(configs, summaries[name]):
-            s["startup_s"] = statistics.mean(
-                row["dflash"][f"{b or 'adaptive'}@{t}"]["startup_s"] for row in rows
-            )
+            s["startup_s"] = statistics.mean(row["dflash"][run_name(b, t)]["startup_s"] for row in rows)
             s["baseline_startup_s"] = statistics.mean(row["baseline"]["0.0"]["startup_s"] for row in rows)
     return {
         "machine": report()["facts"],

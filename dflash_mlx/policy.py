@@ -24,7 +24,6 @@ same pair, and kept on disk for the next process (`policy_for`, `keep_learnt`).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import itertools
 import json
@@ -277,20 +276,17 @@ class AdaptivePolicy:
         self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
         self.key: tuple | None = None  # where what it learns is kept (`policy_for`, `keep_learnt`)
 
-    LEARNT = ("dflash", "lookup", "follows", "bins", "idle", "wait", "pace", "plain_probed")
-
     def learn_from(self, other: AdaptivePolicy) -> None:
-        """Start from what `other` learnt (odds, parked options, paces)."""
-        for name in self.LEARNT:
-            setattr(self, name, copy.deepcopy(getattr(other, name)))
+        """Start from what `other` learnt (odds, parked options, paces): a copy of it."""
+        self.restore(other.learnt())
 
     def learnt(self) -> dict:
-        """What it learnt (`LEARNT`), as JSON takes it."""
+        """What it learnt (odds, parked options, paces), as JSON takes it."""
         odds = lambda o: [o.hits, o.trials]  # noqa: E731
         return {
             "dflash": odds(self.dflash),
-            "lookup": {n: odds(o) for n, o in self.lookup.items()},
-            "follows": {n: odds(o) for n, o in self.follows.items()},
+            "lookup": {str(n): odds(o) for n, o in self.lookup.items()},
+            "follows": {str(n): odds(o) for n, o in self.follows.items()},
             "bins": odds(self.bins),
             "idle": self.idle,
             "wait": self.wait,
