@@ -65,33 +65,42 @@ def data(
         target, tokenizer = load(model)
         Target(target)  # a family `train run` cannot use is refused before hours of generation
         before, tic = _answer_tokens(folder), time.perf_counter()
+
+        def made() -> str:
+            n, tokens = len(load_shards(folder)), _answer_tokens(folder) - before
+            speed = tokens / (time.perf_counter() - tic)
+            return f"{n} sequences in {out} ({tokens} new answer tokens, {speed:.0f} tokens/s)"
+
         with progress_bar("generating answers") as bar:
             task = bar.add_task("", total=total, completed=done)
-            n = generate_data(
-                target,
-                tokenizer,
-                prompts,
-                folder,
-                max_new_tokens=max_new_tokens,
-                batch_size=batch_size,
-                shard_size=shard_size,
-                max_prompt_tokens=max_prompt_tokens,
-                limit=limit,
-                source=source,
-                template_kwargs=template_kwargs(model, think),
-                progress=lambda k, _: bar.update(task, completed=k),
-                temperature=temp,
-                seed=seed,
-            )
+            try:
+                generate_data(
+                    target,
+                    tokenizer,
+                    prompts,
+                    folder,
+                    max_new_tokens=max_new_tokens,
+                    batch_size=batch_size,
+                    shard_size=shard_size,
+                    max_prompt_tokens=max_prompt_tokens,
+                    limit=limit,
+                    source=source,
+                    template_kwargs=template_kwargs(model, think),
+                    progress=lambda k, _: bar.update(task, completed=k),
+                    temperature=temp,
+                    seed=seed,
+                )
+            except KeyboardInterrupt:  # shards are written whole, so what is on disk is complete
+                bar.stop()
+                typer.echo(f"stopped: {made()}; run the same command to go on", err=True)
+                raise typer.Exit(130) from None
             bar.update(task, completed=total)  # done: prompts skipped as too long never count towards the bar
-        made = _answer_tokens(folder) - before
-        speed = made / (time.perf_counter() - tic)
-    typer.echo(f"{n} sequences in {out} ({made} new answer tokens, {speed:.0f} tokens/s)")
+    typer.echo(made())
 
 
 def _answer_tokens(folder: Path) -> int:
     """Answer tokens (prompts not counted) in a data folder's shards."""
-    return sum(len(ids) - plen for ids, plen in load_shards(folder)) if folder.exists() else 0
+    return sum(len(ids) - plen for ids, plen in load_shards(folder))
 
 
 @app.command("run")

