@@ -368,41 +368,72 @@ def generate_data(
     prompts = list(prompts)
     index = len(list(folder.glob("shard-*.npz")))
     seen = {tuple(ids[:plen]) for ids, plen in load_shards(folder)}  # a prompt is answered once
-    per_shard = max(shard_size, batch_size)  # a shard's prompts are generated together
-    while consumed < len(prompts) and (limit is None or done < limit):
-        chunk = prompts[consumed : consumed + (per_shard if limit is None else min(per_shard, limit - done))]
-        encoded = [apply_chat_template(tokenizer, m, **(template_kwargs or {})) for m in chunk]
-        keep = []
-        for e in encoded:
-            if len(e) <= max_prompt_tokens and tuple(e) not in seen:
-                seen.add(tuple(e))
-                keep.append(e)
-        # mlx-lm's BatchGenerator rather than its batch_generate, which drops the token an answer stopped
-        # on: with several EOS ids (Qwen3, Llama 3) the label must be the one the target wrote. Continuous
-        # batching: an answer that ends makes room for the next prompt.
-        gen = BatchGenerator(
-            model,
-            stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-            completion_batch_size=batch_size,
-            prefill_batch_size=min(batch_size, 64),
-            sampler=make_sampler(temperature) if temperature > 0 else None,
-        )
-        mx.random.seed(seed + index)  # a shard's draws depend only on its prompts and its number
-        answers = {uid: [] for uid in gen.insert(keep, [max_new_tokens] * len(keep))} if keep else {}
-        finished = 0
-        while keep and (responses := gen.next_generated()):
-            for r in responses:
-                answers[r.uid].append(r.token)
-                finished += r.finish_reason is not None
-            if progress is not None:
-                progress(done + finished, limit or len(prompts))
-        gen.close()
-        seqs = [(p + r, len(p)) for p, r in zip(keep, answers.values())]
-        if seqs:
-            _write_shard(folder, index, seqs, consumed, consumed + len(chunk), source, fingerprint)
-            index += 1
-        done += len(seqs)
-        consumed += len(chunk)
+    greedy = temperature == 0
+    # Greedy answers do not depend on what else is in the batch, so the next shard's prompts join as soon
+    # as there is room and the batch never drains between shards. Sampled draws do depend on it: there a
+    # shard's prompts are generated alone, seeded by the shard's number, so a resume draws the same.
+    per_shard = shard_size if greedy else max(shard_size, batch_size)
+    # mlx-lm's BatchGenerator rather than its batch_generate, which drops the token an answer stopped on:
+    # with several EOS ids (Qwen3, Llama 3) the label must be the one the target wrote.
+    gen = BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+        completion_batch_size=batch_size,
+        prefill_batch_size=min(batch_size, 64),
+        sampler=None if greedy else make_sampler(temperature),
+    )
+    shards: list[dict] = []  # in flight, in prompt order: each is written once all its answers are in
+    owner: dict[int, dict] = {}  # uid -> its shard
+    in_flight = admitted = 0  # answers being generated; prompts given to the generator, not yet written
+
+    def admit() -> None:
+        nonlocal consumed, in_flight, admitted
+        while consumed < len(prompts) and (limit is None or done + admitted < limit):
+            if in_flight >= (batch_size if greedy else 1):
+                return
+            size = per_shard if limit is None else min(per_shard, limit - done - admitted)
+            chunk = prompts[consumed : consumed + size]
+            keep = []
+            for m in chunk:
+                e = apply_chat_template(tokenizer, m, **(template_kwargs or {}))
+                if len(e) <= max_prompt_tokens and tuple(e) not in seen:
+                    seen.add(tuple(e))
+                    keep.append(e)
+            if not greedy:
+                mx.random.seed(seed + index)  # a shard's draws depend only on its prompts and its number
+            shard = {"first": consumed, "next": consumed + len(chunk), "prompts": keep, "left": len(keep)}
+            shard["answers"] = (
+                {uid: [] for uid in gen.insert(keep, [max_new_tokens] * len(keep))} if keep else {}
+            )
+            owner.update(dict.fromkeys(shard["answers"], shard))
+            shards.append(shard)
+            consumed, in_flight, admitted = shard["next"], in_flight + len(keep), admitted + len(keep)
+
+    def write_finished() -> None:
+        nonlocal index, done, admitted
+        while shards and shards[0]["left"] == 0:
+            shard = shards.pop(0)
+            seqs = [(p + r, len(p)) for p, r in zip(shard["prompts"], shard["answers"].values())]
+            if seqs:
+                _write_shard(folder, index, seqs, shard["first"], shard["next"], source, fingerprint)
+                index += 1
+            done, admitted = done + len(seqs), admitted - len(seqs)
+
+    admit()
+    write_finished()
+    while shards and (responses := gen.next_generated()):
+        for r in responses:
+            shard = owner[r.uid]
+            shard["answers"][r.uid].append(r.token)
+            if r.finish_reason is not None:
+                shard["left"] -= 1
+                in_flight -= 1
+        if progress is not None:
+            progress(done + admitted - in_flight, limit or len(prompts))
+        write_finished()
+        admit()
+        write_finished()  # (a shard whose prompts were all skipped)
+    gen.close()
     if done == 0 and consumed:
         raise UserError(
             f"none of the {consumed} prompts fits in {max_prompt_tokens} tokens with the chat template, "

@@ -694,6 +694,33 @@ def test_data_answers_are_the_targets_greedy_ones_ending_on_the_stop_token_it_wr
     assert load_shards(tmp_path)[1][0][-1] == second
 
 
+def test_greedy_data_keeps_the_batch_full_across_shards(tmp_path):
+    class Counted:  # the target, counting its passes
+        def __init__(self, model):
+            self.model, self.passes = model, 0
+
+        def __call__(self, *args, **kwargs):
+            self.passes += 1
+            return self.model(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+    model, tok = Counted(make_target("llama")), make_tokenizer(eos=95)
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 13)]
+    encoded = [apply_chat_template(tok, m) for m in prompts]
+    assert generate_data(model, tok, prompts, tmp_path, max_new_tokens=8, batch_size=4, shard_size=1) == 8
+    seqs = load_shards(tmp_path)
+    assert len(list(tmp_path.glob("shard-*.npz"))) == 8  # one shard per prompt, in order
+    for (seq, plen), p in zip(seqs, encoded):
+        ref = greedy_reference(model.model, p, 8)
+        stop = next((i for i, t in enumerate(ref) if t == 95), len(ref) - 1)
+        assert (seq[:plen], seq[plen:]) == (p, ref[: stop + 1])
+    # Each shard drained alone would take a prefill and up to 8 steps: 72 passes. Four at a time, with
+    # the next prompt joining as one ends: 8 prefills and about 16 steps.
+    assert model.passes <= 32, model.passes
+
+
 def test_sampled_answers_follow_their_seed_through_a_resume_and_differ_from_greedy(tmp_path):
     model, tok = make_target("llama"), make_tokenizer(eos=95)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 11)]
