@@ -17,7 +17,6 @@ from dflash_mlx.train_run import prepare_run, tau_on_prompts
 
 from .options import (
     DEMO,
-    BlockSize,
     Json,
     MaxTokens,
     Model,
@@ -263,7 +262,9 @@ def evaluate(
         "sharegpt-heldout", help="sharegpt-heldout, humaneval, a .jsonl file or hf:..."
     ),
     limit: int | None = typer.Option(None, help="Use the first N prompts (default or 0: all)."),
-    block_size: BlockSize = None,
+    block_size: int | None = typer.Option(
+        None, help="The fixed DFlash block every cycle drafts (default: the drafter's own; no lookup)."
+    ),
     temp: Temp = 0.0,
     max_tokens: MaxTokens = 256,
     as_json: Json = False,
