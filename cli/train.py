@@ -63,12 +63,13 @@ def data(
             return
         target, tokenizer = load(model)
         Target(target)  # a family `train run` cannot use is refused before hours of generation
-        before, tic = _answer_tokens(folder), time.perf_counter()
+        before, tic = _answer_tokens(load_shards(folder)), time.perf_counter()
 
         def made() -> str:
-            n, tokens = len(load_shards(folder)), _answer_tokens(folder) - before
+            seqs = load_shards(folder)
+            tokens = _answer_tokens(seqs) - before
             speed = tokens / (time.perf_counter() - tic)
-            return f"{n} sequences in {out} ({tokens} new answer tokens, {speed:.0f} tokens/s)"
+            return f"{len(seqs)} sequences in {out} ({tokens} new answer tokens, {speed:.0f} tokens/s)"
 
         with progress_bar("generating answers") as bar:
             task = bar.add_task("", total=total, completed=done)
@@ -97,9 +98,9 @@ def data(
     typer.echo(made())
 
 
-def _answer_tokens(folder: Path) -> int:
-    """Answer tokens (prompts not counted) in a data folder's shards."""
-    return sum(len(ids) - plen for ids, plen in load_shards(folder))
+def _answer_tokens(seqs: list[tuple[list[int], int]]) -> int:
+    """Answer tokens (prompts not counted) in `load_shards`' sequences."""
+    return sum(len(ids) - plen for ids, plen in seqs)
 
 
 @app.command("run")

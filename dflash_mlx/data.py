@@ -383,7 +383,7 @@ def generate_data(
         sampler=None if greedy else make_sampler(temperature),
     )
     shards: list[dict] = []  # in flight, in prompt order: each is written once all its answers are in
-    owner: dict[int, dict] = {}  # uid -> its shard
+    owner: dict[int, dict] = {}  # uid -> its shard, while the answer is generated
     in_flight = admitted = 0  # answers being generated; prompts given to the generator, not yet written
 
     def admit() -> None:
@@ -425,7 +425,8 @@ def generate_data(
         for r in responses:
             shard = owner[r.uid]
             shard["answers"][r.uid].append(r.token)
-            if r.finish_reason is not None:
+            if r.finish_reason is not None:  # (its shard holds it until written; then nothing does)
+                del owner[r.uid]
                 shard["left"] -= 1
                 in_flight -= 1
         if progress is not None:
