@@ -90,7 +90,7 @@ def data(
                     temperature=temp,
                     seed=seed,
                 )
-            except KeyboardInterrupt:  # shards are written whole, so what is on disk is complete
+            except KeyboardInterrupt:  # what is on disk is whole answers (see generate_data)
                 bar.stop()
                 typer.echo(f"stopped: {made()}; run the same command to go on", err=True)
                 raise typer.Exit(130) from None

@@ -337,6 +337,7 @@ def generate_data(
 ) -> int:
     """Generate the target's responses to prompts (greedy, or sampled at `temperature`: other answers of
     the same target, for more data from the same prompts) into token-id shards; resumes where it stopped.
+    Stopped (KeyboardInterrupt) while greedy, it first writes the answers finished so far.
 
     Returns the number of sequences in the folder. Prompts whose templated length exceeds
     `max_prompt_tokens`, and prompts answered already (the same tokens), are skipped (they are counted
@@ -419,22 +420,40 @@ def generate_data(
                 index += 1
             done, admitted = done + len(seqs), admitted - len(seqs)
 
-    admit()
-    write_finished()
-    while shards and (responses := gen.next_generated()):
-        for r in responses:
-            shard = owner[r.uid]
-            shard["answers"][r.uid].append(r.token)
-            if r.finish_reason is not None:  # (its shard holds it until written; then nothing does)
-                del owner[r.uid]
-                shard["left"] -= 1
-                in_flight -= 1
-        if progress is not None:
-            progress(done + admitted - in_flight, limit or len(prompts))
-        write_finished()
+    def keep_finished() -> None:
+        """On a stop, greedy: the finished answers of shards not yet written, as a shard that consumes
+        no prompts. A resume reads those shards' prompts again and skips the ones answered."""
+        seqs = [
+            (p + answer, len(p))
+            for shard in shards
+            for p, (uid, answer) in zip(shard["prompts"], shard["answers"].items())
+            if uid not in owner
+        ]
+        if seqs:
+            _write_shard(folder, index, seqs, shards[0]["first"], shards[0]["first"], source, fingerprint)
+
+    try:
         admit()
-        write_finished()  # (a shard whose prompts were all skipped)
-    gen.close()
+        write_finished()
+        while shards and (responses := gen.next_generated()):
+            for r in responses:
+                shard = owner[r.uid]
+                shard["answers"][r.uid].append(r.token)
+                if r.finish_reason is not None:  # (its shard holds it until written; then nothing does)
+                    del owner[r.uid]
+                    shard["left"] -= 1
+                    in_flight -= 1
+            if progress is not None:
+                progress(done + admitted - in_flight, limit or len(prompts))
+            write_finished()
+            admit()
+            write_finished()  # (a shard whose prompts were all skipped)
+    except KeyboardInterrupt:
+        if greedy:  # (sampled shards are drawn whole: their seeds follow the shard numbers)
+            keep_finished()
+        raise
+    finally:
+        gen.close()
     if done == 0 and consumed:
         raise UserError(
             f"none of the {consumed} prompts fits in {max_prompt_tokens} tokens with the chat template, "

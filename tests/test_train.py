@@ -721,6 +721,27 @@ def test_greedy_data_keeps_the_batch_full_across_shards(tmp_path):
     assert model.passes <= 32, model.passes
 
 
+def test_greedy_answers_finished_before_a_stop_are_kept_and_not_generated_again(tmp_path):
+    model, tok = make_target("llama"), make_tokenizer(eos=95)
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 13)]
+    options = dict(max_new_tokens=12, batch_size=4, shard_size=8)
+    generate_data(model, tok, prompts, tmp_path / "whole", **options)
+    whole = sorted(map(tuple, (ids for ids, _ in load_shards(tmp_path / "whole"))))
+
+    def stop(finished, _):
+        if finished:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # (one shard of eight prompts: none would be written whole)
+        generate_data(model, tok, prompts, tmp_path / "stopped", progress=stop, **options)
+    kept = [tuple(ids) for ids, _ in load_shards(tmp_path / "stopped")]
+    assert 0 < len(kept) < len(prompts) and set(kept) <= set(whole)
+    seen = []
+    generate_data(model, tok, prompts, tmp_path / "stopped", progress=lambda k, _: seen.append(k), **options)
+    assert sorted(map(tuple, (ids for ids, _ in load_shards(tmp_path / "stopped")))) == whole
+    assert seen[0] >= len(kept)  # the kept answers count as done, and are not answered twice
+
+
 def test_sampled_answers_follow_their_seed_through_a_resume_and_differ_from_greedy(tmp_path):
     model, tok = make_target("llama"), make_tokenizer(eos=95)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 11)]
