@@ -7,9 +7,9 @@ from pathlib import Path
 import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from dflash_mlx.convert import DTYPES, convert_draft, convert_target, export_draft, is_drafter
+from dflash_mlx.convert import convert_draft, convert_target, export_draft, is_drafter
 from dflash_mlx.errors import AlreadyExists, UserError
-from dflash_mlx.loading import find_pair, is_gguf, resolve_draft, resolve_target
+from dflash_mlx.loading import DTYPES, find_pair, is_gguf, resolve_draft, resolve_target
 
 from .options import stderr, user_errors
 

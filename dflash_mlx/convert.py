@@ -18,11 +18,9 @@ from mlx_lm.convert import convert as mlx_lm_convert
 from .errors import NotFound, UserError
 from .files import atomic_folder
 from .gguf import convert_gguf
-from .loading import check_model_type, is_gguf, load_draft, read_config, resolve, resolve_draft
+from .loading import DTYPES, check_model_type, is_gguf, load_draft, read_config, resolve, resolve_draft
 from .models.dflash import is_drafter_config
 from .models.formats import drafter_format
-
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 def is_drafter(path: Path) -> bool:

@@ -88,9 +88,20 @@ def template_kwargs(model: str, think: bool | None = None) -> dict:
     return dict(pair.template) if pair is not None else {}
 
 
-def _default_dtype() -> mx.Dtype | None:
-    # On the CPU only float32 goes through BLAS; float16/bfloat16/quantized matmuls are many times slower.
-    return mx.float32 if backend() == "cpu" else None
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def _dtype(dtype) -> mx.Dtype | None:
+    """`load`'s dtype: 'auto' (float32 on the CPU, where only float32 goes through BLAS and the others'
+    matmuls are many times slower; elsewhere the checkpoint's own), None (the checkpoint's own), a name
+    in DTYPES or an mx.Dtype."""
+    if dtype == "auto":
+        return mx.float32 if backend() == "cpu" else None
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise UserError(f"dtype must be 'auto', None or one of {', '.join(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    return dtype
 
 
 def smollm2_gguf() -> Path:
@@ -243,7 +254,7 @@ def check_model_type(path: Path, config: dict) -> None:
 def load(name: str, dtype="auto"):
     """Load a target with mlx-lm -> (model, tokenizer). dtype 'auto' = float32 on the CPU."""
     warn_if_slow_blas()
-    dtype = _default_dtype() if dtype == "auto" else dtype
+    dtype = _dtype(dtype)
     path = resolve_target(name, dtype)
     config = read_config(path)  # mlx-lm's own error for a broken one names no file
     if is_drafter_config(config):
@@ -323,7 +334,7 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
             )
         )
     model.load_weights(list(weights.items()))
-    dtype = _default_dtype() if dtype == "auto" else dtype
+    dtype = _dtype(dtype)
     if dtype is not None:
         model.set_dtype(dtype)
     mx.eval(model.parameters())

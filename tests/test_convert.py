@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import generate, load_draft
 from dflash_mlx.cli.main import app
+from dflash_mlx.errors import UserError
 from dflash_mlx.pairing import prepare
 
 runner = CliRunner()
@@ -99,6 +100,17 @@ def test_a_drafter_with_its_dflash_keys_at_the_top_level_converts_as_a_drafter(z
         draft_logits(load_draft(str(tmp_path / "out")), model),
         draft_logits(load_draft(str(zlab), dtype=mx.float32), model),
     )
+
+
+def test_load_takes_a_dtype_by_name_and_names_the_ones_it_takes(zlab):
+    by_name, by_dtype = load_draft(str(zlab), dtype="bfloat16"), load_draft(str(zlab), dtype=mx.bfloat16)
+    assert {v.dtype for v in flat_params(by_name).values()} == {mx.bfloat16}
+    model = make_target("llama")
+    np.testing.assert_array_equal(draft_logits(by_name, model), draft_logits(by_dtype, model))
+    with pytest.raises(
+        UserError, match="dtype must be 'auto', None or one of float16, bfloat16, float32, got 'half'"
+    ):
+        load_draft(str(zlab), dtype="half")
 
 
 def test_rope_parameters_of_transformers_5_are_read(zlab, tmp_path):
