@@ -252,7 +252,8 @@ def check_model_type(path: Path, config: dict) -> None:
 
 
 def load(name: str, dtype="auto"):
-    """Load a target with mlx-lm -> (model, tokenizer). dtype 'auto' = float32 on the CPU."""
+    """Load a target with mlx-lm -> (model, tokenizer). dtype: 'auto' (float32 on the CPU), None (the
+    checkpoint's own), a name ('bfloat16') or an mx.Dtype."""
     warn_if_slow_blas()
     dtype = _dtype(dtype)
     path = resolve_target(name, dtype)
@@ -287,8 +288,9 @@ def load(name: str, dtype="auto"):
 def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
     """Load a DFlash drafter: z-lab layout or our MLX conversion (optionally quantized).
 
-    dtype 'auto' = float32 on the CPU, the checkpoint's own dtype elsewhere.
+    dtype: as `load`'s ('auto': float32 on the CPU, the checkpoint's own dtype elsewhere).
     """
+    dtype = _dtype(dtype)
     path = resolve_draft(name)
     raw = read_config(path)
     layout = drafter_format(raw)
@@ -334,7 +336,6 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
             )
         )
     model.load_weights(list(weights.items()))
-    dtype = _dtype(dtype)
     if dtype is not None:
         model.set_dtype(dtype)
     mx.eval(model.parameters())
