@@ -410,11 +410,16 @@ def generate_data(
             shards.append(shard)
             consumed, in_flight, admitted = shard["next"], in_flight + len(keep), admitted + len(keep)
 
+    def ended(shard: dict) -> list[tuple[list[int], int]]:
+        """A shard's ended answers as (prompt + answer, prompt length), in prompt order."""
+        pairs = zip(shard["prompts"], shard["answers"].items())
+        return [(p + answer, len(p)) for p, (uid, answer) in pairs if uid not in owner]
+
     def write_finished() -> None:
         nonlocal index, done, admitted
         while shards and shards[0]["left"] == 0:
             shard = shards.pop(0)
-            seqs = [(p + r, len(p)) for p, r in zip(shard["prompts"], shard["answers"].values())]
+            seqs = ended(shard)
             if seqs:
                 _write_shard(folder, index, seqs, shard["first"], shard["next"], source, fingerprint)
                 index += 1
@@ -423,12 +428,7 @@ def generate_data(
     def keep_finished() -> None:
         """On a stop, greedy: the finished answers of shards not yet written, as a shard that consumes
         no prompts. A resume reads those shards' prompts again and skips the ones answered."""
-        seqs = [
-            (p + answer, len(p))
-            for shard in shards
-            for p, (uid, answer) in zip(shard["prompts"], shard["answers"].items())
-            if uid not in owner
-        ]
+        seqs = [seq for shard in shards for seq in ended(shard)]
         if seqs:
             _write_shard(folder, index, seqs, shards[0]["first"], shards[0]["first"], source, fingerprint)
 
