@@ -111,9 +111,12 @@ class CostModel:
         )
         if not ok:
             raise ValueError("not a cost model: measure it again")
+        # (table, context) -> that table's costs by x at that context (`_at`): a cycle prices every
+        # option at one context, so each table's column there is worked out once (not saved)
+        self._columns: dict = {}
 
     def target_time(self, width: int, context: int) -> float:
-        return _at(self.contexts, self.widths, self.target, width, context)
+        return self._at(self.widths, self.target, width, context)
 
     def batch_time(self, batch: int, width: int, context: int) -> float:
         """A target pass over `batch` sequences of `width` positions: interpolated between the batch
@@ -122,7 +125,7 @@ class CostModel:
         times = [
             self.target_time(width, context)
             if b == 1
-            else _at(self.contexts, self.widths, self.batches[b], width, context)
+            else self._at(self.widths, self.batches[b], width, context)
             for b in sizes
         ]
         if len(sizes) == 1:  # nothing measured: as one sequence of all their positions
@@ -141,21 +144,25 @@ class CostModel:
         return [w - 1 for w in self.widths if 1 < w <= most + 1]
 
     def draft_time(self, k: int, context: int) -> float:
-        return _at(self.contexts, self.proposals, self.draft, k, context) if self.proposals else 0.0
+        return self._at(self.proposals, self.draft, k, context) if self.proposals else 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def _at(self, xs: list[int], rows: list[list[float]], x: float, context: int) -> float:
+        """A cost at `context` for x positions: each measured x's cost taken to that context, made never
+        to fall as x grows (extended past the contexts measured, noise could make it), then interpolated."""
+        kept = self._columns.get((id(rows), context))
+        if kept is None or kept[0] is not rows:
+            if len(self._columns) >= 1024:
+                self._columns.clear()
+            column = [_interpolate(self.contexts, [row[i] for row in rows], context) for i in range(len(xs))]
+            kept = self._columns[(id(rows), context)] = (rows, list(itertools.accumulate(column, max)))
+        return _interpolate(xs, kept[1], x)
+
 
 def _increasing(xs: list) -> bool:
     return all(a < b for a, b in zip(xs, xs[1:]))
-
-
-def _at(contexts: list[int], xs: list[int], rows: list[list[float]], x: float, context: int) -> float:
-    """A cost at `context` for x positions: each measured x's cost taken to that context, made never
-    to fall as x grows (extended past the contexts measured, noise could make it), then interpolated."""
-    column = [_interpolate(contexts, [row[i] for row in rows], context) for i in range(len(xs))]
-    return _interpolate(xs, list(itertools.accumulate(column, max)), x)
 
 
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
