@@ -182,6 +182,7 @@ class _Odds:
     def __init__(self, positions: int):
         self.hits = [0.0] * (positions + 1)
         self.trials = [0.0] * (positions + 1)
+        self.changes = 0  # how often they changed (what was worked out from them holds until then)
 
     def rates(self, n: int) -> list[float]:
         """Odds at positions 1..n. A position's prior is the odds of the one before it, so positions that
@@ -194,6 +195,7 @@ class _Odds:
         return out
 
     def discount(self, factor: float) -> None:
+        self.changes += 1
         for j in range(1, len(self.hits)):
             self.hits[j] *= factor
             self.trials[j] *= factor
@@ -280,6 +282,10 @@ class AdaptivePolicy:
         self.pace: dict[tuple, list] = {}  # (source, context bucket) -> the last runs' wall time / price
         self.run: tuple = (None, 0.0, 0.0, 0)  # the run being timed: (source, bucket), seconds, price, cycles
         self.probing = 0  # plain steps left in a probe
+        # What `choose` and `plain_next` work out, kept while what it came from holds: a run of plain
+        # steps prices the same options at each context twice (host time per cycle counts on a GPU)
+        self._bests: dict = {}  # (odds, their changes, positions, context, drafted) -> `_best`
+        self._paces_at: dict = {}  # context bucket -> `_paces`, until a timed run ends
         self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
         self.key: tuple | None = None  # where what it learns is kept (`policy_for`, `keep_learnt`)
 
@@ -325,6 +331,7 @@ class AdaptivePolicy:
         }
         for name, value in restored.items():
             setattr(self, name, value)
+        self._bests, self._paces_at = {}, {}
 
     def _draft_time(self, k: int, context: int) -> float:
         """A draft pass's seconds: under a draft window, as at a context of the window (and a step more)."""
@@ -332,14 +339,21 @@ class AdaptivePolicy:
             context = min(context, self.draft_window + DraftCache.STEP)
         return self.costs.draft_time(k, context)
 
-    def _best(self, rates: list[float], draft_cost, context: int) -> tuple[float, int]:
-        """-> (tokens per second, k) of the best k >= 1 for these acceptance odds."""
-        e = expected_tokens(rates)
-        best = (0.0, 0)
-        for k in self.costs.counts(len(rates)):
-            t = self.costs.target_time(k + 1, context) + draft_cost(k)
-            best = max(best, (e[k] / t, -k))
-        return best[0], -best[1]
+    def _best(self, odds: _Odds, n: int, context: int, drafted: bool) -> tuple[float, int]:
+        """-> (tokens per second, k) of the best k >= 1 for the acceptance odds at `odds`' positions
+        1..n, a draft pass's time counted where `drafted`."""
+        key = (id(odds), odds.changes, n, context, drafted)
+        if key not in self._bests:
+            if len(self._bests) >= 256:
+                self._bests.clear()
+            e = expected_tokens(odds.rates(n))
+            best = (0.0, 0)
+            for k in self.costs.counts(n):
+                t = self.costs.target_time(k + 1, context)
+                t += self._draft_time(k, context) if drafted else 0.0
+                best = max(best, (e[k] / t, -k))
+            self._bests[key] = best[0], -best[1]
+        return self._bests[key]
 
     def expectations(self, lookup: tuple[list[int], int]) -> tuple[list[float], list[float]]:
         """Tokens a cycle commits on average by proposals verified (index k, k = 0 first), with lookup's
@@ -367,18 +381,10 @@ class AdaptivePolicy:
         options = [(1.0 / (step * pace[PLAIN]), Choice(PLAIN, 0))]
         if self.max[LOOKUP] and tokens:
             odds = self.lookup[min(n, 8)]
-            rate, k = self._best(
-                odds.rates(min(len(tokens), self.max[LOOKUP])),
-                lambda k: 0.0,
-                context,
-            )
+            rate, k = self._best(odds, min(len(tokens), self.max[LOOKUP]), context, drafted=False)
             options.append((rate / pace[LOOKUP], Choice(LOOKUP, k)))
         if self.max[DFLASH]:
-            rate, k = self._best(
-                self.dflash.rates(self.max[DFLASH]),
-                lambda k: self._draft_time(k, context),
-                context,
-            )
+            rate, k = self._best(self.dflash, self.max[DFLASH], context, drafted=True)
             options.append((rate / pace[DFLASH], Choice(DFLASH, k)))
         rate, choice = max(options, key=lambda o: o[0])
         if self.probing:
@@ -426,8 +432,7 @@ class AdaptivePolicy:
         if self.max[DFLASH]:
             if self.idle[DFLASH] >= self.wait[DFLASH]:
                 return False
-            rates = self.dflash.rates(self.max[DFLASH])
-            if self._best(rates, lambda k: self._draft_time(k, context), context)[0] / pace[DFLASH] > ahead:
+            if self._best(self.dflash, self.max[DFLASH], context, drafted=True)[0] / pace[DFLASH] > ahead:
                 return False
         lengths = index.possible() if self.max[LOOKUP] else []
         if lengths and self.idle[LOOKUP] >= self.wait[LOOKUP]:
@@ -436,7 +441,7 @@ class AdaptivePolicy:
         waiting, rest = 0.0, 1.0
         for n in lengths:
             chance = rest * self.follows[n].rates(1)[0]
-            lookup = self._best(self.lookup[min(n, 8)].rates(self.max[LOOKUP]), lambda k: 0.0, context)[0]
+            lookup = self._best(self.lookup[min(n, 8)], self.max[LOOKUP], context, drafted=False)[0]
             lookup /= pace[LOOKUP]
             waiting, rest = waiting + chance * max(lookup, step), rest - chance
         if waiting + rest * step > ahead:
@@ -456,6 +461,7 @@ class AdaptivePolicy:
         key = (choice.source, context.bit_length())
         last, spent, priced, cycles = self.run
         if last != key or cycles == PACE_RUN:
+            self._paces_at = {}
             if last in self.pace:
                 self.pace[last] = [*self.pace[last][1 - PACE_RUNS :], spent / priced]
             elif last is not None:
@@ -468,10 +474,13 @@ class AdaptivePolicy:
         range that has some (costs past the contexts measured are extrapolated, so their error changes
         little from one range to the next: a first answer at a longer context starts from it), else 1."""
         bucket, paces = context.bit_length(), {}
+        if bucket in self._paces_at:
+            return self._paces_at[bucket]
         for source in (PLAIN, LOOKUP, DFLASH):
             timed = [b for (s, b), runs in self.pace.items() if s == source and runs]
             near = min(timed, key=lambda b: (abs(b - bucket), b), default=None)
             paces[source] = 1.0 if near is None else statistics.median(self.pace[(source, near)])
+        self._paces_at[bucket] = paces
         return paces
 
     def _bin(self, c: float) -> int:
