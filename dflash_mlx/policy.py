@@ -282,12 +282,12 @@ class AdaptivePolicy:
         self.pace: dict[tuple, list] = {}  # (source, context bucket) -> the last runs' wall time / price
         self.run: tuple = (None, 0.0, 0.0, 0)  # the run being timed: (source, bucket), seconds, price, cycles
         self.probing = 0  # plain steps left in a probe
+        self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
+        self.key: tuple | None = None  # where what it learns is kept (`policy_for`, `keep_learnt`)
         # What `choose` and `plain_next` work out, kept while what it came from holds: a run of plain
         # steps prices the same options at each context twice (host time per cycle counts on a GPU)
         self._bests: dict = {}  # (odds, their changes, positions, context, drafted) -> `_best`
         self._paces_at: dict = {}  # context bucket -> `_paces`, until a timed run ends
-        self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
-        self.key: tuple | None = None  # where what it learns is kept (`policy_for`, `keep_learnt`)
 
     def learn_from(self, other: AdaptivePolicy) -> None:
         """Start from what `other` learnt (odds, parked options, paces): a copy of it."""
