@@ -481,6 +481,45 @@ def test_costs_are_interpolated_over_width_and_context():
     assert costs.step_time(600) == pytest.approx(1.5) and costs.step_time(600, "ahead") == pytest.approx(1.35)
 
 
+def test_prices_kept_between_choices_never_change_one():
+    """The policy keeps what it worked out until the odds or paces it came from change: over a long
+    history of lookups, drafts and timings it chooses exactly as one that works everything out afresh."""
+    costs = CostModel(
+        [64, 512, 2048],
+        [1, 2, 4, 8, 16],
+        [[1, 1.3, 1.6, 2.2, 3.5], [1.2, 1.5, 1.9, 2.6, 4.0], [2, 2.4, 3, 4, 6]],
+        [1, 3, 7, 15],
+        [[0.5, 0.55, 0.6, 0.7]] * 3,
+        [0.8, 1.0, 1.7],
+        [0.9, 1.1, 1.8],
+    )
+    rng = random.Random(0)
+    kept, fresh = AdaptivePolicy(costs, 15, True), AdaptivePolicy(costs, 15, True)
+    index, made = NgramIndex(), set()
+    for step in range(4000):
+        context = 100 + step // 3
+        index.extend([rng.randrange(40)])
+        found = (list(range(rng.randrange(12))), rng.randrange(1, 9)) if rng.random() < 0.4 else ([], 0)
+        fresh._bests, fresh._paces_at = {}, {}
+        choice = kept.choose(context, found)
+        assert fresh.choose(context, found) == choice
+        fresh._bests, fresh._paces_at = {}, {}
+        ahead = kept.plain_next(context + 1, index)
+        assert fresh.plain_next(context + 1, index) == ahead
+        made.add((choice.source, ahead))
+        accepted = (
+            (0 if rng.random() < 0.9 else choice.k)
+            if choice.source == DFLASH
+            else rng.randrange(choice.k + 1)
+        )
+        confidence, seconds = [rng.random() for _ in range(choice.k)], rng.uniform(0.5, 3.0)
+        for policy in (kept, fresh):
+            if choice.source != PLAIN:
+                policy.observe(choice, choice.k, accepted, confidence, found[1] or 1)
+            policy.timed(choice, choice.k, context, "ahead" if ahead else None, seconds)
+    assert {source for source, _ in made} == {PLAIN, LOOKUP, DFLASH} and {a for _, a in made} == {True, False}
+
+
 @pytest.mark.parametrize("mode", ["lookup", "adaptive"])
 def test_sampled_output_follows_the_target_distribution_with_lookup_and_the_adaptive_policy(
     mode, monkeypatch
