@@ -91,6 +91,10 @@ def test_greedy_answers_leave_plain_decoding_only_at_near_ties(smollm2):
         "Explain in two sentences why the sky is blue.",
         "List five prime numbers and say what makes them prime.",
         "Rewrite this sentence in the passive voice: The cat chased the mouse.",
+        "Give three tips for a first job interview.",
+        "What is the difference between a list and a tuple in Python?",
+        "Describe a rainy afternoon in a small town in four sentences.",
+        "How does a refrigerator keep food cold?",
     ]
     tokens, gaps = 0, []
     for question in questions:
