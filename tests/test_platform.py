@@ -130,3 +130,11 @@ def test_gpu_kernels_are_kept_under_the_home_unless_the_user_chose_a_folder(tmp_
     monkeypatch.setenv(PTX_ENV, "/mine")
     keep_kernels("NVIDIA H100 80GB HBM3")
     assert os.environ[PTX_ENV] == "/mine"
+
+
+def test_doctor_names_the_known_problem_on_cuda_only():
+    from dflash_mlx.platform import known_problems
+
+    (line,) = known_problems("cuda")
+    assert "differ from plain decoding" in line and "--block-size 1" in line
+    assert known_problems("cpu") == known_problems("metal") == []
