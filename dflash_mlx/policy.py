@@ -62,6 +62,7 @@ PROBE_FIRST, PROBE_MAX, PROBE_KEEP = 16, 1024, 0.25
 # plain steps by less than PACE_CLOSE, they are probed: a run of PACE_RUN (two where none was timed in
 # that range yet), at once where their pace is not known yet.
 PACE_RUN, PACE_RUNS, PACE_CLOSE = 4, 9, 2.0
+WIDTHS = (1, 2, 4, 8, 16, 32)  # the target pass widths priced, and so the only ones verified
 
 
 @dataclass(frozen=True)
@@ -708,7 +709,7 @@ def measure_costs(
     target,
     draft,
     contexts=(64, 1024),
-    widths=(1, 2, 4, 8, 16, 32),
+    widths=WIDTHS,
     proposals=(1, 3, 7, 15, 31),
     repeats: int = 3,
 ) -> CostModel:

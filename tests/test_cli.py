@@ -42,6 +42,14 @@ def pair(tmp_path_factory):
     return root, model
 
 
+def _signals_as_in_a_terminal() -> None:
+    """A child's SIGINT as a shell gives it (default, unblocked): it would inherit whatever a test that
+    ran before in this process left, and then never see the Ctrl-C sent to it."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run(command: str, *more):
     """`dflash-mlx` with the arguments of `command` split as a shell splits them (no path here has a
     space), then those in `more` as they are."""
@@ -877,6 +885,7 @@ def test_stopped_train_data_says_what_it_kept_and_how_fast(pair, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+        preexec_fn=_signals_as_in_a_terminal,
     )
     deadline = time.monotonic() + 300
     try:
@@ -921,6 +930,7 @@ def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_ru
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+        preexec_fn=_signals_as_in_a_terminal,
     )
     log, deadline = tmp_path / "run" / "log.jsonl", time.monotonic() + 300
     try:

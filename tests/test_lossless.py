@@ -1,5 +1,6 @@
 """Greedy speculative decoding must reproduce mlx-lm's own greedy decoding token for token."""
 
+import mlx.core as mx
 import pytest
 from tiny import (
     FAMILIES,
@@ -15,6 +16,7 @@ from tiny import (
 
 from dflash_mlx import SpeculativeCache, generate, stream_generate
 from dflash_mlx.models.dflash import DraftCache
+from dflash_mlx.policy import WIDTHS
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +177,24 @@ def test_bench_names_where_an_answer_left_plain_decoding_and_the_targets_margin_
     top = sorted(row.tolist())[-2:]
     assert d["at"] == 6 and abs(d["gap"] - (top[1] - top[0])) < 1e-4
     assert first_difference(model, prompt, plain, plain[:4])["at"] == 4  # one stopped early
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_quantized_matmul_gives_each_row_what_it_gives_the_row_alone(bits, dtype):
+    """A verify pass multiplies w rows by each quantized weight where a step multiplies one: for every
+    width up to the widest pass, each row's result is the row's alone up to rounding, and the same
+    again when run again. (Backends pick kernels by row count; a kernel that got a row count wrong, or
+    raced, would break exactness at those widths only.) A shape of the demo target's."""
+    dtype, k, n = getattr(mx, dtype), 576, 1536
+    w = mx.random.normal((n, k), key=mx.random.key(1)).astype(dtype)
+    q = mx.quantize(w, group_size=32, bits=bits)
+    x = mx.random.normal((max(WIDTHS), k), key=mx.random.key(2)).astype(dtype)
+    mul = lambda rows: mx.quantized_matmul(rows, *q, transpose=True, group_size=32, bits=bits)  # noqa: E731
+    alone = mx.concatenate([mul(x[i : i + 1]) for i in range(x.shape[0])]).astype(mx.float32)
+    scale = mx.abs(alone).max().item()
+    for m in WIDTHS[1:]:
+        rows = mul(x[:m])
+        assert mx.array_equal(rows, mul(x[:m])), f"{m} rows: two runs differ"
+        error = mx.abs(rows.astype(mx.float32) - alone[:m]).max().item()
+        assert error <= 2e-2 * scale, f"{m} rows: off by {error:.3g} (results up to {scale:.3g})"

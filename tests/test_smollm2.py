@@ -147,30 +147,46 @@ def test_a_piped_prompt_loses_the_newline_echo_adds(smollm2):
     assert piped["prompt_tokens"] == typed["prompt_tokens"] and piped["tokens"] == typed["tokens"]
 
 
-def test_with_the_target_kept_quantized_verify_passes_and_steps_disagree_only_at_near_ties(ours, tmp_path):
-    """A verify pass over 16 tokens and a one-token step are different computations; with quantized
-    weights they may round a near-tie differently. Counted over greedy answers: every disagreement is
-    at a near-tie of the step's own logits (docs/how-it-works.md#lossless)."""
+def test_with_the_target_kept_quantized_verify_passes_of_every_width_leave_steps_only_at_near_ties(
+    ours, tmp_path
+):
+    """A verify pass over w tokens and a one-token step are different computations; with quantized
+    weights they may round a near-tie differently. For every width the policy verifies, over greedy
+    answers: every disagreement is at a near-tie of the step's own logits, and the same passes again
+    give the same logits (a kernel whose result depends on the row count or on the run shows here
+    first: docs/how-it-works.md#lossless)."""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
     from dflash_mlx.convert import convert_target
+    from dflash_mlx.policy import WIDTHS
 
     convert_target(str(smollm2_gguf()), tmp_path / "q")  # Q4_1 kept as MLX 4-bit
     model, _ = mlx_lm_load(str(tmp_path / "q"))
     _, tokenizer = ours
-    compared, gaps = 0, []
+
+    def passes(ids: list[int], seq: list[int], width: int) -> mx.array:
+        cache = make_prompt_cache(model)
+        model(mx.array([ids[:-1]]), cache=cache)
+        return mx.concatenate(
+            [model(mx.array([seq[i : i + width]]), cache=cache)[0] for i in range(0, len(seq), width)]
+        )
+
+    widths = [w for w in WIDTHS if w > 1]  # (1: the steps themselves)
+    compared, gaps = dict.fromkeys(widths, 0), {w: [] for w in widths}
     for question in PROMPTS[:2]:
         ids = apply_chat_template(tokenizer, question)
         steps, logits = zip(*((int(t), lp) for t, lp in generate_step(mx.array(ids), model, max_tokens=32)))
-        cache = make_prompt_cache(model)
-        model(mx.array([ids[:-1]]), cache=cache)
         seq = [ids[-1], *steps[:-1]]  # row j of a pass over seq predicts steps[j]
-        rows = mx.concatenate([model(mx.array([seq[i : i + 16]]), cache=cache)[0] for i in range(0, 32, 16)])
-        for j, verified in enumerate(mx.argmax(rows, axis=-1).tolist()):
-            compared += 1
-            if verified != steps[j]:
-                top = mx.sort(logits[j])[-2:]
-                gaps.append((top[1] - top[0]).item())
-                break  # (past a disagreement the two would go on from different tokens)
-    assert compared >= 32 and all(g < 0.05 for g in gaps)
+        for width in widths:
+            rows = passes(ids, seq, width)
+            if question == PROMPTS[0]:
+                assert mx.array_equal(rows, passes(ids, seq, width)), f"width {width}: two runs differ"
+            for j, verified in enumerate(mx.argmax(rows, axis=-1).tolist()):
+                compared[width] += 1
+                if verified != steps[j]:
+                    top = mx.sort(logits[j])[-2:]
+                    gaps[width].append((top[1] - top[0]).item())
+                    break  # (past a disagreement the two would go on from different tokens)
+    assert all(n >= 32 for n in compared.values())
+    assert all(g < 0.05 for w in widths for g in gaps[w]), gaps
