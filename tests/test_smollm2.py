@@ -190,3 +190,50 @@ def test_with_the_target_kept_quantized_verify_passes_of_every_width_leave_steps
                     break  # (past a disagreement the two would go on from different tokens)
     assert all(n >= 32 for n in compared.values())
     assert all(g < 0.05 for w in widths for g in gaps[w]), gaps
+
+
+def test_where_width_is_nearly_free_the_adaptive_policy_stays_lossless_in_whatever_order_it_chooses(
+    ours, monkeypatch
+):
+    """On a GPU a wide pass costs little more than a step, so the adaptive policy verifies trees, long
+    lookups and drafts, and which one each cycle follows its timings, which differ from run to run.
+    With such a machine's costs and timings shuffled at random, the real pair's greedy answers stay
+    mlx-lm's, through every kind of cycle."""
+    import random
+
+    import dflash_mlx.policy as policy
+    from dflash_mlx.benchsets import bench_set
+    from dflash_mlx.loading import draft_for, load_draft
+
+    step, rows = 0.005, [[1.0, 1.05, 1.1, 1.2, 1.45, 1.9], [1.2, 1.3, 1.4, 1.5, 1.8, 2.4]]
+    gpu = policy.CostModel(
+        [64, 1024],
+        list(policy.WIDTHS),
+        [[step * r for r in row] for row in rows],
+        [1, 3, 7, 15],
+        [[step * x for x in (0.17, 0.2, 0.25, 0.33)]] * 2,
+        [step, 1.2 * step],
+        [1.4 * step, 1.6 * step],
+    )
+    monkeypatch.setattr(policy, "costs_for", lambda *args, **kwargs: gpu)
+    rng, timed = random.Random(5), policy.AdaptivePolicy.timed
+
+    def shuffled(self, choice, verified, context, after, seconds):
+        price = (
+            self.costs.step_time(context, after)
+            if choice.source == policy.PLAIN
+            else self.costs.target_time(verified + 1, context)
+        )
+        timed(self, choice, verified, context, after, price * rng.uniform(0.4, 2.5))
+
+    monkeypatch.setattr(policy.AdaptivePolicy, "timed", shuffled)
+    model, tokenizer = ours
+    draft = load_draft(draft_for("smollm2-135m-instruct", None))
+    sources = set()
+    for messages in [PROMPTS[2], "Give three tips for a first job interview.", bench_set("edit")[0]]:
+        ids = apply_chat_template(tokenizer, messages)
+        want = mlx_lm_generate(model, tokenizer, ids, max_tokens=64)
+        got = generate(model, draft, tokenizer, ids, max_tokens=64)
+        assert got.text == want
+        sources |= set(got.sources)
+    assert sources == {"plain", "lookup", "dflash", "tree"}
