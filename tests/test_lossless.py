@@ -182,9 +182,9 @@ def test_bench_names_where_an_answer_left_plain_decoding_and_the_targets_margin_
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_quantized_matmul_gives_each_row_what_it_gives_the_row_alone(bits, dtype):
-    """A verify pass multiplies w rows by each quantized weight where a step multiplies one: for every
-    width up to the widest pass, each row's result is the row's alone up to rounding, and the same
-    again when run again. (Backends pick kernels by row count; a kernel that got a row count wrong, or
+    """A verify pass multiplies w rows by each quantized weight where a step multiplies one: at every
+    width the policy verifies, each row's result is the row's alone up to rounding, and the same again
+    when run again. (Backends pick kernels by row count; a kernel that got a row count wrong, or
     raced, would break exactness at those widths only.) A shape of the demo target's."""
     dtype, k, n = getattr(mx, dtype), 576, 1536
     w = mx.random.normal((n, k), key=mx.random.key(1)).astype(dtype)
