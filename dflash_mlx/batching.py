@@ -66,6 +66,13 @@ class RaggedKVCache:
         lies outside a row's span is masked)."""
         width = keys.shape[2]
         end = max(self.ends) + width
+        if self.keys is None:  # (rows with nothing processed yet: see `merge`)
+            b, h, _, d = keys.shape
+            size = -(-end // STEP) * STEP
+            self.keys, self.values = (
+                mx.zeros((b, h, size, d), keys.dtype),
+                mx.zeros((b, h, size, d), keys.dtype),
+            )
         if end > self.keys.shape[2]:
             grow = -(-(end - self.keys.shape[2]) // STEP) * STEP
             pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
@@ -150,24 +157,28 @@ def batchable(cache: list) -> bool:
 
 def merge(caches: list[list[KVCache]]) -> list[RaggedKVCache]:
     """One batch of the sequences' target caches (row b: caches[b]), their positions copied in,
-    right-aligned."""
+    right-aligned. A cache with nothing processed yet joins as an empty row (prompts prefilled
+    together: cache.py); while every row is empty the buffer is made by the first pass."""
     out = []
     for layer in zip(*caches):
-        if any(c.keys is None for c in layer):
-            raise ValueError("a sequence joins a batch with its prompt processed")
-        lengths = [c.offset for c in layer]
+        lengths = [c.offset if c.keys is not None else 0 for c in layer]
         longest = max(lengths)
-        size = -(-longest // STEP) * STEP
+        starts = [longest - length for length in lengths]
+        shaped = next((c for c in layer if c.keys is not None), None)
+        if shaped is None:
+            out.append(RaggedKVCache(None, None, starts, [longest] * len(layer)))
+            continue
+        size = max(-(-longest // STEP) * STEP, STEP)
         rows_k, rows_v = [], []
         for c, length in zip(layer, lengths):
             pad = [(0, 0), (0, 0), (longest - length, size - longest), (0, 0)]
-            rows_k.append(mx.pad(c.keys[..., :length, :], pad))
-            rows_v.append(mx.pad(c.values[..., :length, :], pad))
-        starts = [longest - length for length in lengths]
+            own = c if c.keys is not None else shaped
+            rows_k.append(mx.pad(own.keys[..., :length, :], pad))
+            rows_v.append(mx.pad(own.values[..., :length, :], pad))
         out.append(
             RaggedKVCache(mx.concatenate(rows_k), mx.concatenate(rows_v), starts, [longest] * len(layer))
         )
-    mx.eval([c.state for c in out])
+    mx.eval([c.state for c in out if c.keys is not None])
     return out
 
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from .batching import batchable, merge, split
 from .drafters import NgramIndex
 from .errors import UserError
 from .models.dflash import DFlashDraftModel
@@ -233,3 +234,35 @@ class SpeculativeCache:
         del self.tokens[n:]
         self.index.truncate(n)
         return True
+
+
+def prefill_together(caches: list[SpeculativeCache], prompts: list[list[int]]) -> list[mx.array]:
+    """`prefill` for several caches of one target in one pass over their rows (each cache's pending and
+    new tokens, right-padded to the longest): -> each one's logits after its last token, (1, vocab).
+    The caches end as their own prefills would leave them. Where a pass over many rows costs little
+    more than one over a single row (a GPU), short prompts that arrive together start sooner. Meant
+    for short prompts (one pass, no chunks); a target whose caches cannot batch runs them in turn."""
+    if len(caches) == 1 or not batchable(caches[0].target_cache):
+        return [c.prefill(p) for c, p in zip(caches, prompts)]
+    if not all(c.pending or p for c, p in zip(caches, prompts)):
+        raise UserError("nothing to prefill: the prompt is empty")
+    for c, p in zip(caches, prompts):
+        c.add(p)
+        c.broken = True
+    rows = [c.pending for c in caches]
+    lengths, width = [len(r) for r in rows], max(len(r) for r in rows)
+    batch = merge([c.target_cache for c in caches])
+    tokens = mx.array([r + [0] * (width - len(r)) for r in rows])
+    logits, features = caches[0].target(tokens, batch, lengths=lengths)
+    for layer in batch:  # (the padding goes)
+        layer.trim([width - n for n in lengths])
+    for b, (c, n) in enumerate(zip(caches, lengths)):
+        split(batch, b, c.target_cache)
+        if c.draft is not None:
+            c.draft.absorb(features[b : b + 1, :n], c.draft_cache)
+    mx.eval(logits, [layer.state for c in caches for layer in c.draft_cache or []])
+    for c, n in zip(caches, lengths):
+        c.processed += n
+        c.last_prefill = n
+        c.broken = False
+    return [logits[b] for b in range(len(caches))]

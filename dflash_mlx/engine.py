@@ -121,7 +121,10 @@ class Sequence:
     def start(self, prompt: list[int]) -> list[int]:
         """Prefill the prompt (after what the cache holds) and choose the first token: -> the tokens to
         hand out (none past the room; the EOS included)."""
-        logits = self.cache.prefill(prompt, self.settings.prefill_step_size)
+        return self.begin(self.cache.prefill(prompt, self.settings.prefill_step_size))
+
+    def begin(self, logits: mx.array) -> list[int]:
+        """`start` once the prompt is prefilled (`logits`: the target's after it, as `prefill` gives)."""
         first = int(self.pick_at(logits, len(self.cache.tokens)).item())
         new = self.cut([first])
         self.cache.add([first])

@@ -220,13 +220,16 @@ class Target:
         """
         return [KVCache() if isinstance(c, RotatingKVCache) else c for c in make_prompt_cache(self.model)]
 
-    def __call__(self, tokens: mx.array, cache: list | None, last_logits_only: bool = False):
+    def __call__(
+        self, tokens: mx.array, cache: list | None, last_logits_only: bool = False, lengths=None
+    ):
         """Run the target over tokens (shape (1, n)) -> (logits, features). cache None: no cache.
 
         features is (1, n, len(layer_ids) * hidden_size): the tapped layers' outputs, concatenated.
-        Such a call (a prefill) cannot be rolled back; `verify` makes one that can.
+        Such a call (a prefill) cannot be rolled back; `verify` makes one that can. `lengths`: rows of a
+        batch right-padded to a common width, each row's logits after its own last token only.
         """
-        logits, features, _ = self._run(tokens, cache, last_logits_only, [])
+        logits, features, _ = self._run(tokens, cache, last_logits_only, [], lengths)
         return logits, features
 
     def verify(
@@ -257,7 +260,7 @@ class Target:
         inputs = {i: record[i][0] for i in self._recurrent}
         return logits, features, Undo(tokens.shape[1], inputs, states, buffers)
 
-    def _run(self, tokens, cache, last_logits_only: bool, recurrent: list[int]):
+    def _run(self, tokens, cache, last_logits_only: bool, recurrent: list[int], lengths=None):
         record: dict[int, Any] = {}
         layers = self.inner.layers
         watched = set(self.layer_ids) | set(recurrent)
@@ -268,7 +271,11 @@ class Target:
             h = self.inner(tokens, cache)
         finally:
             self.inner.layers = layers
-        logits = self.lm_head(h[:, -1:] if last_logits_only else h)
+        if lengths is not None:
+            h = h[mx.arange(h.shape[0]), mx.array(lengths) - 1][:, None]
+        elif last_logits_only:
+            h = h[:, -1:]
+        logits = self.lm_head(h)
         outputs = [record[i][1] for i in self.layer_ids]
         if self.spec.tuple_output:
             outputs = [out[0] for out in outputs]

@@ -8,6 +8,7 @@ from tiny import (
     OracleDraft,
     draft_config,
     greedy_reference,
+    make_draft,
     make_target,
     make_tokenizer,
     no_eos_tokenizer,
@@ -217,3 +218,23 @@ def test_a_cache_an_interrupted_pass_left_half_updated_is_refused(where, monkeyp
     assert (
         generate(target, draft, no_eos_tokenizer(want), more, max_tokens=6, prompt_cache=clean).tokens == want
     )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompts_prefilled_together_leave_each_cache_as_its_own_prefill_would(family):
+    """One pass over several short prompts (rows right-padded, one of them after a kept conversation
+    with a pending token): each cache, and each first token's logits, as a prefill of its own gives.
+    Targets whose caches cannot batch prefill in turn."""
+    from dflash_mlx.cache import prefill_together
+
+    model, draft = make_target(family), make_draft(block_size=8)
+    prompts = [prompt_of(n, seed=n) for n in (5, 17, 1, 40)]
+    caches = [SpeculativeCache(model, draft) for _ in prompts]
+    caches[1].prefill(prompt_of(9, seed=99))
+    caches[1].add([3])
+    for cache, prompt, logits in zip(caches, prompts, prefill_together(caches, prompts)):
+        fresh = SpeculativeCache(model, draft)
+        want = fresh.prefill(cache.tokens)
+        assert_same_caches(cache, fresh)
+        assert np.allclose(np.array(logits), np.array(want), atol=1e-4)
+        assert cache.last_prefill == len(prompt) + (cache is caches[1])

@@ -402,3 +402,51 @@ def test_a_body_of_the_wrong_shape_gets_the_field_named_in_the_clients_terms(ser
     url, _ = server
     r = post(url, "/v1/chat/completions", dict(request("/v1/chat/completions", "w5"), **{field: value}))
     assert r.status_code == 400 and r.json()["error"]["message"] == message
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one at a time", "together"])
+def test_short_prompts_waiting_at_once_prefill_together_where_that_pays_and_answer_as_alone(
+    tiny,  # noqa: F811
+    monkeypatch,
+    together,
+):
+    """Requests that wait at once, each answered as `generate` answers it alone, whether their prompts
+    were prefilled one at a time or in one pass (chosen by which has been faster: forced here)."""
+    import dflash_mlx.server.scheduler as scheduler_module
+
+    target, draft, tok = tiny
+    passes = []
+
+    def counted(caches, prompts):
+        passes.append(len(caches))
+        return prefill_together(caches, prompts)
+
+    prefill_together = scheduler_module.prefill_together
+    monkeypatch.setattr(scheduler_module, "prefill_together", counted)
+    monkeypatch.setattr(Scheduler, "_together", lambda self: together)
+    scheduler = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), Metrics(), 4, 4)
+    prompts = [tok.encode(words(120 + i, 3 + 4 * i), add_special_tokens=False) for i in range(4)]
+    settings = GenerationSettings(max_tokens=16)
+    got, finished = {i: [] for i in range(4)}, []
+    for i, prompt in enumerate(prompts):
+
+        def emit(event, i=i):
+            if isinstance(event, Finished):
+                finished.append(event.error)
+            elif hasattr(event, "tokens"):
+                got[i] += event.tokens
+
+        scheduler.admit()
+        scheduler.submit(Request(prompt, settings, [], emit))
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 120
+        while len(finished) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    assert finished == [None] * 4
+    for i, prompt in enumerate(prompts):
+        assert got[i] == generate(target, draft, None, prompt, max_tokens=16).tokens
+    assert (passes == [4]) if together else not passes

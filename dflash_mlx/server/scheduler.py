@@ -1,18 +1,19 @@
 """One generation worker for every request, over one engine (engine.py).
 
-The models run on one thread. Requests that are answering step together: each engine step is one
-target pass over all of them, so every stream moves each step and none waits for another to finish.
-A request joins once its prompt is prefilled; a long prompt is prefilled a chunk at a time between
-steps, each chunk sized by the prefill speed last measured to take about PREFILL_TURN_S while others
-are under way (about PREFILL_ALONE_S alone, which is as long as a request that arrives meanwhile
-waits). Turns go to whatever has received the fewest tokens: the batch (its least served request) or
-a prefilling request, a chunk counting as the tokens the batch's requests receive in its time, so a
-long prompt shares the worker with the streams under way rather than holding them up. A request whose
-reader has fallen behind (a slow client) leaves the batch until it catches up. Requests are admitted
-before their prompts are made (`admit`), so a full server refuses them (`Busy`) before any work: up to
-`max_active` in flight and `max_waiting` more. A request whose client has gone, or that has run past
-its deadline, is taken out before the next step; its cache, left consistent, goes back to the pool like
-any other (a request that failed leaves its cache out).
+The models run on one thread. Requests that are answering step together: each engine step is one target
+pass over all of them, so every stream moves each step and none waits for another to finish. A request
+joins once its prompt is prefilled; short prompts that wait at once are prefilled together in one pass
+where that has measured faster than one at a time (a GPU); a long prompt is prefilled a chunk at a time
+between steps, each chunk sized by the prefill speed last measured to take about PREFILL_TURN_S while
+others are under way (about PREFILL_ALONE_S alone, which is as long as a request that arrives meanwhile
+waits). Turns go to whatever has received the fewest tokens: the batch (its least served request) or a
+prefilling request, a chunk counting as the tokens the batch's requests receive in its time, so a long
+prompt shares the worker with the streams under way rather than holding them up. A request whose reader
+has fallen behind (a slow client) leaves the batch until it catches up. Requests are admitted before
+their prompts are made (`admit`), so a full server refuses them (`Busy`) before any work: up to
+`max_active` in flight and `max_waiting` more. A request whose client has gone, or that has run past its
+deadline, is taken out before the next step; its cache, left consistent, goes back to the pool like any
+other (a request that failed leaves its cache out).
 
 Steps are pipelined: the next is launched before the last one's tokens are handed to the readers.
 A request with a seed draws each token with a key made from its seed and the token's position, so it
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..cache import prefill_together
 from ..engine import Engine, Sequence
 from ..errors import UserError
 from ..pairing import context_room
@@ -44,6 +46,9 @@ PREFILL_TURN_S = 0.25  # about how long a prefill chunk takes while other reques
 PREFILL_ALONE_S = 1.0  # ... and while none is
 FIRST_CHUNK = 64  # prompt tokens in a chunk before any prefill speed is known
 MAX_BACKLOG = 64  # events a request's reader may leave unread before it leaves the batch
+# Short prompts (each the last chunk of its request) that wait at once are prefilled together or one at
+# a time by which has given more prompt tokens a second; the other is tried again every RETRY_SHORT.
+RETRY_SHORT = 16
 
 
 class Busy(Exception):
@@ -107,6 +112,9 @@ class Scheduler:
         self.admitted = 0  # requests admitted and not yet ended: preparing, waiting, joining or active
         self.turns = 0
         self.prefill_rate: float | None = None  # prompt tokens a second in the last prefill chunk
+        # prompt tokens a second of short prompts' prefills, one at a time and together (averages)
+        self.short_rates: dict[bool, float | None] = {False: None, True: None}
+        self.short_choices = 0
         self.token_seconds: float | None = None  # worker seconds per token a request receives (average)
         self.launched = 0.0  # when the step under way was launched
         self.returning: list[_Job] = []  # ended while their step was under way: their caches come back
@@ -195,7 +203,11 @@ class Scheduler:
         answering = [j for j in self.active if j.seq is not None and not j.paused]
         first = min(prefilling, key=lambda j: (j.served, j.turn), default=None)
         if first is not None and (not answering or first.served <= min(j.served for j in answering)):
-            self._prefill(first)
+            short = [j for j in prefilling if len(j.prompt) <= self._chunk(j)]
+            if first in short and len(short) > 1 and self._together():
+                self._prefill_together([first] + [j for j in short if j is not first])
+            else:
+                self._prefill(first)
         elif answering:
             tic = time.perf_counter()
             self.engine.launch()
@@ -283,17 +295,58 @@ class Scheduler:
                 self.prefill_rate = n / seconds
                 job.served += seconds / self.token_seconds if self.token_seconds else 1
                 return
-            settings = job.request.settings
-            room = min(settings.max_tokens, context_room(self.pool.target, len(job.request.prompt)))
-            eos = frozenset(self.tokenizer.eos_token_ids)
-            seq = Sequence(job.cache, settings, room, eos, keyed=True)
+            seq = self._sequence(job)
             first = seq.start(job.prompt)
         except Exception as e:  # noqa: BLE001  (the server goes on; the request gets the error)
-            if not isinstance(e, UserError):
-                log.exception("generation failed")
-            self._end(job, e, keep=False)
+            self._failed(job, e)
             return
-        self.metrics.busy.inc(time.perf_counter() - tic)
+        seconds = time.perf_counter() - tic
+        self._short_rate(False, len(job.prompt), seconds)
+        self._begin(job, seq, first, seconds)
+
+    def _together(self) -> bool:
+        """Whether short prompts waiting at once are prefilled together this time (see RETRY_SHORT)."""
+        rates = self.short_rates
+        if None in rates.values():
+            return rates[True] is None
+        self.short_choices += 1
+        return (rates[True] > rates[False]) != (self.short_choices % RETRY_SHORT == 0)
+
+    def _short_rate(self, together: bool, tokens: int, seconds: float) -> None:
+        rate, last = tokens / max(seconds, 1e-9), self.short_rates[together]
+        self.short_rates[together] = rate if last is None else 0.8 * last + 0.2 * rate
+
+    def _prefill_together(self, jobs: list[_Job]) -> None:
+        """Short prompts in one pass (`prefill_together`), each starting its answer."""
+        self.turns += 1
+        tic = time.perf_counter()
+        try:
+            seqs = [self._sequence(job) for job in jobs]
+            logits = prefill_together([job.cache for job in jobs], [job.prompt for job in jobs])
+        except Exception as e:  # noqa: BLE001  (the server goes on; the requests get the error)
+            for job in jobs:
+                self._failed(job, e)
+            return
+        seconds = time.perf_counter() - tic
+        self._short_rate(True, sum(len(job.prompt) for job in jobs), seconds)
+        for job, seq, row in zip(jobs, seqs, logits):
+            job.turn = self.turns
+            self._begin(job, seq, seq.begin(row), seconds / len(jobs))
+
+    def _sequence(self, job: _Job) -> Sequence:
+        settings = job.request.settings
+        room = min(settings.max_tokens, context_room(self.pool.target, len(job.request.prompt)))
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        return Sequence(job.cache, settings, room, eos, keyed=True)
+
+    def _failed(self, job: _Job, error: Exception) -> None:
+        if not isinstance(error, UserError):
+            log.exception("generation failed")
+        self._end(job, error, keep=False)
+
+    def _begin(self, job: _Job, seq: Sequence, first: list[int], seconds: float) -> None:
+        """A job whose prompt is in: its first token handed out, and it joins the engine."""
+        self.metrics.busy.inc(seconds)
         job.seq, job.served = seq, job.served + len(first)
         response = job.answer.respond(first, None, seq.finish)
         self.metrics.record(response)
