@@ -320,8 +320,16 @@ class Scheduler:
         """Short prompts in one pass (`prefill_together`), each starting its answer."""
         self.turns += 1
         tic = time.perf_counter()
+        seqs = {}
+        for job in jobs:
+            try:
+                seqs[job] = self._sequence(job)
+            except Exception as e:  # noqa: BLE001  (the server goes on; the request gets the error)
+                self._failed(job, e)
+        jobs = list(seqs)
+        if not jobs:
+            return
         try:
-            seqs = [self._sequence(job) for job in jobs]
             logits = prefill_together([job.cache for job in jobs], [job.prompt for job in jobs])
         except Exception as e:  # noqa: BLE001  (the server goes on; the requests get the error)
             for job in jobs:
@@ -329,9 +337,9 @@ class Scheduler:
             return
         seconds = time.perf_counter() - tic
         self._short_rate(True, sum(len(job.prompt) for job in jobs), seconds)
-        for job, seq, row in zip(jobs, seqs, logits):
+        for job, row in zip(jobs, logits):
             job.turn = self.turns
-            self._begin(job, seq, seq.begin(row), seconds / len(jobs))
+            self._begin(job, seqs[job], seqs[job].begin(row), seconds / len(jobs))
 
     def _sequence(self, job: _Job) -> Sequence:
         settings = job.request.settings
