@@ -46,9 +46,11 @@ PREFILL_TURN_S = 0.25  # about how long a prefill chunk takes while other reques
 PREFILL_ALONE_S = 1.0  # ... and while none is
 FIRST_CHUNK = 64  # prompt tokens in a chunk before any prefill speed is known
 MAX_BACKLOG = 64  # events a request's reader may leave unread before it leaves the batch
-# Short prompts (each the last chunk of its request) that wait at once are prefilled together or one at
-# a time by which has given more prompt tokens a second; the other is tried again every RETRY_SHORT.
-RETRY_SHORT = 16
+# Short prompts (each the last chunk of its request, of at most SHORT tokens) that wait at once are
+# prefilled together or one at a time by which has given more prompt tokens a second; the other is
+# tried again every RETRY_SHORT. (A longer prompt gains little from sharing a pass, and would pad the
+# others' rows to its length.)
+SHORT, RETRY_SHORT = 256, 16
 
 
 class Busy(Exception):
@@ -203,7 +205,7 @@ class Scheduler:
         answering = [j for j in self.active if j.seq is not None and not j.paused]
         first = min(prefilling, key=lambda j: (j.served, j.turn), default=None)
         if first is not None and (not answering or first.served <= min(j.served for j in answering)):
-            short = [j for j in prefilling if len(j.prompt) <= self._chunk(j)]
+            short = [j for j in prefilling if len(j.prompt) <= min(self._chunk(j), SHORT)]
             if first in short and len(short) > 1 and self._together():
                 self._prefill_together([first] + [j for j in short if j is not first])
             else:
