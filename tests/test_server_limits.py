@@ -29,7 +29,7 @@ from dflash_mlx import SpeculativeCache, generate
 from dflash_mlx.server.app import create_app
 from dflash_mlx.server.metrics import Metrics
 from dflash_mlx.server.pool import PromptCachePool
-from dflash_mlx.server.scheduler import Finished, Request, Scheduler, Started
+from dflash_mlx.server.scheduler import RETRY_SHORT, Finished, Request, Scheduler, Started
 from dflash_mlx.settings import GenerationSettings
 
 
@@ -423,7 +423,7 @@ def test_short_prompts_waiting_at_once_prefill_together_where_that_pays_and_answ
 
     prefill_together = scheduler_module.prefill_together
     monkeypatch.setattr(scheduler_module, "prefill_together", counted)
-    monkeypatch.setattr(Scheduler, "_together", lambda self: together)
+    monkeypatch.setattr(Scheduler, "_together", lambda self, k: together)
     scheduler = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), Metrics(), 4, 4)
     prompts = [tok.encode(words(120 + i, 3 + 4 * i), add_special_tokens=False) for i in range(4)]
     settings = GenerationSettings(max_tokens=16)
@@ -450,3 +450,15 @@ def test_short_prompts_waiting_at_once_prefill_together_where_that_pays_and_answ
     for i, prompt in enumerate(prompts):
         assert got[i] == generate(target, draft, None, prompt, max_tokens=16).tokens
     assert (passes == [4]) if together else not passes
+
+
+def test_short_prompts_go_together_where_that_gives_their_first_tokens_sooner_on_average(tiny):  # noqa: F811
+    target, draft, tok = tiny
+    s = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), Metrics(), 4, 4)
+    assert s._together(4)  # (together not measured yet: tried)
+    s.short_rates = {False: None, True: 100.0}
+    assert not s._together(4)  # (one at a time not measured yet)
+    s.short_rates = {False: 100.0, True: 150.0}  # sooner in all, but the first three wait longer
+    assert [s._together(4) for _ in range(32)].count(True) == 32 // RETRY_SHORT
+    s.short_rates = {False: 100.0, True: 400.0}  # four rows cost what one does (a GPU)
+    assert [s._together(4) for _ in range(32)].count(False) == 32 // RETRY_SHORT
