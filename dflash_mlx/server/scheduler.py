@@ -303,14 +303,16 @@ class Scheduler:
             self._failed(job, e)
             return
         seconds = time.perf_counter() - tic
-        self._short_rate(False, len(job.prompt), seconds)
+        if len(job.prompt) <= SHORT:
+            self._short_rate(False, len(job.prompt), seconds)
         self._begin(job, seq, first, seconds)
 
     def _together(self, k: int) -> bool:
         """Whether k short prompts waiting at once are prefilled together this time (see RETRY_SHORT).
         One at a time, the i-th waits for i prefills: k + 1 halves of one on average, where together
         all wait for the one pass. So together pays where its rate beats one at a time's 2k / (k + 1)
-        times over (a GPU), not merely where it is faster in all (1.2 times on a 2-core CPU)."""
+        times over (where a pass over several rows costs about one row's), not merely where it is
+        faster in all."""
         rates = self.short_rates
         if None in rates.values():
             return rates[True] is None
