@@ -169,12 +169,17 @@ def merge(caches: list[list[KVCache]]) -> list[RaggedKVCache]:
             out.append(RaggedKVCache(None, None, starts, [longest] * len(layer)))
             continue
         size = max(-(-longest // STEP) * STEP, STEP)
+        _, heads, _, dims = shaped.keys.shape
+        empty = mx.zeros((1, heads, size, dims), shaped.keys.dtype)
         rows_k, rows_v = [], []
         for c, length in zip(layer, lengths):
+            if c.keys is None:
+                rows_k.append(empty)
+                rows_v.append(empty)
+                continue
             pad = [(0, 0), (0, 0), (longest - length, size - longest), (0, 0)]
-            own = c if c.keys is not None else shaped
-            rows_k.append(mx.pad(own.keys[..., :length, :], pad))
-            rows_v.append(mx.pad(own.values[..., :length, :], pad))
+            rows_k.append(mx.pad(c.keys[..., :length, :], pad))
+            rows_v.append(mx.pad(c.values[..., :length, :], pad))
         out.append(
             RaggedKVCache(mx.concatenate(rows_k), mx.concatenate(rows_v), starts, [longest] * len(layer))
         )

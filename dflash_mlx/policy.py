@@ -453,12 +453,7 @@ class AdaptivePolicy:
     def timed(self, choice: Choice, verified: int, context: int, after: str | None, seconds: float) -> None:
         """A cycle of this choice took `seconds` of wall time, as the engine timed it (`verified`: the
         proposals it verified; `after`: how a plain step was started, as in `CostModel.step_time`)."""
-        if choice.source == PLAIN:
-            price = self.costs.step_time(context, after)
-        else:
-            price = self.costs.target_time(verified + 1, context)
-            if choice.source == DFLASH:
-                price += self._draft_time(choice.k, context)
+        price = self.price(choice, verified, context, after)
         key = (choice.source, context.bit_length())
         last, spent, priced, cycles = self.run
         if last != key or cycles == PACE_RUN:
@@ -469,6 +464,15 @@ class AdaptivePolicy:
                 self.pace[last] = []  # (the first run: left out)
             spent, priced, cycles = 0.0, 0.0, 0
         self.run = (key, spent + seconds, priced + price, cycles + 1)
+
+    def price(self, choice: Choice, verified: int, context: int, after: str | None) -> float:
+        """What the cost model says a cycle of this choice takes (see `timed`)."""
+        if choice.source == PLAIN:
+            return self.costs.step_time(context, after)
+        price = self.costs.target_time(verified + 1, context)
+        if choice.source == DFLASH:
+            price += self._draft_time(choice.k, context)
+        return price
 
     def _paces(self, context: int) -> dict[str, float]:
         """Each source's pace at this context: from its runs in this context range, else in the nearest

@@ -219,11 +219,7 @@ def test_where_width_is_nearly_free_the_adaptive_policy_stays_lossless_in_whatev
     rng, timed = random.Random(5), policy.AdaptivePolicy.timed
 
     def shuffled(self, choice, verified, context, after, seconds):
-        price = (
-            self.costs.step_time(context, after)
-            if choice.source == policy.PLAIN
-            else self.costs.target_time(verified + 1, context)
-        )
+        price = self.price(choice, verified, context, after)
         timed(self, choice, verified, context, after, price * rng.uniform(0.4, 2.5))
 
     monkeypatch.setattr(policy.AdaptivePolicy, "timed", shuffled)
