@@ -28,6 +28,17 @@ from .models.targets import Target
 from .pairing import prepare
 
 ABSORB_BATCH = 64
+# Prompt tokens a prefill pass takes at most. On a GPU, mlx-lm's default. MLX's CPU backend has no
+# fused attention: it builds each chunk's full score matrix, and past a few hundred queries its
+# softmax leaves the caches and costs more than the layers' matmuls, so shorter chunks prefill long
+# prompts faster there (docs/performance.md#long-prompts).
+GPU_PREFILL_STEP = 2048
+CPU_PREFILL_STEP = 256
+
+
+def prefill_step() -> int:
+    """The chunk a prefill takes where none is given, by the device MLX computes on."""
+    return CPU_PREFILL_STEP if mx.default_device().type == mx.cpu else GPU_PREFILL_STEP
 
 
 def _layer_copy(c):
@@ -86,12 +97,14 @@ class SpeculativeCache:
         self.tokens.extend(tokens)
         self.index.extend(tokens)
 
-    def prefill(self, tokens: list[int], step: int = 2048) -> mx.array:
+    def prefill(self, tokens: list[int], step: int | None = None) -> mx.array:
         """Process pending + new tokens; return the target's logits (1, vocab) after the last one.
 
-        Long prompts go through in chunks of `step`, each chunk's features going straight into the
-        drafter's cache, so the whole prompt's features never sit in memory at once.
+        Long prompts go through in chunks of `step` (None: `prefill_step()`), each chunk's features
+        going straight into the drafter's cache, so the whole prompt's features never sit in memory at
+        once.
         """
+        step = step or prefill_step()
         self.add(tokens)
         todo = self.pending
         self.last_prefill = len(todo)

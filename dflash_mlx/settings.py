@@ -25,7 +25,7 @@ class GenerationSettings(SamplingParams):
     tree: int | None = None  # N: every cycle verifies a tree in a pass of N, as wide as a block of N
     lookup: bool = True  # prompt lookup among the choices (with block_size None)
     seed: int | None = None  # any integer, taken modulo 2**64 (MLX's seeds are unsigned 64-bit)
-    prefill_step_size: int = 2048
+    prefill_step_size: int | None = None  # prompt tokens a prefill pass takes (None: cache.prefill_step)
     draft_window: int | None = None  # the drafter keeps only this many latest context positions
 
     def __post_init__(self):
@@ -36,7 +36,7 @@ class GenerationSettings(SamplingParams):
             check_block_size(self.block_size)
         if self.tree is not None and not 2 <= self.tree <= TREE_MAX:
             raise UserError(f"tree must be from 2 to {TREE_MAX} (the width of its pass), got {self.tree}")
-        if self.prefill_step_size < 1:
+        if self.prefill_step_size is not None and self.prefill_step_size < 1:
             raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
         if self.draft_window is not None and self.draft_window < 1:
             raise UserError(f"draft_window must be >= 1, got {self.draft_window}")

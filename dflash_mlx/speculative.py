@@ -156,7 +156,7 @@ def stream_generate(
     sampler: Callable[[mx.array], mx.array] | None = None,
     stop: abc.Sequence[str] = (),
     prompt_cache: SpeculativeCache | None = None,
-    prefill_step_size: int = 2048,
+    prefill_step_size: int | None = None,
     draft_window: int | None = None,
     compile: bool = True,
 ) -> Iterator[GenerationResponse]:

@@ -1,5 +1,6 @@
 """After every cycle both caches must equal what a plain prefill of the committed tokens builds."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache
@@ -103,6 +104,28 @@ def test_a_prompt_prefilled_in_chunks_builds_the_same_caches(family):
     assert_same_caches(chunked, whole)
     out = generate(target, draft, no_eos_tokenizer(ref), prompt, max_tokens=20, prefill_step_size=7)
     assert out.tokens == ref
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_as_short_as_the_device_needs(monkeypatch):
+    """MLX's CPU backend builds each chunk's whole attention score matrix, so there the default chunk is
+    short (docs/performance.md#long-prompts); on a GPU it is mlx-lm's. The answer is the same."""
+    model = make_target("llama")
+    prompt = prompt_of(600)
+    ref = greedy_reference(model, prompt, 8)
+    draft = OracleDraft(draft_config(block_size=4), prompt + ref, [None])
+    target = prepare(model, draft)
+    costs_for(target, draft)  # (measured first where no earlier test did: those passes are not counted)
+    widths, run = [], Target.__call__
+
+    def counted(self, x, *args, **kwargs):
+        widths.append(x.shape[1])
+        return run(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(Target, "__call__", counted)
+    with mx.stream(mx.cpu):
+        out = generate(target, draft, no_eos_tokenizer(ref), prompt, max_tokens=8)
+    assert out.tokens == ref
+    assert widths[:3] == [256, 256, 88]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_5"])

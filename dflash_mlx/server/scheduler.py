@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..cache import prefill_together
+from ..cache import prefill_step, prefill_together
 from ..engine import Engine, Sequence
 from ..errors import UserError
 from ..pairing import context_room
@@ -374,7 +374,7 @@ class Scheduler:
 
     def _chunk(self, job: _Job) -> int:
         """Prompt tokens to prefill in this turn (at most the request's prefill step)."""
-        step = job.request.settings.prefill_step_size
+        step = job.request.settings.prefill_step_size or prefill_step()
         if self.prefill_rate is None:
             return min(FIRST_CHUNK, step)
         seconds = PREFILL_ALONE_S if len(self.active) == 1 and not self.waiting else PREFILL_TURN_S
