@@ -65,6 +65,11 @@ class SamplingParams:
         mlx-lm, the log-softmax, the filters and the temperature are computed in the logits' own dtype
         (in bfloat16 that decides which tokens sit on a filter's threshold); its categorical draw then
         reads them in float32."""
+        x = self._scaled(logits)
+        return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+    def _scaled(self, logits: mx.array) -> mx.array:
+        """`logprobs` before their last normalisation: what a categorical draw needs."""
         x = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if 0 < self.top_p < 1:
             x = apply_top_p(x, self.top_p)
@@ -72,17 +77,19 @@ class SamplingParams:
             x = apply_min_p(x, self.min_p)
         if 0 < self.top_k < x.shape[-1]:
             x = apply_top_k(x, self.top_k)
-        x = (x * (1 / self.temperature)).astype(mx.float32)
-        return x - mx.logsumexp(x, axis=-1, keepdims=True)
+        if self.temperature != 1:
+            x = x * (1 / self.temperature)
+        return x.astype(mx.float32)
 
     def probs(self, logits: mx.array) -> mx.array:
         return mx.exp(self.logprobs(logits))
 
     def sample(self, logits: mx.array) -> mx.array:
-        """One token per row of logits (mlx-lm's greedy choice at temperature 0)."""
+        """One token per row of logits (mlx-lm's greedy choice at temperature 0). The draw normalises
+        for itself: a pass over the vocabulary less per token than through `logprobs`."""
         if self.greedy:
             return greedy(logits)
-        return mx.random.categorical(self.logprobs(logits))
+        return mx.random.categorical(self._scaled(logits))
 
 
 def greedy(logits: mx.array) -> mx.array:
