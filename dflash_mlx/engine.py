@@ -149,11 +149,11 @@ class Sequence:
         """The target's token(s) for logits rows predicting positions `position`, `position` + 1, ...
         (or `position` + depths[j] for row j: a tree's nodes), each row drawn on its own."""
         if self.keyed:
-            logprobs, seed = self.settings.logprobs(logits), self.settings.seed
-            depths = range(logprobs.shape[0]) if depths is None else depths
+            scaled, seed = self.settings.scaled(logits), self.settings.seed
+            depths = range(scaled.shape[0]) if depths is None else depths
             return mx.concatenate(
                 [
-                    mx.random.categorical(logprobs[j : j + 1], key=_position_key(seed, position + d))
+                    mx.random.categorical(scaled[j : j + 1], key=_position_key(seed, position + d))
                     for j, d in enumerate(depths)
                 ]
             )

@@ -65,11 +65,12 @@ class SamplingParams:
         mlx-lm, the log-softmax, the filters and the temperature are computed in the logits' own dtype
         (in bfloat16 that decides which tokens sit on a filter's threshold); its categorical draw then
         reads them in float32."""
-        x = self._scaled(logits)
+        x = self.scaled(logits)
         return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
-    def _scaled(self, logits: mx.array) -> mx.array:
-        """`logprobs` before their last normalisation: what a categorical draw needs."""
+    def scaled(self, logits: mx.array) -> mx.array:
+        """`logprobs` before their last normalisation: all a categorical draw needs (it normalises for
+        itself), a pass over the vocabulary less per token."""
         x = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if 0 < self.top_p < 1:
             x = apply_top_p(x, self.top_p)
@@ -85,11 +86,10 @@ class SamplingParams:
         return mx.exp(self.logprobs(logits))
 
     def sample(self, logits: mx.array) -> mx.array:
-        """One token per row of logits (mlx-lm's greedy choice at temperature 0). The draw normalises
-        for itself: a pass over the vocabulary less per token than through `logprobs`."""
+        """One token per row of logits (mlx-lm's greedy choice at temperature 0)."""
         if self.greedy:
             return greedy(logits)
-        return mx.random.categorical(self._scaled(logits))
+        return mx.random.categorical(self.scaled(logits))
 
 
 def greedy(logits: mx.array) -> mx.array:
