@@ -137,8 +137,9 @@ def rejection_accept(proposals: mx.array, q: mx.array, p: mx.array):
     n = _accepted_prefix(u * qx < px)
     residual = mx.concatenate([mx.maximum(p[:-1] - q, 0.0), p[-1:]], axis=0)[n]
     total = residual.sum()
-    # An empty residual means p_n == q_n up to rounding, where rejection cannot really happen.
-    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[n])
+    # An empty residual means p_n == q_n up to rounding, where rejection cannot really happen. (Not
+    # normalised: the categorical draw does that itself.)
+    residual = mx.where(total > 0, residual, p[n])
     return n, mx.random.categorical(mx.log(residual))
 
 
@@ -146,15 +147,14 @@ def one_hot_accept(proposals: mx.array, p: mx.array):
     """Speculative sampling for proposals made with certainty (q one-hot, as prompt lookup's): proposal k
     survives with probability p_k(x_k); at the first rejection the token is drawn from p_k without x_k
     (normalize(max(0, p_k - q_k)) for a one-hot q_k); if all survive, from p_{B-1}. Only that one row is
-    renormalised, so no vocabulary-wide q is ever built."""
+    drawn from (the draw normalises it), so no vocabulary-wide q is ever built."""
     k = mx.arange(proposals.shape[0])
     px = p[k, proposals]
     u = mx.random.uniform(shape=px.shape)
     n = _accepted_prefix(u < px)
     rejected = mx.concatenate([proposals, mx.array([-1], dtype=proposals.dtype)])[n]  # -1: none rejected
     row = mx.where(mx.arange(p.shape[-1]) == rejected, 0.0, p[n])
-    total = row.sum()
-    row = mx.where(total > 0, row / mx.maximum(total, 1e-30), p[n])
+    row = mx.where(row.sum() > 0, row, p[n])
     return n, mx.random.categorical(mx.log(row))
 
 
