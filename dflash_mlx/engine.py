@@ -201,7 +201,7 @@ class Engine:
         self.started = False  # ... and launched
         self.turn = 0  # whose step it is, when sequences cannot batch
         self.launched: float | None = None  # when the step under way was launched, if one sequence's
-        self.collected = 0.0  # when the last step was collected
+        self.collected = 0.0  # when the last step was collected (or the plain step it started ahead, started)
 
     # ---- membership -------------------------------------------------------------------------------
 
@@ -343,11 +343,14 @@ class Engine:
         plain = all(c.x.size == 0 for c in cycles)
         going = all(s.produced + 1 < s.room and not s.removed for s in rows)
         same = self.batch is not None or len(self.rows) == 1  # (the same rows step next)
+        ahead = 0.0  # the seconds spent here starting the next step (see `_time`)
         if plain and going and same:  # build the next plain step on tokens not yet read
             self._keep(rows, [1] * len(rows))
             self.ready = self._build_plain(rows, mx.stack([c.nxt for c in cycles]))
             if self._plain_next(rows):
+                tic = time.perf_counter()
                 self._launch_built(*self.ready)
+                ahead = time.perf_counter() - tic
                 self.started = True
             else:
                 self.started = False
@@ -377,18 +380,21 @@ class Engine:
             s.cycle = None
         self.step_rows = [] if self.ready is None else rows
         if self.launched is not None and results:
-            self._time(results[0], cycles[0])
-        self.collected = time.perf_counter()
+            self._time(results[0], cycles[0], ahead)
+        self.collected = time.perf_counter() - ahead
         if any(s.finish or s.removed for s in self.rows):  # their caches go back to them now
             self._drop_step()
             self._regroup()
         return results
 
-    def _time(self, result: Result, cycle: Cycle) -> None:
+    def _time(self, result: Result, cycle: Cycle, ahead: float) -> None:
         """Tell a sequence stepping alone what its cycle took, from its launch (a plain step started
-        ahead: from the last step's collection) to its tokens kept, with whatever the driver did
-        meanwhile (handing out the last tokens): its policy learns its pace."""
-        seconds = time.perf_counter() - self.launched
+        ahead: from its start in the last collection) to its tokens kept, with whatever the driver did
+        meanwhile (handing out the last tokens): its policy learns its pace. `ahead`: the seconds this
+        collection spent starting the next step, which are that step's: on MLX's CPU backend starting
+        a step waits for most of it to run (an eval keeps at most 10 tasks in flight), and a plain
+        step after any other cycle would otherwise be timed as two."""
+        seconds = time.perf_counter() - self.launched - ahead
         context = len(result.seq.cache.tokens) - len(result.tokens)
         result.seq.policy.timed(cycle.choice, cycle.x.size, context, cycle.after, seconds)
         self.launched = None

@@ -283,6 +283,7 @@ class AdaptivePolicy:
         self.pace: dict[tuple, list] = {}  # (source, context bucket) -> the last runs' wall time / price
         self.run: tuple = (None, 0.0, 0.0, 0)  # the run being timed: (source, bucket), seconds, price, cycles
         self.probing = 0  # plain steps left in a probe
+        self.after_plain = False  # whether the last cycle chosen was a plain step
         self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
         self.key: tuple | None = None  # where what it learns is kept (`policy_for`, `keep_learnt`)
         # What `choose` and `plain_next` work out, kept while what it came from holds: a run of plain
@@ -340,10 +341,13 @@ class AdaptivePolicy:
             context = min(context, self.draft_window + DraftCache.STEP)
         return self.costs.draft_time(k, context)
 
-    def _best(self, odds: _Odds, n: int, context: int, drafted: bool) -> tuple[float, int]:
+    def _best(
+        self, odds: _Odds, n: int, context: int, drafted: bool, pace: float = 1.0, extra: float = 0.0
+    ) -> tuple[float, int]:
         """-> (tokens per second, k) of the best k >= 1 for the acceptance odds at `odds`' positions
-        1..n, a draft pass's time counted where `drafted`."""
-        key = (id(odds), odds.changes, n, context, drafted)
+        1..n, a draft pass's time counted where `drafted`, the cycle's price scaled by `pace` and
+        `extra` seconds added (see `_switch`)."""
+        key = (id(odds), odds.changes, n, context, drafted, pace, extra)
         if key not in self._bests:
             if len(self._bests) >= 256:
                 self._bests.clear()
@@ -352,9 +356,16 @@ class AdaptivePolicy:
             for k in self.costs.counts(n):
                 t = self.costs.target_time(k + 1, context)
                 t += self._draft_time(k, context) if drafted else 0.0
-                best = max(best, (e[k] / t, -k))
+                best = max(best, (e[k] / (t * pace + extra), -k))
             self._bests[key] = best[0], -best[1]
         return self._bests[key]
+
+    def _switch(self, context: int, pace: dict[str, float]) -> float:
+        """What leaving a run of plain steps for one cycle costs besides the cycle: the plain step
+        built ahead is dropped, and the next plain step is started late (after that cycle's tokens
+        are read) instead of ahead, which the costs price apart (`CostModel.step_time`)."""
+        late = self.costs.step_time(context) - self.costs.step_time(context, "ahead")
+        return max(late, 0.0) * pace[PLAIN]
 
     def expectations(self, lookup: tuple[list[int], int]) -> tuple[list[float], list[float]]:
         """Tokens a cycle commits on average by proposals verified (index k, k = 0 first), with lookup's
@@ -368,7 +379,13 @@ class AdaptivePolicy:
     def choose(self, context: int, lookup: tuple[list[int], int]) -> Choice:
         """A plain step is priced as one of a run of them (each started before the last one's token is
         read): choosing plain leads to more plain steps while it pays, and pricing the first of them
-        alone would keep the policy drafting at a loss once it drafts."""
+        alone would keep the policy drafting at a loss once it drafts. After a plain step, another
+        option also pays for leaving the run (`_switch`)."""
+        choice = self._choose(context, lookup)
+        self.after_plain = choice.source == PLAIN
+        return choice
+
+    def _choose(self, context: int, lookup: tuple[list[int], int]) -> Choice:
         tokens, n = lookup
         for m in self.waited_for:  # where plain_next waited for a match: did one follow?
             if n > m:
@@ -379,14 +396,15 @@ class AdaptivePolicy:
         self.waited_for = []
         pace = self._paces(context)
         step = self.costs.step_time(context, "ahead")
+        switch = self._switch(context, pace) if self.after_plain else 0.0
         options = [(1.0 / (step * pace[PLAIN]), Choice(PLAIN, 0))]
         if self.max[LOOKUP] and tokens:
-            odds = self.lookup[min(n, 8)]
-            rate, k = self._best(odds, min(len(tokens), self.max[LOOKUP]), context, drafted=False)
-            options.append((rate / pace[LOOKUP], Choice(LOOKUP, k)))
+            odds, most = self.lookup[min(n, 8)], min(len(tokens), self.max[LOOKUP])
+            rate, k = self._best(odds, most, context, False, pace[LOOKUP], switch)
+            options.append((rate, Choice(LOOKUP, k)))
         if self.max[DFLASH]:
-            rate, k = self._best(self.dflash, self.max[DFLASH], context, drafted=True)
-            options.append((rate / pace[DFLASH], Choice(DFLASH, k)))
+            rate, k = self._best(self.dflash, self.max[DFLASH], context, True, pace[DFLASH], switch)
+            options.append((rate, Choice(DFLASH, k)))
         rate, choice = max(options, key=lambda o: o[0])
         if self.probing:
             self.probing -= 1
@@ -400,8 +418,8 @@ class AdaptivePolicy:
                 timed = (PLAIN, bucket) in self.pace  # (else its first run is left out)
                 self.probing = (1 if timed else 2) * PACE_RUN - 1
                 return options[0][1]
-        elif choice.source == PLAIN:
-            self.idle[PLAIN] = 0
+        elif choice.source == PLAIN:  # it pays again: a later close call probes it soon
+            self.idle[PLAIN], self.wait[PLAIN] = 0, PROBE_FIRST
         return self.probed(choice, [option for _, option in options[1:]], n)
 
     def probed(self, choice: Choice, offered: list[Choice], n: int) -> Choice:
@@ -430,10 +448,11 @@ class AdaptivePolicy:
             return True
         pace = self._paces(context)
         ahead = 1.0 / (self.costs.step_time(context, "ahead") * pace[PLAIN])
+        switch = self._switch(context, pace)
         if self.max[DFLASH]:
             if self.idle[DFLASH] >= self.wait[DFLASH]:
                 return False
-            if self._best(self.dflash, self.max[DFLASH], context, drafted=True)[0] / pace[DFLASH] > ahead:
+            if self._best(self.dflash, self.max[DFLASH], context, True, pace[DFLASH], switch)[0] > ahead:
                 return False
         lengths = index.possible() if self.max[LOOKUP] else []
         if lengths and self.idle[LOOKUP] >= self.wait[LOOKUP]:
@@ -442,8 +461,8 @@ class AdaptivePolicy:
         waiting, rest = 0.0, 1.0
         for n in lengths:
             chance = rest * self.follows[n].rates(1)[0]
-            lookup = self._best(self.lookup[min(n, 8)], self.max[LOOKUP], context, drafted=False)[0]
-            lookup /= pace[LOOKUP]
+            odds = self.lookup[min(n, 8)]
+            lookup = self._best(odds, self.max[LOOKUP], context, False, pace[LOOKUP], switch)[0]
             waiting, rest = waiting + chance * max(lookup, step), rest - chance
         if waiting + rest * step > ahead:
             self.waited_for = lengths
@@ -884,6 +903,7 @@ def keep_costs(path: Path, costs: CostModel) -> None:
 # it learnt is kept on disk too (`keep_learnt`), so that the first answer of the next process (each
 # `dflash-mlx generate`) starts from it as well.
 _LEARNT: dict[tuple, AdaptivePolicy] = {}
+LEARNT_METHOD = 2  # how cycles are timed: paces learnt by an earlier method are not read
 
 
 def weights_digest(model) -> str | None:
@@ -898,8 +918,9 @@ def weights_digest(model) -> str | None:
 
 
 def learnt_path(key: tuple) -> Path:
-    """Where what the policies of this `_LEARNT` key learnt is kept."""
-    name = hashlib.sha256(json.dumps([str(x) for x in key]).encode()).hexdigest()[:16]
+    """Where what the policies of this `_LEARNT` key learnt is kept (what cycles timed another way
+    learnt, `LEARNT_METHOD`, is not read)."""
+    name = hashlib.sha256(json.dumps([LEARNT_METHOD, *(str(x) for x in key)]).encode()).hexdigest()[:16]
     return cache_home() / "policies" / f"{name}.json"
 
 

@@ -362,6 +362,53 @@ def test_an_answer_times_its_cycles_for_its_policy():
     assert {source for source, _ in learnt.pace} <= {PLAIN, LOOKUP, DFLASH}
 
 
+def test_a_plain_step_started_ahead_is_timed_with_its_start_not_with_the_cycle_that_started_it(monkeypatch):
+    # Starting a step on MLX's CPU backend waits for most of it to run; here starting one waits 0.1 s.
+    # Each plain step built in advance pays for its own start, wherever that happened: else a plain
+    # step after any other cycle would carry two steps' time.
+    import time
+
+    started = SpeculativeCache.launch
+
+    def slow(self, *arrays):
+        time.sleep(0.1)
+        started(self, *arrays)
+
+    monkeypatch.setattr(SpeculativeCache, "launch", slow)
+    timed = []
+    monkeypatch.setattr(
+        AdaptivePolicy,
+        "timed",
+        lambda self, choice, k, context, after, seconds: timed.append((after, seconds)),
+    )
+    model, draft = make_target("llama"), make_draft()
+    prompt = prompt_of(24)
+    generate(model, draft, no_eos_tokenizer(prompt), prompt, max_tokens=48, temperature=1.0)
+    assert any(after == "ahead" for after, _ in timed)
+    for after, seconds in timed:
+        assert (seconds >= 0.1) == (after in ("ahead", "built")), (after, seconds)
+
+
+def test_leaving_a_run_of_plain_steps_costs_the_step_started_late_after_it():
+    # A step started ahead costs 0.8 here, one started late 1.0: a lookup cycle of odds 0.5 (1.5 tokens
+    # in 1.1) beats a run of plain steps (1.25 a second) only where no run is going.
+    costs = CostModel([64], [1, 2], [[1.0, 1.1]], [], [], [0.8], [0.9])
+    policy = AdaptivePolicy(costs, 0, lookup=True)
+    policy.plain_probed.add((500).bit_length())  # (plain steps' pace known: no probe of them due)
+    match = ([7, 8], 4)
+    assert policy.choose(500, match) == Choice(LOOKUP, 1)
+    assert policy.choose(500, match) == Choice(LOOKUP, 1)
+    assert policy.choose(500, ([], 0)) == Choice(PLAIN, 0)
+    assert policy.choose(500, match) == Choice(PLAIN, 0)  # (1.5 tokens in 1.1 + 0.2)
+
+
+def test_plain_steps_that_win_again_are_probed_soon_at_the_next_close_call():
+    policy = AdaptivePolicy(CPU, 15, lookup=False)
+    policy.wait[PLAIN] = 1024  # (they lost close calls for a long time)
+    assert policy.choose(500, ([], 0)) == Choice(PLAIN, 0)  # the priors' odds do not pay a draft here
+    assert policy.wait[PLAIN] == AdaptivePolicy(CPU, 15, lookup=False).wait[PLAIN]
+
+
 def test_in_a_batch_a_parked_drafter_is_still_probed_now_and_then():
     policies = [AdaptivePolicy(MAC, 15, lookup=True) for _ in range(3)]  # (wide passes cost little)
     for p in policies:
@@ -433,6 +480,23 @@ def test_the_next_process_starts_from_what_the_last_one_learnt():
     learnt_path(last.key).write_text('{"dflash": [[1.0], [')
     _LEARNT.clear()
     assert policy().learnt() == priors
+
+
+def test_what_cycles_timed_another_way_learnt_is_not_read(monkeypatch):
+    import dflash_mlx.policy as policies
+
+    model, draft = make_target("llama"), make_draft()
+    target = prepare(model, draft)
+    policy = policy_for(target, draft, block_size=None, lookup=True)
+    policy.dflash.observe(15, 15)
+    monkeypatch.setattr(policies, "LEARNT_METHOD", policies.LEARNT_METHOD - 1)
+    policies.keep_learnt(policy)
+    policies._LEARNT.clear()
+    assert policy_for(target, draft, block_size=None, lookup=True).learnt() == policy.learnt()
+    monkeypatch.undo()
+    policies._LEARNT.clear()
+    fresh = policy_for(target, draft, block_size=None, lookup=True)
+    assert fresh.learnt() == AdaptivePolicy(policy.costs, 15, lookup=True).learnt()
 
 
 def test_lookup_is_chosen_where_it_pays_and_left_where_it_does_not():
