@@ -201,7 +201,7 @@ class Engine:
         self.started = False  # ... and launched
         self.turn = 0  # whose step it is, when sequences cannot batch
         self.launched: float | None = None  # when the step under way was launched, if one sequence's
-        self.collected = 0.0  # when the last step was collected (or the plain step it started ahead, started)
+        self.collected = 0.0  # when the last step was collected, less the time it spent starting the next
 
     # ---- membership -------------------------------------------------------------------------------
 

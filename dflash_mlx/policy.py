@@ -361,9 +361,9 @@ class AdaptivePolicy:
         return self._bests[key]
 
     def _switch(self, context: int, pace: dict[str, float]) -> float:
-        """What leaving a run of plain steps for one cycle costs besides the cycle: the plain step
-        built ahead is dropped, and the next plain step is started late (after that cycle's tokens
-        are read) instead of ahead, which the costs price apart (`CostModel.step_time`)."""
+        """What leaving a run of plain steps for one cycle costs besides the cycle: the next plain step
+        starts late (once that cycle's tokens are read) instead of ahead, the difference the costs
+        measure between the two (`CostModel.step_time`)."""
         late = self.costs.step_time(context) - self.costs.step_time(context, "ahead")
         return max(late, 0.0) * pace[PLAIN]
 
