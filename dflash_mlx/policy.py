@@ -56,12 +56,15 @@ PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0
 CONFIDENCE_BINS = 10
 PROBE_FIRST, PROBE_MAX, PROBE_KEEP = 16, 1024, 0.25
 # Cycles are timed in runs of up to PACE_RUN of the same source (a plain step starts the next before its
-# own token is read, so on some backends one step's time holds part of the next's); a source's pace is
-# the median ratio of its last PACE_RUNS runs (a busy moment moves it little), the first run in each
-# context range left out (kernels compiled on first use). Where the best option is expected to beat
-# plain steps by less than PACE_CLOSE, they are probed: a run of PACE_RUN (two where none was timed in
-# that range yet), at once where their pace is not known yet.
-PACE_RUN, PACE_RUNS, PACE_CLOSE = 4, 9, 2.0
+# own token is read, so on some backends one step's time holds part of the next's). Only how sources
+# compare decides, and a busy machine slows them all: so plain steps are the reference, and a lookup
+# or DFlash run's pace is its ratio (wall time / price) over that of the plain run nearest it in time
+# (PACE_PAIR cycles at most apart), the median of its last PACE_RUNS such pairs; a run of one source
+# timed at a busy moment then no longer outweighs the other's, timed at a quiet one, however long the
+# other stays parked. The first run in each context range is left out (kernels compiled on first use).
+# Where the best option is expected to beat plain steps by less than PACE_CLOSE, they are probed: a run
+# of PACE_RUN (two where none was timed in that range yet), at once where their pace is not known yet.
+PACE_RUN, PACE_RUNS, PACE_CLOSE, PACE_PAIR = 4, 9, 2.0, 64
 WIDTHS = (1, 2, 4, 8, 16, 32)  # the target pass widths priced, and so the only ones verified
 
 
@@ -280,8 +283,11 @@ class AdaptivePolicy:
         self.bins = _Odds(CONFIDENCE_BINS)  # acceptance by the drafter's confidence (bins 1..10)
         self.idle = {DFLASH: 0, LOOKUP: 0, PLAIN: 0}  # cycles an available option was not chosen
         self.wait = {DFLASH: PROBE_FIRST, LOOKUP: PROBE_FIRST, PLAIN: PROBE_FIRST}
-        self.pace: dict[tuple, list] = {}  # (source, context bucket) -> the last runs' wall time / price
+        self.pace: dict[tuple, list] = {}  # (lookup or dflash, context bucket) -> the last pairs' ratios
         self.run: tuple = (None, 0.0, 0.0, 0)  # the run being timed: (source, bucket), seconds, price, cycles
+        self.cycles = 0  # cycles timed
+        self.warm: set[tuple] = set()  # (source, bucket) whose first run was left out, in this process
+        self.ran: dict[tuple, list] = {}  # (source, bucket) -> its last run: [ratio, cycles then, paired]
         self.probing = 0  # plain steps left in a probe
         self.after_plain = False  # whether the last cycle chosen was a plain step
         self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
@@ -292,8 +298,10 @@ class AdaptivePolicy:
         self._paces_at: dict = {}  # context bucket -> `_paces`, until a timed run ends
 
     def learn_from(self, other: AdaptivePolicy) -> None:
-        """Start from what `other` learnt (odds, parked options, paces): a copy of it."""
+        """Start from what `other` learnt (odds, parked options, paces): a copy of it, in the same process
+        (the kernels it compiled are compiled)."""
         self.restore(other.learnt())
+        self.warm = set(other.warm)
 
     def learnt(self) -> dict:
         """What it learnt (odds, parked options, paces), as JSON takes it."""
@@ -415,7 +423,7 @@ class AdaptivePolicy:
             if self.idle[PLAIN] >= self.wait[PLAIN] or bucket not in self.plain_probed:  # (unknown: at once)
                 self.plain_probed.add(bucket)
                 self.idle[PLAIN], self.wait[PLAIN] = 0, min(2 * self.wait[PLAIN], PROBE_MAX)
-                timed = (PLAIN, bucket) in self.pace  # (else its first run is left out)
+                timed = (PLAIN, bucket) in self.warm  # (else its first run is left out)
                 self.probing = (1 if timed else 2) * PACE_RUN - 1
                 return options[0][1]
         elif choice.source == PLAIN:  # it pays again: a later close call probes it soon
@@ -476,13 +484,35 @@ class AdaptivePolicy:
         key = (choice.source, context.bit_length())
         last, spent, priced, cycles = self.run
         if last != key or cycles == PACE_RUN:
-            self._paces_at = {}
-            if last in self.pace:
-                self.pace[last] = [*self.pace[last][1 - PACE_RUNS :], spent / priced]
-            elif last is not None:
-                self.pace[last] = []  # (the first run: left out)
+            if last is not None:
+                self._ran(last, spent / priced)
             spent, priced, cycles = 0.0, 0.0, 0
+        self.cycles += 1
         self.run = (key, spent + seconds, priced + price, cycles + 1)
+
+    def _ran(self, key: tuple, ratio: float) -> None:
+        """A run of (source, bucket) `key` ended, its wall time over its price `ratio`: pair it with the
+        last run of the other side in its range (plain steps; for plain steps, lookup and DFlash) that
+        ended at most PACE_PAIR cycles ago, a lookup or DFlash run with one plain run after it at most."""
+        if key not in self.warm:
+            self.warm.add(key)  # (the first run: left out)
+            return
+        source, bucket = key
+        self.ran[key] = [ratio, self.cycles, False]
+        for other in [PLAIN] if source != PLAIN else [LOOKUP, DFLASH]:
+            last = self.ran.get((other, bucket))
+            if last is None or self.cycles - last[1] > PACE_PAIR:
+                continue
+            if source != PLAIN:
+                paced, pace = source, ratio / last[0]
+            elif not last[2]:
+                paced, pace = other, last[0] / ratio
+                last[2] = True
+            else:
+                continue
+            runs = self.pace.get((paced, bucket), [])
+            self.pace[(paced, bucket)] = [*runs[1 - PACE_RUNS :], pace]
+            self._paces_at = {}
 
     def price(self, choice: Choice, verified: int, context: int, after: str | None) -> float:
         """What the cost model says a cycle of this choice takes (see `timed`)."""
@@ -494,13 +524,14 @@ class AdaptivePolicy:
         return price
 
     def _paces(self, context: int) -> dict[str, float]:
-        """Each source's pace at this context: from its runs in this context range, else in the nearest
-        range that has some (costs past the contexts measured are extrapolated, so their error changes
-        little from one range to the next: a first answer at a longer context starts from it), else 1."""
-        bucket, paces = context.bit_length(), {}
+        """Each source's pace at this context, plain steps' 1 (see PACE_PAIR): from its pairs in this
+        context range, else in the nearest range that has some (costs past the contexts measured are
+        extrapolated, so their error changes little from one range to the next: a first answer at a
+        longer context starts from it), else 1."""
+        bucket, paces = context.bit_length(), {PLAIN: 1.0}
         if bucket in self._paces_at:
             return self._paces_at[bucket]
-        for source in (PLAIN, LOOKUP, DFLASH):
+        for source in (LOOKUP, DFLASH):
             timed = [b for (s, b), runs in self.pace.items() if s == source and runs]
             near = min(timed, key=lambda b: (abs(b - bucket), b), default=None)
             paces[source] = 1.0 if near is None else statistics.median(self.pace[(source, near)])
@@ -903,7 +934,7 @@ def keep_costs(path: Path, costs: CostModel) -> None:
 # it learnt is kept on disk too (`keep_learnt`), so that the first answer of the next process (each
 # `dflash-mlx generate`) starts from it as well.
 _LEARNT: dict[tuple, AdaptivePolicy] = {}
-LEARNT_METHOD = 2  # how cycles are timed: paces learnt by an earlier method are not read
+LEARNT_METHOD = 3  # how cycles are timed and paced: paces learnt by an earlier method are not read
 
 
 def weights_digest(model) -> str | None:
