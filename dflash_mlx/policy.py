@@ -59,9 +59,9 @@ PROBE_FIRST, PROBE_MAX, PROBE_KEEP = 16, 1024, 0.25
 # own token is read, so on some backends one step's time holds part of the next's). Only how sources
 # compare decides, and a busy machine slows them all: so plain steps are the reference, and a lookup
 # or DFlash run's pace is its ratio (wall time / price) over that of the plain run nearest it in time
-# (PACE_PAIR cycles at most apart), the median of its last PACE_RUNS such pairs; a run of one source
-# timed at a busy moment then no longer outweighs the other's, timed at a quiet one, however long the
-# other stays parked. The first run in each context range is left out (kernels compiled on first use).
+# (PACE_PAIR cycles at most apart), the median of its last PACE_RUNS such pairs, so a run of one source
+# timed at a busy moment does not outweigh the other's, timed at a quiet one, however long the other
+# stays parked. The first run in each context range is left out (kernels compiled on first use).
 # Where the best option is expected to beat plain steps by less than PACE_CLOSE, they are probed: a run
 # of PACE_RUN (two where none was timed in that range yet), at once where their pace is not known yet.
 PACE_RUN, PACE_RUNS, PACE_CLOSE, PACE_PAIR = 4, 9, 2.0, 64

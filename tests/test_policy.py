@@ -322,9 +322,9 @@ def test_a_policy_whose_plain_steps_were_priced_too_high_learns_their_real_pace(
 
 
 def test_a_busy_moment_while_plain_steps_run_does_not_leave_the_policy_drafting_at_a_loss():
-    """Plain steps timed while the machine is busy (every cycle 30% slower for 40 cycles) made them look
-    slow for as long as the drafter, drafting since, kept them parked. Their pace is now measured
-    against the drafter's runs beside them, and a busy moment slows both."""
+    """Plain steps timed while the machine is busy (every cycle 30% slower for 40 cycles) must not look
+    slow for as long as the drafter, drafting since, keeps them parked: paces are measured against the
+    runs beside them, and a busy moment slows both."""
     # The demo pair's costs on this CPU (a step = 1): a drafted block of 1 costs 1.2 steps, τ 1.25 loses
     costs = CostModel(
         [64],
@@ -344,7 +344,7 @@ def test_a_busy_moment_while_plain_steps_run_does_not_leave_the_policy_drafting_
         load=lambda i: 1.3 if 400 <= i < 440 else 1.0,
     )
     assert made[300:400].count(DFLASH) < 5  # quiet: plain steps
-    assert made[-300:].count(DFLASH) < 30 and rate > 0.98 * plain_rate  # (before: 296 and 0.96)
+    assert made[-300:].count(DFLASH) < 30 and rate > 0.98 * plain_rate
 
 
 def test_a_longer_context_starts_from_the_paces_learnt_at_the_nearest_one():
