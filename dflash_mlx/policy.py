@@ -368,12 +368,12 @@ class AdaptivePolicy:
             self._bests[key] = best[0], -best[1]
         return self._bests[key]
 
-    def _switch(self, context: int, pace: dict[str, float]) -> float:
+    def _switch(self, context: int) -> float:
         """What leaving a run of plain steps for one cycle costs besides the cycle: the next plain step
         starts late (once that cycle's tokens are read) instead of ahead, the difference the costs
         measure between the two (`CostModel.step_time`)."""
         late = self.costs.step_time(context) - self.costs.step_time(context, "ahead")
-        return max(late, 0.0) * pace[PLAIN]
+        return max(late, 0.0)
 
     def expectations(self, lookup: tuple[list[int], int]) -> tuple[list[float], list[float]]:
         """Tokens a cycle commits on average by proposals verified (index k, k = 0 first), with lookup's
@@ -404,8 +404,8 @@ class AdaptivePolicy:
         self.waited_for = []
         pace = self._paces(context)
         step = self.costs.step_time(context, "ahead")
-        switch = self._switch(context, pace) if self.after_plain else 0.0
-        options = [(1.0 / (step * pace[PLAIN]), Choice(PLAIN, 0))]
+        switch = self._switch(context) if self.after_plain else 0.0
+        options = [(1.0 / step, Choice(PLAIN, 0))]
         if self.max[LOOKUP] and tokens:
             odds, most = self.lookup[min(n, 8)], min(len(tokens), self.max[LOOKUP])
             rate, k = self._best(odds, most, context, False, pace[LOOKUP], switch)
@@ -455,8 +455,8 @@ class AdaptivePolicy:
         if self.probing:
             return True
         pace = self._paces(context)
-        ahead = 1.0 / (self.costs.step_time(context, "ahead") * pace[PLAIN])
-        switch = self._switch(context, pace)
+        ahead = 1.0 / self.costs.step_time(context, "ahead")
+        switch = self._switch(context)
         if self.max[DFLASH]:
             if self.idle[DFLASH] >= self.wait[DFLASH]:
                 return False
@@ -465,7 +465,7 @@ class AdaptivePolicy:
         lengths = index.possible() if self.max[LOOKUP] else []
         if lengths and self.idle[LOOKUP] >= self.wait[LOOKUP]:
             return False
-        step = 1.0 / (self.costs.step_time(context, "built") * pace[PLAIN])
+        step = 1.0 / self.costs.step_time(context, "built")
         waiting, rest = 0.0, 1.0
         for n in lengths:
             chance = rest * self.follows[n].rates(1)[0]
@@ -499,20 +499,24 @@ class AdaptivePolicy:
             return
         source, bucket = key
         self.ran[key] = [ratio, self.cycles, False]
-        for other in [PLAIN] if source != PLAIN else [LOOKUP, DFLASH]:
+
+        def recent(other: str) -> list | None:
             last = self.ran.get((other, bucket))
-            if last is None or self.cycles - last[1] > PACE_PAIR:
-                continue
-            if source != PLAIN:
-                paced, pace = source, ratio / last[0]
-            elif not last[2]:
-                paced, pace = other, last[0] / ratio
-                last[2] = True
-            else:
-                continue
-            runs = self.pace.get((paced, bucket), [])
-            self.pace[(paced, bucket)] = [*runs[1 - PACE_RUNS :], pace]
+            return last if last is not None and self.cycles - last[1] <= PACE_PAIR else None
+
+        def paced(other: str, pace: float) -> None:
+            self.pace[(other, bucket)] = [*self.pace.get((other, bucket), [])[1 - PACE_RUNS :], pace]
             self._paces_at = {}
+
+        if source != PLAIN:
+            if (plain := recent(PLAIN)) is not None:
+                paced(source, ratio / plain[0])
+            return
+        for other in (LOOKUP, DFLASH):
+            last = recent(other)
+            if last is not None and not last[2]:
+                last[2] = True
+                paced(other, last[0] / ratio)
 
     def price(self, choice: Choice, verified: int, context: int, after: str | None) -> float:
         """What the cost model says a cycle of this choice takes (see `timed`)."""
@@ -524,11 +528,11 @@ class AdaptivePolicy:
         return price
 
     def _paces(self, context: int) -> dict[str, float]:
-        """Each source's pace at this context, plain steps' 1 (see PACE_PAIR): from its pairs in this
-        context range, else in the nearest range that has some (costs past the contexts measured are
-        extrapolated, so their error changes little from one range to the next: a first answer at a
-        longer context starts from it), else 1."""
-        bucket, paces = context.bit_length(), {PLAIN: 1.0}
+        """Lookup's and DFlash's pace at this context, relative to plain steps' (see PACE_PAIR): from
+        its pairs in this context range, else in the nearest range that has some (costs past the
+        contexts measured are extrapolated, so their error changes little from one range to the next:
+        a first answer at a longer context starts from it), else 1."""
+        bucket, paces = context.bit_length(), {}
         if bucket in self._paces_at:
             return self._paces_at[bucket]
         for source in (LOOKUP, DFLASH):

@@ -232,6 +232,16 @@ CPU = CostModel(
     [0.95],
 )
 
+DEMO_CPU = CostModel(  # the demo pair's costs measured on a 2-core CPU, a step = 1
+    [64],
+    [1, 2, 4, 8, 16],
+    [[1.0, 1.0, 1.66, 2.05, 2.84]],
+    [1, 3, 7, 15],
+    [[0.21, 0.46, 0.61, 0.82]],
+    [0.92],
+    [0.93],
+)
+
 
 def run_trace(policy, accept, cycles, confidence=0.5):
     """Drive the policy with DFlash acceptance drawn by accept(k) -> accepted; -> the choices made."""
@@ -325,16 +335,7 @@ def test_a_busy_moment_while_plain_steps_run_does_not_leave_the_policy_drafting_
     """Plain steps timed while the machine is busy (every cycle 30% slower for 40 cycles) must not look
     slow for as long as the drafter, drafting since, keeps them parked: paces are measured against the
     runs beside them, and a busy moment slows both."""
-    # The demo pair's costs on this CPU (a step = 1): a drafted block of 1 costs 1.2 steps, τ 1.25 loses
-    costs = CostModel(
-        [64],
-        [1, 2, 4, 8, 16],
-        [[1.0, 1.0, 1.66, 2.05, 2.84]],
-        [1, 3, 7, 15],
-        [[0.21, 0.46, 0.61, 0.82]],
-        [0.92],
-        [0.93],
-    )
+    costs = DEMO_CPU  # (a drafted block of 1 costs 1.2 steps: τ 1.25 loses)
     plain_rate = 1 / costs.step_time(500, "ahead")
     made, rate = run_timed(
         AdaptivePolicy(costs, 15, lookup=False),
