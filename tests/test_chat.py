@@ -172,7 +172,9 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
     env = dict(os.environ, DFLASH_MLX_HOME=str(home), COLUMNS="200", TERM="xterm")
     child = pexpect.spawn(
         sys.executable,
-        ["-m", "dflash_mlx.cli.main", "chat", "--draft", str(tmp_path / "draft"), "--max-tokens", "64"],
+        # (room for a long answer: one interrupted mid-way must still be under way when Ctrl-C comes,
+        # however late a busy machine lets this process read the words before it)
+        ["-m", "dflash_mlx.cli.main", "chat", "--draft", str(tmp_path / "draft"), "--max-tokens", "512"],
         env=env,
         encoding="utf-8",
         timeout=180,
