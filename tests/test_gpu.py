@@ -88,6 +88,7 @@ VARIANTS = {
     "without trees": {"trees": False},
     "without lookup": {"lookup": False},
     "without plain steps started ahead": {"ahead": False},
+    "every pass waited for": {"wait": True},
     "block 16": {"block_size": 16},
 }
 
@@ -98,7 +99,8 @@ def test_greedy_answers_leave_plain_decoding_only_at_near_ties(smollm2, weights,
     """A verify pass and a one-token step round differently on a GPU: where an answer leaves plain
     decoding, the step's own top-2 logits there are within a near-tie. Prints the rate per 1,000 tokens.
     The target as the GGUF keeps it (4-bit, MLX's quantized matmuls) and dequantized to bfloat16; each
-    part of the cycle left out in turn."""
+    part of the cycle left out in turn. (Run with MLX_USE_CUDA_GRAPHS=1 to compare with CUDA graphs on:
+    docs/performance.md#greedy-output-on-cuda-and-cuda-graphs.)"""
     from dflash_mlx.loading import load
 
     model, tokenizer, _ = smollm2
@@ -110,6 +112,8 @@ def test_greedy_answers_leave_plain_decoding_only_at_near_ties(smollm2, weights,
         monkeypatch.setattr(engine, "from_logits", lambda draft: False)
     if not options.pop("ahead", True):
         monkeypatch.setattr(engine.Engine, "_plain_next", lambda self, rows: False)
+    if options.pop("wait", False):  # nothing computes while the host goes on
+        monkeypatch.setattr(mx, "async_eval", mx.eval)
     questions = [
         "Write a Python function that checks whether a string is a palindrome.",
         "Explain in two sentences why the sky is blue.",
