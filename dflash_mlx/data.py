@@ -16,12 +16,13 @@ import hashlib
 import json
 import os
 import textwrap
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from .benchsets import SETS, bench_set, parsed_stdlib
@@ -318,6 +319,109 @@ def resume_point(folder: str | Path, source: str = "", shard_size: int = 256) ->
     return done, int(last["next_prompt"]) if "next_prompt" in last else int(last["first_prompt"]) + shard_size
 
 
+class Answers:
+    """Many answers at once for `generate_data`: continuous batching of plain decoding, kept lean.
+
+    mlx-lm's BatchGenerator (what this replaces) does work per row and step: a log-probability array
+    and a response object for every row, and for every row that ends a copy of its cache and a copy of
+    the whole batch's; at hundreds of rows on a GPU that costs more than the model's pass. Here a step
+    is one pass, one sample and one read of the batch's tokens. Rows that end stay in the batch,
+    computing nothing anyone reads, until enough have ended for a refill to pay: then they leave
+    together and waiting prompts join together, prefilled as mlx-lm's batching does (right-padded,
+    then aligned by its batch caches, which are what keep this to any family mlx-lm batches).
+    """
+
+    PREFILL_ROWS, PREFILL_WIDTH = 64, 512  # prompts prefilled in one pass, and its most columns
+
+    def __init__(self, model, stop: Iterable[int], sampler: Callable[[mx.array], mx.array], size: int):
+        self.model, self.stop, self.sampler, self.size = model, set(stop), sampler, size
+        self.waiting: deque[tuple[int, list[int], int]] = deque()  # (uid, prompt, most tokens)
+        self.uids: list[int] = []  # the batch's rows
+        self.cache: list = []
+        self.y: mx.array | None = None  # each row's next input
+        self.left: dict[int, int] = {}  # tokens a row may still write, for rows that have not ended
+        self.launched: tuple[list[int], mx.array] | None = None  # a pass's rows and (lazy) tokens
+        self.count = 0
+
+    def insert(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+        uids = list(range(self.count, self.count + len(prompts)))
+        self.count += len(prompts)
+        self.waiting.extend((u, p, max_tokens) for u, p in zip(uids, prompts))
+        return uids
+
+    def next_generated(self) -> list[tuple[int, int, bool]]:
+        """(uid, token, ended) for each answer a pass has moved on; [] once nothing is left. Passes
+        are read one behind, so the next one is built and started while this one is read."""
+        while True:
+            live, free = len(self.left), self.size - len(self.left)
+            joins = self.waiting and free >= min(max(1, self.size // 8), len(self.waiting))
+            if joins or live * 2 < len(self.uids):  # (or half the rows compute nothing anyone reads)
+                self._refill()
+            launched = None
+            if self.left:
+                self.y = self.sampler(self.model(self.y[:, None], cache=self.cache)[:, -1, :])
+                mx.async_eval(self.y)
+                launched = (list(self.uids), self.y)
+            out = self._read(self.launched) if self.launched else []
+            self.launched = launched
+            if out or not (launched or self.waiting):
+                return out
+
+    def _read(self, launched: tuple[list[int], mx.array]) -> list[tuple[int, int, bool]]:
+        out = []
+        for uid, token in zip(launched[0], launched[1].tolist()):
+            if uid in self.left:  # (rows that ended before this pass only wait to leave)
+                self.left[uid] -= 1
+                ended = token in self.stop or self.left[uid] == 0
+                if ended:
+                    del self.left[uid]
+                out.append((uid, token, ended))
+        return out
+
+    def _refill(self) -> None:
+        """Rows that ended leave; waiting prompts join, up to the batch size."""
+        keep = [i for i, u in enumerate(self.uids) if u in self.left]
+        if len(keep) < len(self.uids):
+            self.uids = [self.uids[i] for i in keep]
+            if keep:
+                for c in self.cache:
+                    c.filter(keep)
+                self.y = self.y[mx.array(keep)]
+            else:
+                self.cache, self.y = [], None
+        joining = [self.waiting.popleft() for _ in range(min(self.size - len(keep), len(self.waiting)))]
+        joining.sort(key=lambda w: len(w[1]))  # (alike lengths prefill together: less padding)
+        for at in range(0, len(joining), self.PREFILL_ROWS):
+            group = joining[at : at + self.PREFILL_ROWS]
+            cache = self._prefill([p[:-1] for _, p, _ in group])
+            y = mx.array([p[-1] for _, p, _ in group])
+            if self.cache:
+                for c, other in zip(self.cache, cache):
+                    c.extend(other)
+                self.y = mx.concatenate([self.y, y])
+            else:
+                self.cache, self.y = cache, y
+            self.uids += [u for u, _, _ in group]
+            self.left.update((u, n) for u, _, n in group)
+
+    def _prefill(self, prompts: list[list[int]]) -> list:
+        """Batch caches holding `prompts`, left-aligned as mlx-lm's batch caches keep them."""
+        cache = [type(c[0]).merge(list(c)) for c in zip(*(make_prompt_cache(self.model) for _ in prompts))]
+        width = max(map(len, prompts))
+        if width == 0:
+            return cache
+        padding = [width - len(p) for p in prompts]
+        for c in cache:
+            c.prepare(lengths=[len(p) for p in prompts], right_padding=padding)
+        tokens = mx.array([p + [0] * k for p, k in zip(prompts, padding)])
+        for at in range(0, width, self.PREFILL_WIDTH):
+            self.model(tokens[:, at : at + self.PREFILL_WIDTH], cache=cache)
+            mx.eval([c.state for c in cache])
+        for c in cache:
+            c.finalize()
+        return cache
+
+
 def generate_data(
     model,
     tokenizer,
@@ -374,15 +478,9 @@ def generate_data(
     # as there is room and the batch never drains between shards. Sampled draws do depend on it: there a
     # shard's prompts are generated alone, seeded by the shard's number, so a resume draws the same.
     per_shard = shard_size if greedy else max(shard_size, batch_size)
-    # mlx-lm's BatchGenerator rather than its batch_generate, which drops the token an answer stopped on:
-    # with several EOS ids (Qwen3, Llama 3) the label must be the one the target wrote.
-    gen = BatchGenerator(
-        model,
-        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-        completion_batch_size=batch_size,
-        prefill_batch_size=min(batch_size, 64),
-        sampler=None if greedy else make_sampler(temperature),
-    )
+    # (mlx-lm's temperature sampler draws the same from raw logits as from log-probabilities)
+    sampler = make_sampler(temperature) if temperature else (lambda logits: mx.argmax(logits, axis=-1))
+    gen = Answers(model, tokenizer.eos_token_ids, sampler, batch_size)
     shards: list[dict] = []  # in flight, in prompt order: each is written once all its answers are in
     owner: dict[int, dict] = {}  # uid -> its shard, while the answer is generated
     in_flight = admitted = 0  # answers being generated; prompts given to the generator, not yet written
@@ -403,9 +501,7 @@ def generate_data(
             if not greedy:
                 mx.random.seed(seed + index)  # a shard's draws depend only on its prompts and its number
             shard = {"first": consumed, "next": consumed + len(chunk), "prompts": keep, "left": len(keep)}
-            shard["answers"] = (
-                {uid: [] for uid in gen.insert(keep, [max_new_tokens] * len(keep))} if keep else {}
-            )
+            shard["answers"] = {uid: [] for uid in gen.insert(keep, max_new_tokens)}
             owner.update(dict.fromkeys(shard["answers"], shard))
             shards.append(shard)
             consumed, in_flight, admitted = shard["next"], in_flight + len(keep), admitted + len(keep)
@@ -436,11 +532,11 @@ def generate_data(
         admit()
         write_finished()
         while shards and (responses := gen.next_generated()):
-            for r in responses:
-                shard = owner[r.uid]
-                shard["answers"][r.uid].append(r.token)
-                if r.finish_reason is not None:  # (its shard holds it until written; then nothing does)
-                    del owner[r.uid]
+            for uid, token, last in responses:
+                shard = owner[uid]
+                shard["answers"][uid].append(token)
+                if last:  # (its shard holds it until written; then nothing does)
+                    del owner[uid]
                     shard["left"] -= 1
                     in_flight -= 1
             if progress is not None:
@@ -452,8 +548,6 @@ def generate_data(
         if greedy:  # (sampled shards are drawn whole: their seeds follow the shard numbers)
             keep_finished()
         raise
-    finally:
-        gen.close()
     if done == 0 and consumed:
         raise UserError(
             f"none of the {consumed} prompts fits in {max_prompt_tokens} tokens with the chat template, "

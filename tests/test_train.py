@@ -25,6 +25,7 @@ from tiny import (
 import dflash_mlx.train as train_module
 from dflash_mlx.chat import apply_chat_template
 from dflash_mlx.data import (
+    Answers,
     check_data_tokenizer,
     generate_data,
     jsonl_prompts,
@@ -692,6 +693,28 @@ def test_data_answers_are_the_targets_greedy_ones_ending_on_the_stop_token_it_wr
         stop = next((i for i, t in enumerate(r) if t in (95, second)), len(r) - 1)
         assert (seq[:plen], seq[plen:]) == (p, r[: stop + 1])
     assert load_shards(tmp_path)[1][0][-1] == second
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_5", "lfm2"])
+def test_answers_are_each_prompts_own_greedy_ones_while_rows_leave_and_join(family):
+    """Attention, sliding-window, gated-delta and convolution caches: seven prompts of different
+    lengths through three rows, answers ending at a stop token or the limit, so that rows leave and
+    prompts join mid-way; each answer is the one the target gives that prompt alone."""
+    model = make_target(family)
+    prompts = [prompt_of(n, seed=n) for n in (5, 12, 3, 9, 17, 7, 11)]
+    refs = [greedy_reference(model, p, 10) for p in prompts]
+    stop = {refs[0][2], refs[3][5]}  # two answers end early on a stop token
+    gen = Answers(model, stop, lambda logits: mx.argmax(logits, axis=-1), 3)
+    uids = gen.insert(prompts, 10)
+    answers = {u: [] for u in uids}
+    while out := gen.next_generated():
+        for uid, token, ended in out:
+            assert answers[uid] == [] or not answers[uid][-1][1]  # nothing after an answer's end
+            answers[uid].append((token, ended))
+    for uid, ref in zip(uids, refs):
+        end = next((i for i, t in enumerate(ref) if t in stop), len(ref) - 1)
+        assert [t for t, _ in answers[uid]] == ref[: end + 1]
+        assert [e for _, e in answers[uid]] == [False] * end + [True]
 
 
 def test_greedy_data_keeps_the_batch_full_across_shards(tmp_path):
