@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from dflash_mlx.data import generate_data, load_shards, prompt_source, resume_point
+from dflash_mlx.data import answer_rows, generate_data, load_shards, prompt_source, resume_point
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import load, load_pair, template_kwargs
 from dflash_mlx.models.targets import Target
@@ -44,7 +44,11 @@ def data(
     limit: int | None = typer.Option(None, help="Stop after this many sequences."),
     max_new_tokens: int = typer.Option(256, help="Longest answer."),
     max_prompt_tokens: int = typer.Option(384, help="Skip longer prompts."),
-    batch_size: int = typer.Option(64, help="Prompts generated together."),
+    batch_size: int | None = typer.Option(
+        None,
+        help="Prompts answered together (default: 64 on a CPU; on a GPU as many as fit in a quarter of "
+        "its memory, at most 512).",
+    ),
     shard_size: int = typer.Option(64, help="Sequences per shard (the resume granularity)."),
     think: Think = None,
     temp: float = typer.Option(0.0, help="Sample answers at this temperature (default 0: greedy)."),
@@ -63,6 +67,9 @@ def data(
             return
         target, tokenizer = load(model)
         Target(target)  # a family `train run` cannot use is refused before hours of generation
+        if batch_size is None:
+            batch_size = answer_rows(target, max_prompt_tokens + max_new_tokens)
+            typer.echo(f"answering {batch_size} prompts at a time (--batch-size)", err=True)
         before, tic = _answer_tokens(load_shards(folder)), time.perf_counter()
 
         def made() -> str:

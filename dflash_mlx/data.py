@@ -28,6 +28,7 @@ from mlx_lm.sample_utils import make_sampler
 from .benchsets import SETS, bench_set, parsed_stdlib
 from .chat import apply_chat_template
 from .errors import NotFound, UserError
+from .platform import backend, device_memory
 
 SHAREGPT_HELDOUT = 100  # the last 100 usable ShareGPT conversations are kept for evaluation
 
@@ -317,6 +318,18 @@ def resume_point(folder: str | Path, source: str = "", shard_size: int = 256) ->
         )
     # Shards written before next_prompt was recorded: assume the same shard size as now.
     return done, int(last["next_prompt"]) if "next_prompt" in last else int(last["first_prompt"]) + shard_size
+
+
+def answer_rows(model, longest: int) -> int:
+    """`generate_data`'s default batch size for answers of at most `longest` tokens (prompt included):
+    64 on a CPU, where a pass's time grows with its rows; on a GPU, where a step costs about the same
+    at 64 rows as at hundreds, as many as keep their caches within a quarter of its memory, at most 512."""
+    memory = device_memory()
+    if backend() == "cpu" or not memory:
+        return 64
+    cache = make_prompt_cache(model)  # one row's caches, filled as far as an answer goes
+    mx.eval(model(mx.zeros((1, longest), dtype=mx.int32), cache=cache))
+    return max(1, min(512, memory // 4 // max(1, sum(c.nbytes for c in cache))))
 
 
 class Answers:

@@ -208,6 +208,20 @@ def backend() -> str:
     return "cpu"
 
 
+def device_memory() -> int | None:
+    """Bytes of memory the GPU gives MLX (Metal: its recommended working set; CUDA: the card's); None
+    on a CPU."""
+    import mlx.core as mx
+
+    if backend() == "cpu":
+        return None
+    info = mx.device_info(mx.gpu)
+    memory = (
+        info.get("max_recommended_working_set_size") or info.get("total_memory") or info.get("memory_size")
+    )
+    return int(memory) if memory else None
+
+
 def report() -> dict:
     """Facts about this machine's MLX setup, and advice where something is slow or missing."""
     import platform as pf
@@ -244,8 +258,7 @@ def report() -> dict:
     if dev == "cuda":
         info = mx.device_info(mx.gpu)
         facts["gpu"] = f"{info.get('device_name', nvidia_gpu())} ({info.get('architecture', '?')})"
-        memory = info.get("total_memory") or info.get("memory_size")
-        if memory:
+        if memory := device_memory():
             facts["gpu memory"] = f"{int(memory) / 2**30:.1f} GiB"
         facts["nvidia driver"] = _driver_version()
         facts["cuda"] = ", ".join(f"{n}: {version(n)}" for n in installed if n.startswith("mlx-cuda")) or "?"

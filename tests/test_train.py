@@ -22,10 +22,12 @@ from tiny import (
     prompt_of,
 )
 
+import dflash_mlx.data as data_module
 import dflash_mlx.train as train_module
 from dflash_mlx.chat import apply_chat_template
 from dflash_mlx.data import (
     Answers,
+    answer_rows,
     check_data_tokenizer,
     generate_data,
     jsonl_prompts,
@@ -715,6 +717,19 @@ def test_answers_are_each_prompts_own_greedy_ones_while_rows_leave_and_join(fami
         end = next((i for i, t in enumerate(ref) if t in stop), len(ref) - 1)
         assert [t for t, _ in answers[uid]] == ref[: end + 1]
         assert [e for _, e in answers[uid]] == [False] * end + [True]
+
+
+def test_answer_rows_default_to_64_on_a_cpu_and_to_a_quarter_of_a_gpus_memory(monkeypatch):
+    model = make_target("llama")
+    assert answer_rows(model, 640) == 64  # (this machine)
+    # One row's caches for 640 positions, allocated 256 at a time: 768 positions of keys and values,
+    # float32, in each of the 4 layers.
+    row = 4 * 2 * _COMMON["num_key_value_heads"] * _COMMON["head_dim"] * 4 * 768
+    monkeypatch.setattr(data_module, "backend", lambda: "metal")
+    monkeypatch.setattr(data_module, "device_memory", lambda: 4 * row * 100 + 5)
+    assert answer_rows(model, 640) == 100
+    monkeypatch.setattr(data_module, "device_memory", lambda: 2**40)
+    assert answer_rows(model, 640) == 512
 
 
 def test_greedy_data_keeps_the_batch_full_across_shards(tmp_path):
