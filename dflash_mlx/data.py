@@ -28,7 +28,7 @@ from mlx_lm.sample_utils import make_sampler
 from .benchsets import SETS, bench_set, parsed_stdlib
 from .chat import apply_chat_template
 from .errors import NotFound, UserError
-from .platform import backend, device_memory
+from .platform import device_memory
 
 SHAREGPT_HELDOUT = 100  # the last 100 usable ShareGPT conversations are kept for evaluation
 
@@ -324,8 +324,7 @@ def answer_rows(model, longest: int) -> int:
     """`generate_data`'s default batch size for answers of at most `longest` tokens (prompt included):
     64 on a CPU, where a pass's time grows with its rows; on a GPU, where a step costs about the same
     at 64 rows as at hundreds, as many as keep their caches within a quarter of its memory, at most 512."""
-    memory = device_memory()
-    if backend() == "cpu" or not memory:
+    if not (memory := device_memory()):  # (a CPU)
         return 64
     cache = make_prompt_cache(model)  # one row's caches, filled as far as an answer goes
     mx.eval(model(mx.zeros((1, longest), dtype=mx.int32), cache=cache))

@@ -213,9 +213,12 @@ def device_memory() -> int | None:
     on a CPU."""
     import mlx.core as mx
 
-    if backend() == "cpu":
+    if (dev := backend()) == "cpu":
         return None
-    info = mx.device_info(mx.gpu)
+    if hasattr(mx, "device_info"):
+        info = mx.device_info(mx.gpu)
+    else:  # (older MLX: Metal only)
+        info = mx.metal.device_info() if dev == "metal" else {}
     memory = (
         info.get("max_recommended_working_set_size") or info.get("total_memory") or info.get("memory_size")
     )
@@ -259,7 +262,7 @@ def report() -> dict:
         info = mx.device_info(mx.gpu)
         facts["gpu"] = f"{info.get('device_name', nvidia_gpu())} ({info.get('architecture', '?')})"
         if memory := device_memory():
-            facts["gpu memory"] = f"{int(memory) / 2**30:.1f} GiB"
+            facts["gpu memory"] = f"{memory / 2**30:.1f} GiB"
         facts["nvidia driver"] = _driver_version()
         facts["cuda"] = ", ".join(f"{n}: {version(n)}" for n in installed if n.startswith("mlx-cuda")) or "?"
         facts["kernel cache"] = os.environ.get(PTX_ENV) or "MLX's default (/tmp/mlx/<version>/ptx)"

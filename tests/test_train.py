@@ -725,7 +725,6 @@ def test_answer_rows_default_to_64_on_a_cpu_and_to_a_quarter_of_a_gpus_memory(mo
     # One row's caches for 640 positions, allocated 256 at a time: 768 positions of keys and values,
     # float32, in each of the 4 layers.
     row = 4 * 2 * _COMMON["num_key_value_heads"] * _COMMON["head_dim"] * 4 * 768
-    monkeypatch.setattr(data_module, "backend", lambda: "metal")
     monkeypatch.setattr(data_module, "device_memory", lambda: 4 * row * 100 + 5)
     assert answer_rows(model, 640) == 100
     monkeypatch.setattr(data_module, "device_memory", lambda: 2**40)
