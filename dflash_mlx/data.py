@@ -343,7 +343,9 @@ class Answers:
     then aligned by its batch caches, which are what keep this to any family mlx-lm batches).
     """
 
-    PREFILL_ROWS, PREFILL_WIDTH = 64, 512  # prompts prefilled in one pass, and its most columns
+    # A prefill pass takes up to 64 prompts of alike lengths (sorted), fewer where they are long, so
+    # that it holds at most PREFILL_TOKENS positions, padding included; it runs 512 columns at a time.
+    PREFILL_ROWS, PREFILL_TOKENS, PREFILL_WIDTH = 64, 8192, 512
 
     def __init__(self, model, stop: Iterable[int], sampler: Callable[[mx.array], mx.array], size: int):
         self.model, self.stop, self.sampler, self.size = model, set(stop), sampler, size
@@ -402,9 +404,15 @@ class Answers:
             else:
                 self.cache, self.y = [], None
         joining = [self.waiting.popleft() for _ in range(min(self.size - len(keep), len(self.waiting)))]
-        joining.sort(key=lambda w: len(w[1]))  # (alike lengths prefill together: less padding)
-        for at in range(0, len(joining), self.PREFILL_ROWS):
-            group = joining[at : at + self.PREFILL_ROWS]
+        joining.sort(key=lambda w: len(w[1]))
+        while joining:
+            rows = 1
+            while (
+                rows < min(len(joining), self.PREFILL_ROWS)
+                and (rows + 1) * len(joining[rows][1]) <= self.PREFILL_TOKENS
+            ):
+                rows += 1
+            group, joining = joining[:rows], joining[rows:]
             cache = self._prefill([p[:-1] for _, p, _ in group])
             y = mx.array([p[-1] for _, p, _ in group])
             if self.cache:

@@ -697,11 +697,16 @@ def test_data_answers_are_the_targets_greedy_ones_ending_on_the_stop_token_it_wr
     assert load_shards(tmp_path)[1][0][-1] == second
 
 
+@pytest.mark.parametrize("prefill_tokens", [8192, 24])
 @pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_5", "lfm2"])
-def test_answers_are_each_prompts_own_greedy_ones_while_rows_leave_and_join(family):
+def test_answers_are_each_prompts_own_greedy_ones_while_rows_leave_and_join(
+    family, prefill_tokens, monkeypatch
+):
     """Attention, sliding-window, gated-delta and convolution caches: seven prompts of different
     lengths through three rows, answers ending at a stop token or the limit, so that rows leave and
-    prompts join mid-way; each answer is the one the target gives that prompt alone."""
+    prompts join mid-way (together, or in prefill passes of one to three prompts); each answer is the
+    one the target gives that prompt alone."""
+    monkeypatch.setattr(Answers, "PREFILL_TOKENS", prefill_tokens)
     model = make_target(family)
     prompts = [prompt_of(n, seed=n) for n in (5, 12, 3, 9, 17, 7, 11)]
     refs = [greedy_reference(model, p, 10) for p in prompts]
