@@ -322,8 +322,8 @@ def resume_point(folder: str | Path, source: str = "", shard_size: int = 256) ->
 
 def answer_rows(model, longest: int) -> int:
     """`generate_data`'s default batch size for answers of at most `longest` tokens (prompt included):
-    64 on a CPU, where a pass's time grows with its rows; on a GPU, where a step costs about the same
-    at 64 rows as at hundreds, as many as keep their caches within a quarter of its memory, at most 512."""
+    64 on a CPU, where a pass's time grows with its rows; on a GPU, which more rows keep busier, as
+    many as keep their caches within a quarter of its memory, at most 512."""
     if not (memory := device_memory()):  # (a CPU)
         return 64
     cache = make_prompt_cache(model)  # one row's caches, filled as far as an answer goes
@@ -345,7 +345,7 @@ class Answers:
 
     # A prefill pass takes up to 64 prompts of alike lengths (sorted), 512 columns at a time. On a CPU,
     # where a pass costs what it computes, padding included, it takes fewer where they are long, to
-    # hold at most PREFILL_TOKENS positions (twice as fast there); on a GPU the 64 at once were measured.
+    # hold at most PREFILL_TOKENS positions; a GPU keeps the 64 at once it was measured with.
     PREFILL_ROWS, PREFILL_TOKENS, PREFILL_WIDTH = 64, 8192, 512
 
     def __init__(self, model, stop: Iterable[int], sampler: Callable[[mx.array], mx.array], size: int):
