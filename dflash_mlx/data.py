@@ -23,7 +23,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 
 from .benchsets import SETS, bench_set, parsed_stdlib
 from .chat import apply_chat_template
@@ -331,6 +330,16 @@ def answer_rows(model, longest: int) -> int:
     return max(1, min(512, memory // 4 // max(1, sum(c.nbytes for c in cache))))
 
 
+def draw(logits: mx.array, keys: mx.array, temperature: float) -> mx.array:
+    """One token per row of `logits` at `temperature` (0: the argmax), each row drawing with its own
+    key (uint32 pairs), so that a row's draw does not depend on the other rows: Gumbel-max, the
+    categorical distribution of logits / temperature, with one batched noise op."""
+    if temperature == 0:
+        return mx.argmax(logits, axis=-1)
+    noise = mx.vmap(lambda key: mx.random.gumbel(shape=logits.shape[-1:], key=key))(keys)
+    return mx.argmax(logits.astype(mx.float32) * (1 / temperature) + noise, axis=-1)
+
+
 class Answers:
     """Many answers at once for `generate_data`: continuous batching of plain decoding, kept lean.
 
@@ -348,11 +357,12 @@ class Answers:
     # hold at most PREFILL_TOKENS positions; a GPU keeps the 64 at once it was measured with.
     PREFILL_ROWS, PREFILL_TOKENS, PREFILL_WIDTH = 64, 8192, 512
 
-    def __init__(self, model, stop: Iterable[int], sampler: Callable[[mx.array], mx.array], size: int):
-        self.model, self.stop, self.sampler, self.size = model, set(stop), sampler, size
+    def __init__(self, model, stop: Iterable[int], size: int, temperature: float = 0.0):
+        self.model, self.stop, self.size, self.temperature = model, set(stop), size, temperature
         cpu = backend() == "cpu"
         self.prefill_tokens = self.PREFILL_TOKENS if cpu else self.PREFILL_ROWS * self.PREFILL_WIDTH
         self.waiting: deque[tuple[int, list[int], int]] = deque()  # (uid, prompt, most tokens)
+        self.keys: dict[int, list[int]] = {}  # sampled: a row's key, [its seed, tokens it has drawn]
         self.uids: list[int] = []  # the batch's rows
         self.cache: list = []
         self.y: mx.array | None = None  # each row's next input
@@ -360,10 +370,12 @@ class Answers:
         self.launched: tuple[list[int], mx.array] | None = None  # a pass's rows and (lazy) tokens
         self.count = 0
 
-    def insert(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+    def insert(self, prompts: list[list[int]], max_tokens: int, seeds: list[int] | None = None) -> list[int]:
+        """Queue prompts; sampled, each answer draws from its seed alone (whatever else is in the batch)."""
         uids = list(range(self.count, self.count + len(prompts)))
         self.count += len(prompts)
         self.waiting.extend((u, p, max_tokens) for u, p in zip(uids, prompts))
+        self.keys.update((u, [s % 2**32, 0]) for u, s in zip(uids, seeds or [0] * len(uids)))
         return uids
 
     def next_generated(self) -> list[tuple[int, int, bool]]:
@@ -376,7 +388,13 @@ class Answers:
                 self._refill()
             launched = None
             if self.left:
-                self.y = self.sampler(self.model(self.y[:, None], cache=self.cache)[:, -1, :])
+                keys = None
+                if self.temperature:
+                    keys = mx.array([self.keys[u] for u in self.uids], dtype=mx.uint32)
+                    for u in self.uids:
+                        self.keys[u][1] += 1
+                logits = self.model(self.y[:, None], cache=self.cache)[:, -1, :]
+                self.y = draw(logits, keys, self.temperature)
                 mx.async_eval(self.y)
                 launched = (list(self.uids), self.y)
             out = self._read(self.launched) if self.launched else []
@@ -398,6 +416,9 @@ class Answers:
     def _refill(self) -> None:
         """Rows that ended leave; waiting prompts join, up to the batch size."""
         keep = [i for i, u in enumerate(self.uids) if u in self.left]
+        for u in self.uids:
+            if u not in self.left:
+                del self.keys[u]
         if len(keep) < len(self.uids):
             self.uids = [self.uids[i] for i in keep]
             if keep:
@@ -464,7 +485,7 @@ def generate_data(
 ) -> int:
     """Generate the target's responses to prompts (greedy, or sampled at `temperature`: other answers of
     the same target, for more data from the same prompts) into token-id shards; resumes where it stopped.
-    Stopped (KeyboardInterrupt) while greedy, it first writes the answers finished so far.
+    Stopped (KeyboardInterrupt), it first writes the answers finished so far.
 
     Returns the number of sequences in the folder. Prompts whose templated length exceeds
     `max_prompt_tokens`, and prompts answered already (the same tokens), are skipped (they are counted
@@ -496,14 +517,9 @@ def generate_data(
     prompts = list(prompts)
     index = len(list(folder.glob("shard-*.npz")))
     seen = {tuple(ids[:plen]) for ids, plen in load_shards(folder)}  # a prompt is answered once
-    greedy = temperature == 0
-    # Greedy answers do not depend on what else is in the batch, so the next shard's prompts join as soon
-    # as there is room and the batch never drains between shards. Sampled draws do depend on it: there a
-    # shard's prompts are generated alone, seeded by the shard's number, so a resume draws the same.
-    per_shard = shard_size if greedy else max(shard_size, batch_size)
-    # (mlx-lm's temperature sampler draws the same from raw logits as from log-probabilities)
-    sampler = make_sampler(temperature) if temperature else (lambda logits: mx.argmax(logits, axis=-1))
-    gen = Answers(model, tokenizer.eos_token_ids, sampler, batch_size)
+    # An answer does not depend on what else is in the batch (sampled ones draw from their prompt's
+    # place in the list and `seed`), so the next shard's prompts join as soon as there is room.
+    gen = Answers(model, tokenizer.eos_token_ids, batch_size, temperature)
     shards: list[dict] = []  # in flight, in prompt order: each is written once all its answers are in
     owner: dict[int, dict] = {}  # uid -> its shard, while the answer is generated
     in_flight = admitted = 0  # answers being generated; prompts given to the generator, not yet written
@@ -511,20 +527,19 @@ def generate_data(
     def admit() -> None:
         nonlocal consumed, in_flight, admitted
         while consumed < len(prompts) and (limit is None or done + admitted < limit):
-            if in_flight >= (batch_size if greedy else 1):
+            if in_flight >= batch_size:
                 return
-            size = per_shard if limit is None else min(per_shard, limit - done - admitted)
+            size = shard_size if limit is None else min(shard_size, limit - done - admitted)
             chunk = prompts[consumed : consumed + size]
-            keep = []
-            for m in chunk:
+            keep, seeds = [], []
+            for i, m in enumerate(chunk, consumed):
                 e = apply_chat_template(tokenizer, m, **(template_kwargs or {}))
                 if len(e) <= max_prompt_tokens and tuple(e) not in seen:
                     seen.add(tuple(e))
                     keep.append(e)
-            if not greedy:
-                mx.random.seed(seed + index)  # a shard's draws depend only on its prompts and its number
+                    seeds.append(seed * 1_000_003 + i)  # (a sampled answer's draws: its prompt's place)
             shard = {"first": consumed, "next": consumed + len(chunk), "prompts": keep, "left": len(keep)}
-            shard["answers"] = {uid: [] for uid in gen.insert(keep, max_new_tokens)}
+            shard["answers"] = {uid: [] for uid in gen.insert(keep, max_new_tokens, seeds)}
             owner.update(dict.fromkeys(shard["answers"], shard))
             shards.append(shard)
             consumed, in_flight, admitted = shard["next"], in_flight + len(keep), admitted + len(keep)
@@ -545,8 +560,8 @@ def generate_data(
             done, admitted = done + len(seqs), admitted - len(seqs)
 
     def keep_finished() -> None:
-        """On a stop, greedy: the finished answers of shards not yet written, as a shard that consumes
-        no prompts. A resume reads those shards' prompts again and skips the ones answered."""
+        """On a stop: the finished answers of shards not yet written, as a shard that consumes no
+        prompts. A resume reads those shards' prompts again and skips the ones answered."""
         seqs = [seq for shard in shards for seq in ended(shard)]
         if seqs:
             _write_shard(folder, index, seqs, shards[0]["first"], shards[0]["first"], source, fingerprint)
@@ -568,8 +583,7 @@ def generate_data(
             admit()
             write_finished()  # (a shard whose prompts were all skipped)
     except KeyboardInterrupt:
-        if greedy:  # (sampled shards are drawn whole: their seeds follow the shard numbers)
-            keep_finished()
+        keep_finished()
         raise
     if done == 0 and consumed:
         raise UserError(

@@ -29,6 +29,7 @@ from dflash_mlx.data import (
     Answers,
     answer_rows,
     check_data_tokenizer,
+    draw,
     generate_data,
     jsonl_prompts,
     load_shards,
@@ -711,7 +712,7 @@ def test_answers_are_each_prompts_own_greedy_ones_while_rows_leave_and_join(
     prompts = [prompt_of(n, seed=n) for n in (5, 12, 3, 9, 17, 7, 11)]
     refs = [greedy_reference(model, p, 10) for p in prompts]
     stop = {refs[0][2], refs[3][5]}  # two answers end early on a stop token
-    gen = Answers(model, stop, lambda logits: mx.argmax(logits, axis=-1), 3)
+    gen = Answers(model, stop, 3)
     uids = gen.insert(prompts, 10)
     answers = {u: [] for u in uids}
     while out := gen.next_generated():
@@ -784,14 +785,13 @@ def test_greedy_answers_finished_before_a_stop_are_kept_and_not_generated_again(
     assert seen[0] >= len(kept)  # the kept answers count as done, and are not answered twice
 
 
-def test_sampled_answers_follow_their_seed_through_a_resume_and_differ_from_greedy(tmp_path):
+def test_sampled_answers_follow_their_seed_alone_through_a_resume_and_any_batch(tmp_path):
     model, tok = make_target("llama"), make_tokenizer(eos=95)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 11)]
 
     def answers(folder, **options):
-        generate_data(
-            model, tok, prompts, tmp_path / folder, max_new_tokens=12, batch_size=3, shard_size=3, **options
-        )
+        sizes = dict(batch_size=options.pop("batch_size", 3), shard_size=options.pop("shard_size", 3))
+        generate_data(model, tok, prompts, tmp_path / folder, max_new_tokens=12, **sizes, **options)
         return [ids[plen:] for ids, plen in load_shards(tmp_path / folder)]
 
     greedy = answers("greedy")
@@ -800,8 +800,26 @@ def test_sampled_answers_follow_their_seed_through_a_resume_and_differ_from_gree
     assert answers("c", temperature=1.0, seed=2) != sampled and sampled != greedy
     answers("d", temperature=1.0, seed=1, limit=3)  # stopped after its first shard, then resumed
     assert answers("d", temperature=1.0, seed=1) == sampled
+    # Each answer draws from its seed and its prompt's place only: other batches and shards alike.
+    assert answers("f", temperature=1.0, seed=1, batch_size=2, shard_size=4) == sampled
+    assert answers("g", temperature=1.0, seed=1, batch_size=6, shard_size=1) == sampled
     with pytest.raises(ValueError, match="temperature must be between 0 and 100, got -1"):
         answers("e", temperature=-1)
+
+
+def test_each_rows_draw_follows_the_distribution_at_the_temperature():
+    from scipy.stats import chisquare
+
+    logits = mx.array([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
+    rows = 20_000
+    keys = mx.array([[i, 7] for i in range(rows)], dtype=mx.uint32)
+    tokens = draw(mx.broadcast_to(logits, (rows, 6)), keys, 0.7)
+    expected = np.exp(np.array(logits, dtype=np.float64) / 0.7)
+    expected = expected / expected.sum() * rows
+    counts = np.bincount(np.array(tokens), minlength=6)
+    assert chisquare(counts, expected).pvalue > 1e-3
+    assert draw(logits[None], keys[123:124], 0.7).item() == tokens[123].item()  # a row alone: the same
+    assert draw(mx.broadcast_to(logits, (3, 6)), keys[:3], 0).tolist() == [0, 0, 0]
 
 
 def test_a_repeated_prompt_is_answered_once_also_across_a_resume(tmp_path):
