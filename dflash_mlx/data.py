@@ -375,7 +375,8 @@ class Answers:
         uids = list(range(self.count, self.count + len(prompts)))
         self.count += len(prompts)
         self.waiting.extend((u, p, max_tokens) for u, p in zip(uids, prompts))
-        self.keys.update((u, [s % 2**32, 0]) for u, s in zip(uids, seeds or [0] * len(uids)))
+        if self.temperature:
+            self.keys.update((u, [s % 2**32, 0]) for u, s in zip(uids, seeds or [0] * len(uids)))
         return uids
 
     def next_generated(self) -> list[tuple[int, int, bool]]:
@@ -416,10 +417,9 @@ class Answers:
     def _refill(self) -> None:
         """Rows that ended leave; waiting prompts join, up to the batch size."""
         keep = [i for i, u in enumerate(self.uids) if u in self.left]
-        for u in self.uids:
-            if u not in self.left:
-                del self.keys[u]
         if len(keep) < len(self.uids):
+            for u in set(self.uids) - self.left.keys():
+                self.keys.pop(u, None)
             self.uids = [self.uids[i] for i in keep]
             if keep:
                 for c in self.cache:
