@@ -8,10 +8,19 @@ from pathlib import Path
 
 import typer
 
-from dflash_mlx.data import answer_rows, generate_data, load_shards, prompt_source, resume_point
+from dflash_mlx.data import (
+    answer_rows,
+    generate_data,
+    load_shards,
+    prompt_source,
+    resume_point,
+    shards_tokenizer,
+)
 from dflash_mlx.errors import UserError
-from dflash_mlx.loading import load, load_pair, template_kwargs
+from dflash_mlx.loading import load, load_pair, read_config, template_kwargs
+from dflash_mlx.models.dflash import is_drafter_config
 from dflash_mlx.models.targets import Target
+from dflash_mlx.phrases import FILE, Phrases
 from dflash_mlx.settings import GenerationSettings
 from dflash_mlx.train_run import prepare_run, tau_on_prompts
 
@@ -24,6 +33,7 @@ from .options import (
     Think,
     first_prompts,
     progress_bar,
+    stderr,
     user_errors,
 )
 
@@ -103,6 +113,38 @@ def data(
                 raise typer.Exit(130) from None
             bar.update(task, completed=total)  # done: prompts skipped as too long never count towards the bar
     typer.echo(made())
+
+
+@app.command("phrases")
+def phrases(
+    data: list[str] = typer.Option(
+        ..., "--data", help="A folder of `train data` shards (repeat for several)."
+    ),
+    out: str = typer.Option(
+        ..., "--out", "-o", help=f"The drafter's folder: the table is written there as {FILE}."
+    ),
+):
+    """Learn the target's phrases from its answers: prompt lookup's fallback where the context has no
+    match (what the target usually writes next after a few tokens)."""
+    with user_errors():
+        folder = Path(out).expanduser()
+        if not (folder / "config.json").is_file() or not is_drafter_config(read_config(folder)):
+            raise UserError(f"{out} is not a drafter's folder (a DFlash config.json): give the drafter's")
+        seqs, made = [], set()
+        for d in data:
+            found = load_shards(d) if Path(d).is_dir() else []
+            if not found:
+                raise UserError(f"{d} holds no answers: make some with `dflash-mlx train data -o {d}`")
+            seqs += found
+            made.add(shards_tokenizer(d))
+        if len(made - {""}) > 1:
+            raise UserError("the --data folders come from targets with other vocabularies: give one target's")
+        with stderr().status(f"learning phrases from {len(seqs)} answers ..."):
+            table = Phrases.learn(seqs, (made - {""} or {""}).pop())
+            path = table.save(folder)
+    size = path.stat().st_size / 1e6
+    answer = _answer_tokens(seqs)
+    typer.echo(f"{len(table)} phrases from {len(seqs)} answers ({answer} tokens) in {path} ({size:.1f} MB)")
 
 
 def _answer_tokens(seqs: list[tuple[list[int], int]]) -> int:

@@ -65,7 +65,8 @@ class SpeculativeCache:
         self._draft_cache = draft.make_cache(draft_window) if draft is not None else None
         self.unabsorbed: list[mx.array] = []  # committed positions' features the drafter has yet to take in
         self.tokens: list[int] = []  # every committed token, processed or pending
-        self.index = NgramIndex()  # where each short n-gram of `tokens` last occurred (prompt lookup)
+        # where each short n-gram of `tokens` last occurred (prompt lookup), and the target's phrases
+        self.index = NgramIndex(phrases=getattr(draft, "phrases", None))
         self.processed = 0  # how many of them the target (and drafter) have seen
         self.last_prefill = 0  # tokens the last prefill ran through the target
         self.snapshot = None  # (position, recurrent states) at the end of the last prefill, if any
@@ -213,7 +214,7 @@ class SpeculativeCache:
         )
         other.unabsorbed = list(self.unabsorbed)
         other.tokens = list(self.tokens)
-        other.index = copy.deepcopy(self.index)
+        other.index = self.index.copy()
         return other
 
     def truncate(self, n: int) -> bool:

@@ -50,6 +50,8 @@ def convert_draft(
             str(tmp / "model.safetensors"), dict(tree_flatten(draft.parameters())), metadata={"format": "mlx"}
         )
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if draft.phrases:
+            draft.phrases.save(tmp)
     return Path(dest)
 
 
@@ -70,6 +72,8 @@ def export_draft(source: str, dest: str | Path, force: bool = False) -> Path:
     with atomic_folder(dest, force) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if draft.phrases:
+            draft.phrases.save(tmp)
     return Path(dest)
 
 

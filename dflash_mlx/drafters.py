@@ -4,7 +4,8 @@ Proposals come with the distributions q they were drawn from, or None where they
 certainty (greedy drafting; prompt lookup, whose q is one-hot). The acceptance rules in sampling.py are
 exact for either, so whatever proposes, the target's output is unchanged.
 
-`NgramIndex.match` gives lookup's proposals; `DFlashDrafter.propose` gives the drafter's, with each
+`NgramIndex.match` gives lookup's proposals (from the context, else from the target's phrase table,
+phrases.py); `DFlashDrafter.propose` gives the drafter's, with each
 position's confidence (the largest probability of the distribution it is drawn from), from which the
 policy learns to predict acceptance.
 """
@@ -12,11 +13,15 @@ policy learns to predict acceptance.
 from __future__ import annotations
 
 from .models.dflash import DFlashDraftModel
+from .phrases import Phrases
 from .trees import candidates
 
 # Suffix lengths tried, longest first, and the most tokens one lookup proposes (see docs/policy.md).
 LOOKUP_NGRAMS = (4, 3, 2)
 LOOKUP_MAX = 16
+# The "suffix length" a proposal from the phrase table is reported with: the policy learns its odds apart.
+PHRASES = 1
+PHRASES_MAX = 8  # (a table's chain rarely holds longer; each token costs a few dict lookups)
 
 
 class NgramIndex:
@@ -27,8 +32,9 @@ class NgramIndex:
     token costs one dict write per n; nothing rescans the context.
     """
 
-    def __init__(self, sizes=LOOKUP_NGRAMS):
+    def __init__(self, sizes=LOOKUP_NGRAMS, phrases: Phrases | None = None):
         self.sizes = tuple(sorted(sizes, reverse=True))
+        self.phrases = phrases
         self.tokens: list[int] = []
         # The (n - 1)-grams too: whether a match can follow the next token (`possible`).
         tracked = set(self.sizes) | {n - 1 for n in self.sizes if n > 1}
@@ -42,31 +48,42 @@ class NgramIndex:
                     self.latest[n][tuple(self.tokens[i - n : i])] = i
             self.tokens.append(int(t))
 
+    def copy(self) -> NgramIndex:
+        """An independent index of the same tokens, sharing the (read-only) phrase table."""
+        other = NgramIndex.__new__(NgramIndex)
+        other.sizes, other.phrases, other.tokens = self.sizes, self.phrases, list(self.tokens)
+        other.latest = {n: dict(grams) for n, grams in self.latest.items()}
+        return other
+
     def truncate(self, length: int) -> None:
         if length < len(self.tokens):
             kept = self.tokens[:length]
-            self.__init__(self.sizes)
+            self.__init__(self.sizes, self.phrases)
             self.extend(kept)
 
     def possible(self) -> list[int]:
         """The suffix lengths, longest first, at which the next token, whatever it is, may give a match:
-        those whose last n - 1 tokens occurred before, followed by something."""
+        those whose last n - 1 tokens occurred before, followed by something; then PHRASES, if there is
+        a phrase table (whether it knows what follows the next token is a chance the policy learns)."""
         end = len(self.tokens)
         return [
             n
             for n in self.sizes
             if 1 < n <= end + 1 and tuple(self.tokens[end - n + 1 :]) in self.latest[n - 1]
-        ]
+        ] + ([PHRASES] if self.phrases else [])
 
     def match(self, cap: int = LOOKUP_MAX) -> tuple[list[int], int]:
         """-> (up to `cap` tokens that followed the latest earlier occurrence of the longest suffix that
-        occurred before, the suffix's length n); ([], 0) when no suffix did."""
+        occurred before, the suffix's length n); else what the phrase table expects, (tokens, PHRASES);
+        ([], 0) when neither has anything."""
         end = len(self.tokens)
         for n in self.sizes:
             if end >= n:
                 i = self.latest[n].get(tuple(self.tokens[end - n :]))
                 if i is not None:
                     return self.tokens[i : i + cap], n
+        if self.phrases and (found := self.phrases.follow(self.tokens, min(cap, PHRASES_MAX))):
+            return found, PHRASES
         return [], 0
 
 

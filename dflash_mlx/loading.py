@@ -28,12 +28,14 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer and template files
 
+from .data import tokenizer_fingerprint
 from .errors import NotFound, UserError
 from .files import atomic_folder
 from .gguf import convert_gguf
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .models.formats import drafter_format
 from .pairing import prepare
+from .phrases import Phrases
 from .platform import backend, cache_home, warn_if_slow_blas
 
 if sys.version_info >= (3, 11):
@@ -340,6 +342,7 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
         model.set_dtype(dtype)
     mx.eval(model.parameters())
     model.eval()
+    model.phrases = Phrases.load(path)  # (not a parameter: lookup's fallback, see phrases.py)
     return model
 
 
@@ -366,4 +369,9 @@ def load_pair(target: str, draft: str | None = None, dtype="auto"):
     model, tokenizer = load(target, dtype)  # before the drafter: a missing target is the clearer error
     drafter = load_draft(name, dtype)
     prepare(model, drafter)
+    if drafter.phrases and drafter.phrases.tokenizer not in ("", tokenizer_fingerprint(tokenizer)):
+        raise UserError(
+            f"the phrase table beside {name} was learnt from another tokenizer's answers than {target}'s: "
+            "make it again from this target's (`dflash-mlx train phrases`)"
+        )
     return model, drafter, tokenizer

@@ -38,7 +38,7 @@ from mlx.utils import tree_flatten
 
 from .batching import batchable, merge
 from .cache import SpeculativeCache
-from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS, DFlashDrafter, draft_block, from_logits
+from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS, PHRASES, DFlashDrafter, draft_block, from_logits
 from .files import atomic_file
 from .models.dflash import DraftCache
 from .pairing import context_length, prepare
@@ -277,8 +277,9 @@ class AdaptivePolicy:
         self.trees = trees  # whether a drafted block may be verified as a tree (`shape`)
         self.max = {DFLASH: max_dflash, LOOKUP: max_lookup if lookup else 0}
         self.dflash = _Odds(max_dflash)
-        self.lookup = {n: _Odds(max_lookup) for n in range(1, 9)}  # by matched suffix length
-        self.follows = {n: _Odds(1) for n in LOOKUP_NGRAMS}  # the chance a match follows where one may
+        self.lookup = {n: _Odds(max_lookup) for n in range(1, 9)}  # by matched suffix length (or PHRASES)
+        # the chance a match follows where one may
+        self.follows = {n: _Odds(1) for n in (*LOOKUP_NGRAMS, PHRASES)}
         self.waited_for: list[int] = []  # the suffix lengths plain_next waited for a match at
         self.bins = _Odds(CONFIDENCE_BINS)  # acceptance by the drafter's confidence (bins 1..10)
         self.idle = {DFLASH: 0, LOOKUP: 0, PLAIN: 0}  # cycles an available option was not chosen

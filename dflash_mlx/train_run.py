@@ -31,6 +31,8 @@ from .loading import load, load_draft, template_kwargs
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
 from .pairing import context_length
+from .phrases import FILE as PHRASES_FILE
+from .phrases import Phrases
 from .platform import backend
 from .settings import GenerationSettings
 from .speculative import generate
@@ -96,8 +98,8 @@ def trim_log(path: Path, step: int) -> None:
 
 
 def check_export_folder(dest: str | Path, run: str | Path | None = None) -> None:
-    """An export may replace an older exported drafter (config.json and weights only), never a folder
-    holding anything else, nor the run folder it comes from."""
+    """An export may replace an older exported drafter (config.json, weights and a phrase table only),
+    never a folder holding anything else, nor the run folder it comes from."""
     dest = Path(dest).expanduser().resolve()
     if run is not None:
         run = Path(run).expanduser().resolve()
@@ -110,7 +112,10 @@ def check_export_folder(dest: str | Path, run: str | Path | None = None) -> None
     names = [p.name for p in dest.iterdir()] if dest.is_dir() else None
     only_a_drafter = (
         names is not None
-        and all(n == "config.json" or (n.startswith("model") and n.endswith(".safetensors")) for n in names)
+        and all(
+            n in ("config.json", PHRASES_FILE) or (n.startswith("model") and n.endswith(".safetensors"))
+            for n in names
+        )
         and (not names or is_drafter(dest))
     )
     if not only_a_drafter:
@@ -120,9 +125,18 @@ def check_export_folder(dest: str | Path, run: str | Path | None = None) -> None
 
 
 def export(checkpoint: str | Path, dest: str | Path) -> Path:
-    """The trained drafter in z-lab's layout (bf16), replacing an older drafter at `dest`."""
+    """The trained drafter in z-lab's layout (bf16), replacing an older drafter at `dest` (and keeping
+    the phrase table made for it: the target's, whatever the drafter's weights)."""
     check_export_folder(dest, checkpoint)
-    return export_draft(str(checkpoint), Path(dest).expanduser(), force=True)
+    dest = Path(dest).expanduser()
+    try:
+        phrases = Phrases.load(dest) if dest.is_dir() else None
+    except UserError:  # (a broken table is not worth a failed export at the end of a run)
+        phrases = None
+    path = export_draft(str(checkpoint), dest, force=True)
+    if phrases:
+        phrases.save(path)
+    return path
 
 
 def tau_on_prompts(

@@ -769,6 +769,12 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     again = f"train run {data} -o {tmp_path}/ok -m {root}/target {tiny} --steps 3"
     r = run(f"{again} --export {tmp_path}/exported")  # the finished run again: exported over the last export
     assert r.exit_code == 0 and "drafter written to" in r.stdout, r.output
+    # ... keeping the phrase table made for the drafter it replaces
+    r = run(f"train phrases --data {tmp_path}/data -o {tmp_path}/exported")
+    assert r.exit_code == 0 and "phrases from 4 answers" in r.stdout, r.output
+    table = (tmp_path / "exported" / "phrases.npz").read_bytes()
+    r = run(f"{again} --export {tmp_path}/exported")
+    assert r.exit_code == 0 and (tmp_path / "exported" / "phrases.npz").read_bytes() == table, r.output
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
     r = run(f"{again} --export {tmp_path}/notes")
