@@ -96,6 +96,28 @@ def test_completions_and_models(tiny, server):
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 
+def test_the_calls_official_clients_make_beside_generating(tiny, server):
+    """Looking the model up, counting a conversation's tokens (coding agents do, before sending it), and
+    HEAD /health."""
+    url, _ = server
+    oai, ant = clients(url)
+    assert oai.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("other")
+    messages = [{"role": "user", "content": words(61)}, {"role": "assistant", "content": "w7"}]
+    counted = ant.messages.count_tokens(model="tiny", system="w9 w8", messages=messages)
+    system = [{"role": "system", "content": "w9 w8"}]
+    prompt = apply_chat_template(
+        tiny[2], system + messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert counted.input_tokens == len(prompt)
+    reply = ant.messages.create(model="tiny", max_tokens=4, system="w9 w8", messages=messages)
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == counted.input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        ant.messages.count_tokens(model="other", messages=messages)
+    assert httpx.head(f"{url}/health").status_code == 200
+
+
 def test_anthropic_messages_streamed_and_not_gives_the_text_of_generate(tiny, server):
     url, _ = server
     _, client = clients(url)
@@ -420,6 +442,11 @@ def test_an_api_key_guards_every_endpoint_but_health(tiny):
             )
         oai, ant = clients(url, "s3cret")  # Bearer and x-api-key
         assert [m.id for m in oai.models.list()] == ["tiny"]
+        for scheme in ("bearer", "BEARER"):  # (an auth scheme's name is case-insensitive)
+            r = httpx.get(f"{url}/v1/models", headers={"authorization": f"{scheme} s3cret"})
+            assert r.status_code == 200
+        r = httpx.get(f"{url}/v1/models", headers={"authorization": "Basic s3cret"})
+        assert r.status_code == 401
         assert ant.messages.create(
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": "w5"}]
         ).content

@@ -5,6 +5,7 @@ port, as in test_server.py; every load bounded."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import threading
@@ -174,12 +175,24 @@ def test_allowed_client_templates_render_in_a_sandbox_with_time_and_size_limits(
             target, draft, tok, tok.encode(f"w9 {words(102)} w10 ", add_special_tokens=False), max_tokens=24
         )
         assert text_of(path, r) == want.text
-        # A template that would loop for hours is stopped at the time limit; the server answers meanwhile.
-        bomb, out = in_thread(
-            lambda: post(url, path, request(path, "w5", chat_template_kwargs={"chat_template": BOMB}))
+        # Templates that would loop for hours are stopped at the time limit, one waiting for the other
+        # at most that long; meanwhile the server answers, requests with its own template too.
+        bombs = [
+            in_thread(
+                lambda: post(url, path, request(path, "w5", chat_template_kwargs={"chat_template": BOMB}))
+            )
+            for _ in range(3)
+        ]
+        time.sleep(0.5)
+        assert text_of(path, post(url, path, request(path, words(104)))) and all(
+            b.is_alive() for b, _ in bombs
         )
-        assert len(health_while(url, bomb)) > 1
-        assert out["r"].status_code == 400 and "took over" in out["r"].json()["error"]["message"]
+        assert len(health_while(url, bombs[0][0])) > 1
+        for b, _ in bombs:
+            b.join(30)
+        replies = [out["r"] for _, out in bombs]
+        assert {r.status_code for r in replies} <= {400, 429}
+        assert any("took over" in r.json()["error"]["message"] for r in replies)
         big = post(
             url, path, request(path, "w5", chat_template_kwargs={"chat_template": "{{ 'w5 ' * 2000000 }}"})
         )
@@ -254,6 +267,77 @@ def test_a_full_server_refuses_a_request_before_making_its_prompt(tiny, monkeypa
             refused = post(url, path, request(path, "w5 " * 100_000))
             assert refused.status_code == 429 and len(rendered) == before
             release.set()
+
+
+def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(tiny, server, monkeypatch):  # noqa: F811
+    url, _ = server
+    tokenized = []
+    monkeypatch.setattr(prompts, "encode_chat_text", lambda tok, text: tokenized.append(text) or [5])
+    monkeypatch.setattr(prompts, "encode_prompt", lambda tok, text: tokenized.append(text) or [5])
+    longest = max(map(len, tiny[2].get_vocab()))
+    huge = "w5 " * (tiny[0].args.max_position_embeddings * longest // 3 + 1)
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+        r = post(url, path, request(path, huge))
+        assert r.status_code == 400 and "characters, more than the model's context" in r.text, r.text
+    assert tokenized == []
+
+
+HELLO = [{"role": "user", "content": "w5"}]
+
+
+def test_a_template_waits_at_most_its_time_limit_for_others_then_gets_429(tiny, monkeypatch):  # noqa: F811
+    sandbox = prompts.TemplateSandbox(tiny[2], 1 << 20)
+    try:
+        monkeypatch.setattr(prompts, "TEMPLATE_SECONDS", 0.2)
+        sandbox.lock.acquire()  # (another template rendering)
+        with pytest.raises(prompts.ApiError) as e:
+            sandbox.render("{{ 'w5' }}", HELLO, {})
+        assert e.value.status == 429
+        sandbox.lock.release()
+        monkeypatch.setattr(prompts, "TEMPLATE_SECONDS", 30)
+        assert sandbox.render("{{ 'w5' }}", HELLO, {}) == "w5"
+        with pytest.raises(
+            prompts.ApiError, match="OverflowError: Range too big"
+        ):  # the cause, for its author
+            sandbox.render("{% for i in range(10**9) %}{% endfor %}", HELLO, {})
+    finally:
+        sandbox.close()
+
+
+def test_a_body_that_is_not_json_or_is_compressed_is_told_what_to_send(server):
+    url, _ = server
+    body = json.dumps(request("/v1/chat/completions", "w5")).encode()
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+        r = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"content-type": kind}, timeout=60)
+        assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", content=body, timeout=60)  # (no type: read as JSON)
+    assert r.status_code == 200
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        content=gzip.compress(body),
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+        timeout=60,
+    )
+    assert r.status_code == 415 and "Content-Encoding" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        ("/v1/chat/completions", "logprobs", True),
+        ("/v1/chat/completions", "top_logprobs", 3),
+        ("/v1/completions", "logprobs", 2),
+        ("/v1/completions", "echo", True),
+        ("/v1/completions", "suffix", "w5"),
+        ("/v1/completions", "best_of", 2),
+    ],
+)
+def test_what_the_server_cannot_give_is_refused_rather_than_left_out(server, path, field, value):
+    url, _ = server
+    r = post(url, path, dict(request(path, "w5"), **{field: value}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    asked_not = {"logprobs": False, "top_logprobs": None, "echo": False, "best_of": 1, "suffix": ""}[field]
+    assert post(url, path, dict(request(path, "w5"), **{field: asked_not})).status_code == 200
 
 
 def test_stop_strings_are_limited_in_number(server):

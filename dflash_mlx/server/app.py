@@ -28,7 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..errors import UserError
-from ..pairing import context_room
+from ..pairing import context_length, context_room
 from ..settings import GenerationSettings
 from ..speculative import GenerationResponse
 from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_reasoning
@@ -38,7 +38,7 @@ from .pool import PromptCachePool
 from .prompts import Prompts
 from .scheduler import Busy, Finished, Scheduler, Started
 from .scheduler import Request as Job
-from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from .schemas import NOT_GIVEN, ChatCompletionRequest, CompletionRequest, MessagesRequest, TokenCountRequest
 
 log = logging.getLogger("dflash_mlx.server")
 
@@ -83,6 +83,9 @@ class Guard:
             message = "a valid API key is needed: Authorization: Bearer <key>"
             reply = error_response(path, 401, message, code="invalid_api_key")
             return await reply(scope, receive, counted_send)
+        if headers.get(b"content-encoding", b"identity").strip().lower() not in (b"identity", b""):
+            message = "the request body must not be compressed: send it without Content-Encoding"
+            return await error_response(path, 415, message)(scope, receive, counted_send)
         body, more, messages = 0, True, []
         while more and scope["method"] in ("POST", "PUT", "PATCH"):
             message = await receive()
@@ -115,8 +118,9 @@ class Guard:
 
     def _authorized(self, headers: dict) -> bool:
         key = self.api_key.encode()
-        bearer, given = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
-        return hmac.compare_digest(bearer, b"Bearer " + key) or hmac.compare_digest(given, key)
+        scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+        return bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), key)
 
 
 class Generation:
@@ -235,7 +239,13 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     metrics = Metrics()
     pool = PromptCachePool(target, draft, config.cache_bytes, config.defaults.draft_window)
     scheduler = Scheduler(target, draft, tokenizer, pool, metrics, config.max_active, config.max_waiting)
-    prompts = Prompts(tokenizer, config.template_kwargs, config.client_templates, config.max_body_bytes)
+    prompts = Prompts(
+        tokenizer,
+        config.template_kwargs,
+        config.client_templates,
+        config.max_body_bytes,
+        context_length(target),
+    )
 
     @asynccontextmanager
     async def lifespan(app):
@@ -261,6 +271,12 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         errors = e.errors()
         if errors[0].get("type") == "json_invalid":
             return error_response(request.url.path, 400, "the request body is not valid JSON")
+        kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if kind != "application/json" and not kind.endswith("+json"):  # (FastAPI then reads no JSON)
+            message = (
+                f"the request body is {kind or 'of no type'}: send JSON, with Content-Type: application/json"
+            )
+            return error_response(request.url.path, 400, message)
         where = _field(errors[0].get("loc", ()))
         wants = dict.fromkeys(_wanted(x) for x in errors if _field(x.get("loc", ())) == where)
         message = f"{where or 'body'}: {' or '.join(wants)}"
@@ -269,6 +285,14 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         return error_response(request.url.path, e.status_code, str(e.detail))
+
+    def check_given(body) -> None:
+        if body.n != 1:
+            raise ApiError(400, "n must be 1: this server makes one choice per request", param="n")
+        if name := body.not_given():
+            raise ApiError(
+                400, f"{name}: this server does not give {NOT_GIVEN[name]}; leave it out", param=name
+            )
 
     def check_model(name: str) -> None:
         if name != config.model_id:
@@ -326,7 +350,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             with suppress(asyncio.CancelledError):
                 await watcher
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "model": config.model_id}
 
@@ -334,19 +358,22 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     async def prometheus():
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    served = {"id": config.model_id, "object": "model", "created": 0, "owned_by": "dflash-mlx"}
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": config.model_id, "object": "model", "created": 0, "owned_by": "dflash-mlx"}],
-        }
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        check_model(name)
+        return served
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrived = time.monotonic()
         check_model(body.model)
-        if body.n != 1:
-            raise ApiError(400, "n must be 1: this server makes one choice per request", param="n")
+        check_given(body)
         tools = body.tools if body.tool_choice != "none" else None
         settings = settings_for(body, body.max_completion_tokens or body.max_tokens)
         reply = _OpenAIReply(config.model_id, "chat.completion")
@@ -364,8 +391,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         arrived = time.monotonic()
         check_model(body.model)
-        if body.n != 1:
-            raise ApiError(400, "n must be 1: this server makes one choice per request", param="n")
+        check_given(body)
         vocab = target.args.vocab_size
         if isinstance(body.prompt, list) and not all(0 <= t < vocab for t in body.prompt):
             raise ApiError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
@@ -379,19 +405,26 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         await answer(request, generation)
         return reply.completion(generation)
 
+    async def anthropic_prompt(body: TokenCountRequest) -> list[int]:
+        thinking = (body.thinking or {}).get("type")
+        extra = {"enable_thinking": thinking == "enabled"} if thinking in ("enabled", "disabled") else None
+        go_on = body.messages[-1].role == "assistant"  # Anthropic's way to start the reply for the model
+        return await prompts.chat(body.conversation(), body.function_tools(), extra, go_on)
+
+    @app.post(ANTHROPIC + "/count_tokens")
+    async def count_tokens(body: TokenCountRequest):
+        check_model(body.model)
+        return {"input_tokens": len(await anthropic_prompt(body))}
+
     @app.post(ANTHROPIC)
     async def messages(body: MessagesRequest, request: Request):
         arrived = time.monotonic()
         check_model(body.model)
-        thinking = (body.thinking or {}).get("type")
-        extra = {"enable_thinking": thinking == "enabled"} if thinking in ("enabled", "disabled") else None
-        tools = body.function_tools()
-        go_on = body.messages[-1].role == "assistant"  # Anthropic's way to start the reply for the model
         settings = settings_for(body, body.max_tokens)
         reply = _AnthropicReply(config.model_id)
         async with admitted():
-            prompt = await prompts.chat(body.conversation(), tools, extra, go_on)
-            channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)
+            prompt = await anthropic_prompt(body)
+            channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), body.function_tools())
             generation = start(prompt, settings, body.stop_sequences or [], arrived)
         if body.stream:
             return _Stream(reply.stream(generation, channels), generation)

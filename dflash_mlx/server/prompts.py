@@ -38,14 +38,25 @@ class Prompts:
     """Token ids for requests: chat conversations through the model's template (or an allowed client
     template), raw completion prompts as text or ids."""
 
-    def __init__(self, tokenizer, template_kwargs: dict, client_templates: bool, max_chars: int):
+    def __init__(
+        self, tokenizer, template_kwargs: dict, client_templates: bool, max_chars: int, context: int | None
+    ):
         self.tokenizer, self.template_kwargs, self.max_chars = tokenizer, template_kwargs, max_chars
         self.threads = ThreadPoolExecutor(2, thread_name_prefix="dflash-mlx-prompts")
         self.sandbox = TemplateSandbox(tokenizer, max_chars) if client_templates else None
+        # Threads of their own, so that requests with the model's template never wait behind clients'
+        # templates; those wait for the sandbox (one at a time) at most TEMPLATE_SECONDS, then get a 429.
+        self.rendering = ThreadPoolExecutor(8, thread_name_prefix="dflash-mlx-templates")
         self.reserved = _call_arguments(tokenizer)
+        # No token holds more characters than the longest vocabulary entry, so a text longer than the
+        # context times that cannot fit: refused before minutes of tokenizing (a body of megabytes).
+        self.context = context
+        longest = max(map(len, tokenizer.get_vocab()), default=1)
+        self.most_chars = None if context is None else context * max(longest, 1)
 
     def close(self) -> None:
         self.threads.shutdown(wait=False, cancel_futures=True)
+        self.rendering.shutdown(wait=False, cancel_futures=True)
         if self.sandbox is not None:
             self.sandbox.close()
 
@@ -82,7 +93,8 @@ class Prompts:
                 400, "chat_template_kwargs.chat_template must be a string", param="chat_template_kwargs"
             )
         else:
-            text = await self._run(self.sandbox.render, template, messages, kwargs)
+            loop = asyncio.get_running_loop()
+            text = await loop.run_in_executor(self.rendering, self.sandbox.render, template, messages, kwargs)
         return await self._run(self._encode, text, True)
 
     async def text(self, prompt: str | list[int]) -> list[int]:
@@ -95,6 +107,12 @@ class Prompts:
         return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
 
     def _encode(self, text: str, chat: bool) -> list[int]:
+        if self.most_chars is not None and len(text) > self.most_chars:
+            raise ApiError(
+                400,
+                f"the prompt is {len(text)} characters, more than the model's context of {self.context} "
+                "tokens can hold: shorten the prompt",
+            )
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -162,31 +180,40 @@ class TemplateSandbox:
         self.process = None
 
     def render(self, template: str, messages: list[dict], kwargs: dict) -> str:
-        with self.lock:
-            if self.process is None or self.process.poll() is not None:
-                self._start()
-            try:
-                if not self.ready:  # the child's first message says its imports are done
-                    if not self.conn.poll(SANDBOX_START_SECONDS):
-                        raise EOFError
-                    self.conn.recv()
-                    self.ready = True
-                self.conn.send((template, messages, kwargs))
-                if not self.conn.poll(TEMPLATE_SECONDS):
-                    self.close()
-                    raise ApiError(
-                        400,
-                        f"chat_template_kwargs.chat_template took over {TEMPLATE_SECONDS:g} s to render",
-                        param="chat_template_kwargs.chat_template",
-                    )
-                ok, value = self.conn.recv()
-            except (EOFError, OSError):  # the child died (out of memory) or never started
+        # A request waits for the templates before it at most as long as one may take, then is told to
+        # retry: each one's wait stays bounded, however many slow templates come at once.
+        if not self.lock.acquire(timeout=TEMPLATE_SECONDS):
+            raise ApiError(429, "the server is rendering other clients' chat templates: try again shortly")
+        try:
+            return self._render(template, messages, kwargs)
+        finally:
+            self.lock.release()
+
+    def _render(self, template: str, messages: list[dict], kwargs: dict) -> str:
+        if self.process is None or self.process.poll() is not None:
+            self._start()
+        try:
+            if not self.ready:  # the child's first message says its imports are done
+                if not self.conn.poll(SANDBOX_START_SECONDS):
+                    raise EOFError
+                self.conn.recv()
+                self.ready = True
+            self.conn.send((template, messages, kwargs))
+            if not self.conn.poll(TEMPLATE_SECONDS):
                 self.close()
                 raise ApiError(
                     400,
-                    "chat_template_kwargs.chat_template could not be rendered within the server's limits",
+                    f"chat_template_kwargs.chat_template took over {TEMPLATE_SECONDS:g} s to render",
                     param="chat_template_kwargs.chat_template",
-                ) from None
+                )
+            ok, value = self.conn.recv()
+        except (EOFError, OSError):  # the child died (out of memory) or never started
+            self.close()
+            raise ApiError(
+                400,
+                "chat_template_kwargs.chat_template could not be rendered within the server's limits",
+                param="chat_template_kwargs.chat_template",
+            ) from None
         if not ok:
             raise ApiError(400, f"chat_template_kwargs.chat_template: {value}", param="chat_template_kwargs")
         return value
@@ -227,8 +254,9 @@ def _sandbox(conn: Connection) -> None:
             conn.send((False, "the chat template used too much memory"))
         except TemplateError as e:
             conn.send((False, str(e)))
-        except Exception:  # noqa: BLE001
-            conn.send((False, "the template cannot render these messages"))
+        except Exception as e:  # noqa: BLE001  (the client's template: its author gets the cause)
+            cause = f"{type(e).__name__}: {e}"
+            conn.send((False, f"the template cannot render these messages ({cause[:300]})"))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,15 @@ class StreamOptions(_Body):
 
 
 MAX_STOPS = 64  # stop strings a request may give (each is looked for in the text after every cycle)
+# Fields that, asked for, change what an answer holds, which this server cannot give: refused rather
+# than answered without (other fields it has no use for are ignored).
+NOT_GIVEN = {
+    "logprobs": "log-probabilities",
+    "top_logprobs": "log-probabilities",
+    "echo": "the prompt echoed back",
+    "suffix": "insertions (a suffix)",
+    "best_of": "the best of several answers",
+}
 
 
 class _OpenAI(_Sampling):
@@ -71,6 +80,15 @@ class _OpenAI(_Sampling):
         if isinstance(stop, list) and len(stop) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop strings")
         return stop
+
+    def not_given(self) -> str | None:
+        """The first field asked for that NOT_GIVEN names, if any."""
+        extra = self.model_extra or {}
+        for name in NOT_GIVEN:
+            value = extra.get(name)
+            if value not in (None, False, 0, "") and not (name == "best_of" and value == 1):
+                return name
+        return None
 
     @property
     def stops(self) -> list[str]:
@@ -137,9 +155,10 @@ class AnthropicTool(_Body):
     input_schema: dict = Field(default_factory=dict)
 
 
-class MessagesRequest(_Sampling):
+class TokenCountRequest(_Sampling):
+    """A messages request as Anthropic's token counting takes it: without max_tokens."""
+
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
     system: str | list[Block] | None = None
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOPS)
     tools: list[AnthropicTool] | None = None
@@ -185,6 +204,10 @@ class MessagesRequest(_Sampling):
                     message["tool_calls"] = calls
                 out.append(message)
         return out
+
+
+class MessagesRequest(TokenCountRequest):
+    max_tokens: int = Field(ge=1)
 
 
 def _text(content) -> str:
