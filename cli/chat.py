@@ -229,6 +229,14 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
     console.print(f"[dim]{status_line(session.turns[-1])}[/dim]")
 
 
+def _number(text: str, kind, usage: str):
+    try:
+        return kind(text)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise UserError(f"{usage} takes {what}, got {text!r}" if text else f"{usage} needs {what}") from None
+
+
 def command(session, console: Console, line: str) -> str | None:
     name, _, arg = line.partition(" ")
     arg = arg.strip()
@@ -244,10 +252,10 @@ def command(session, console: Console, line: str) -> str | None:
             session.system = arg or None
             console.print(f"[dim]system prompt {'set' if arg else 'cleared'}[/dim]")
         elif name == "/temp":
-            session.settings = replace(session.settings, temperature=float(arg))
+            session.settings = replace(session.settings, temperature=_number(arg, float, "/temp X"))
             console.print(f"[dim]temperature {session.settings.temperature}[/dim]")
         elif name == "/block":
-            session.settings = replace(session.settings, block_size=int(arg) or None)
+            session.settings = replace(session.settings, block_size=_number(arg, int, "/block N") or None)
             block = session.settings.block_size
             console.print(f"[dim]{f'block size {block}' if block else 'each cycle chooses'}[/dim]")
         elif name == "/stats":

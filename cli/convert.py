@@ -13,6 +13,8 @@ from dflash_mlx.loading import DTYPES, find_pair, is_gguf, resolve_draft, resolv
 
 from .options import stderr, user_errors
 
+Q_BITS, Q_GROUP_SIZES = (2, 3, 4, 5, 6, 8), (32, 64, 128)  # what MLX's affine quantization takes
+
 
 def convert(
     source: str = typer.Argument(..., help="Drafter or target: Hugging Face id, folder, or .gguf file."),
@@ -41,7 +43,15 @@ def convert(
         if not quantize and (q_bits is not None or q_group_size is not None):
             raise UserError("--q-bits and --q-group-size take effect only with -q/--quantize: add it")
         q_bits, q_group_size = 4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size
-        if Path(output).expanduser().exists() and not force:  # before any download
+        if quantize and (q_bits not in Q_BITS or q_group_size not in Q_GROUP_SIZES):
+            raise UserError(
+                f"MLX quantizes to {', '.join(map(str, Q_BITS))} bits in groups of "
+                f"{', '.join(map(str, Q_GROUP_SIZES))}: got --q-bits {q_bits} --q-group-size {q_group_size}"
+            )
+        out_path, src = Path(output).expanduser().resolve(), Path(source).expanduser().resolve()
+        if src.exists() and (out_path == src or out_path in src.parents):
+            raise UserError(f"{output} holds {source}: write to another folder (it would be replaced)")
+        if out_path.exists() and not force:  # before any download
             raise AlreadyExists(f"{output} already exists (pass --force to replace it)")
         with Progress(
             SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=stderr()

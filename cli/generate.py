@@ -106,21 +106,32 @@ def generate(
             else tokenizer.encode(prompt, verbose=False)
         )
         tic = time.perf_counter()
+        text, tokens, last, acc = [], [], None, []
         cycles = []  # [source, proposals verified (a tree's nodes), tokens accepted] per cycle
-        if drafter is None:
-            text, tokens, last, acc = _plain(target, tokenizer, ids, as_json, settings)
-        else:
-            text, tokens, last, acc = [], [], None, []
-            for last in stream_generate(target, drafter, tokenizer, ids, **asdict(settings)):
+        stream = (
+            _plain(target, tokenizer, ids, settings)
+            if drafter is None
+            else stream_generate(target, drafter, tokenizer, ids, **asdict(settings))
+        )
+        interrupted = False
+        try:
+            for last in stream:
                 if not as_json:
                     sys.stdout.write(last.text)
                     sys.stdout.flush()
                 text.append(last.text)
-                tokens += last.tokens
-                if last.accepted is not None:
+                tokens += last.tokens if drafter is not None else [last.token]
+                if getattr(last, "accepted", None) is not None:
                     acc.append(last.accepted)
                     cycles.append([last.source, last.proposed, last.accepted])
-            text = "".join(text)
+        except KeyboardInterrupt:  # what came so far is kept: the text was shown, the record says so
+            if not as_json:
+                raise
+            interrupted = True
+        text = "".join(text)
+        if drafter is None and tokens:
+            # mlx-lm counts the first token in its rate but not the time it took; ours counts neither
+            last.generation_tps *= (len(tokens) - 1) / len(tokens)
         wall = time.perf_counter() - tic
         tau = sum(acc) / len(acc) if acc else None
         record = {
@@ -136,12 +147,15 @@ def generate(
             "generation_tps": last.generation_tps if last else 0.0,
             "wall_s": wall,
             "peak_memory_gb": last.peak_memory if last else 0.0,
-            "finish_reason": last.finish_reason if last else "length",  # (--max-tokens 0, as generate())
+            # (--max-tokens 0: "length", as generate() says)
+            "finish_reason": "interrupted" if interrupted else last.finish_reason if last else "length",
             "model": model,
             "draft": None if drafter is None else (draft or "registry"),
         }
         if as_json:  # (inside user_errors: a reader gone away ends it quietly, as for the text)
             typer.echo(json.dumps(record))
+            if interrupted:
+                raise typer.Exit(130)
             return
         typer.echo()
     stats = f"{len(tokens)} tokens"
@@ -153,22 +167,13 @@ def generate(
     typer.secho(stats, err=True, dim=True)
 
 
-def _plain(model, tokenizer, ids, quiet, settings: GenerationSettings):
-    """The baseline: mlx-lm's own decoding of the target."""
+def _plain(model, tokenizer, ids, settings: GenerationSettings):
+    """The baseline: mlx-lm's own decoding of the target (its responses)."""
     s = settings
     max_tokens = min(s.max_tokens, context_room(model, len(ids)))  # as stream_generate does
     if max_tokens == 0:  # (mlx-lm would read 0 as an error)
-        return "", [], None, []
+        return
     if s.seed is not None:
         mx.random.seed(s.seed)
     sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0, min_p=s.min_p, top_k=s.top_k)
-    text, tokens, last = [], [], None
-    for last in plain_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler):
-        if not quiet:
-            sys.stdout.write(last.text)
-            sys.stdout.flush()
-        text.append(last.text)
-        tokens.append(last.token)
-    # mlx-lm counts the first token in its rate but not the time it took; ours counts neither
-    last.generation_tps *= (len(tokens) - 1) / len(tokens)
-    return "".join(text), tokens, last, []
+    yield from plain_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler)

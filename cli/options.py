@@ -101,8 +101,8 @@ def user_errors():
 
 
 def mix_text(mix: dict) -> str:
-    """Cycles per source, e.g. 'dflash 12 · lookup 5 · plain 30'."""
-    return " · ".join(f"{s} {mix[s]}" for s in ("dflash", "lookup", "plain") if mix.get(s))
+    """Cycles per source, e.g. 'dflash 12 · tree 3 · lookup 5 · plain 30'."""
+    return " · ".join(f"{s} {mix[s]}" for s in ("dflash", "tree", "lookup", "plain") if mix.get(s))
 
 
 def check_utf8(text: str, what: str) -> None:

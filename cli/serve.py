@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import socket
 
@@ -34,13 +35,15 @@ from .options import (
 
 
 def _check_port(host: str, port: int) -> None:
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port must be from 1 to 65535, got {port}")
     try:
         with socket.create_server((host, port)):
             pass
-    except OSError as e:
-        raise UserError(
-            f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port"
-        ) from None
+    except OSError as e:  # (the port taken or privileged; else the address is not one of this machine's)
+        what = "another --port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "another --host"
+        reason = str(e.strerror or e).split(" (while attempting")[0]
+        raise UserError(f"cannot listen on {host}:{port} ({reason}): choose {what}") from None
 
 
 def serve(
@@ -78,7 +81,7 @@ def serve(
 ):
     """Serve the pair over HTTP: OpenAI chat completions and completions, Anthropic messages."""
     with user_errors():
-        if not 1 <= max_concurrency <= 256 or not 0 <= max_queue <= 10_000 or cache_gb < 0:
+        if not 1 <= max_concurrency <= 256 or not 0 <= max_queue <= 10_000 or not 0 <= cache_gb < 1 << 20:
             raise UserError("--max-concurrency must be 1-256, --max-queue 0-10000 and --cache-gb at least 0")
         if request_timeout is not None and not request_timeout > 0:
             raise UserError(f"--request-timeout must be a number of seconds above 0, got {request_timeout}")

@@ -10,6 +10,7 @@ import typer
 
 from dflash_mlx.data import (
     answer_rows,
+    check_data_options,
     generate_data,
     load_shards,
     prompt_source,
@@ -68,6 +69,7 @@ def data(
     with user_errors():
         if limit is not None and limit < 0:
             raise UserError(f"--limit must be >= 0, got {limit}")
+        check_data_options(out, batch_size, shard_size, max_new_tokens, max_prompt_tokens, limit, temp)
         prompts = prompt_source(source)
         total = min(limit or len(prompts), len(prompts))
         folder = Path(out).expanduser()

@@ -132,40 +132,45 @@ def python_stdlib_prompts() -> list[list[dict]]:
 def jsonl_prompts(path: str | Path) -> list[list[dict]]:
     """Prompts from a JSONL file: each line {"prompt": str}, {"messages": [...]} or ShareGPT-style
     {"conversations": [{"from": "human", "value": ...}, ...]} (its first human turn)."""
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}, line {line}: not UTF-8 text; convert the file (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}, line {n}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
-            where = f"{path}, line {n}"
-            if isinstance(row.get("prompt"), str) and row["prompt"].strip():
-                out.append([{"role": "user", "content": row["prompt"]}])
-            elif isinstance(row.get("messages"), list) and row["messages"]:
-                msgs = row["messages"]
-                if not all(
-                    isinstance(m, dict)
-                    and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)
-                    for m in msgs
-                ):
-                    raise UserError(f'{where}: each message needs a "role" and a "content" string')
-                if msgs[-1]["role"] == "assistant":  # the answer to learn is the target's own, not this one
-                    msgs = msgs[:-1]
-                if not any(m["role"] != "assistant" for m in msgs):
-                    raise UserError(f"{where}: no user message to answer")
-                out.append(msgs)
-            elif isinstance(row.get("conversations"), list):
-                human = [c for c in row["conversations"] if isinstance(c, dict) and c.get("from") == "human"]
-                if human:
-                    if not isinstance(human[0].get("value"), str):
-                        raise UserError(f'{where}: the first "human" turn needs a "value" string')
-                    out.append([{"role": "user", "content": human[0]["value"]}])
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}, line {n}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
+        where = f"{path}, line {n}"
+        if isinstance(row.get("prompt"), str) and row["prompt"].strip():
+            out.append([{"role": "user", "content": row["prompt"]}])
+        elif isinstance(row.get("messages"), list) and row["messages"]:
+            msgs = row["messages"]
+            if not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            ):
+                raise UserError(f'{where}: each message needs a "role" and a "content" string')
+            if msgs[-1]["role"] == "assistant":  # the answer to learn is the target's own, not this one
+                msgs = msgs[:-1]
+            if not any(m["role"] != "assistant" for m in msgs):
+                raise UserError(f"{where}: no user message to answer")
+            out.append(msgs)
+        elif isinstance(row.get("conversations"), list):
+            human = [c for c in row["conversations"] if isinstance(c, dict) and c.get("from") == "human"]
+            if human:
+                if not isinstance(human[0].get("value"), str):
+                    raise UserError(f'{where}: the first "human" turn needs a "value" string')
+                out.append([{"role": "user", "content": human[0]["value"]}])
     if not out:
         raise UserError(f"{path}: no usable rows (expected 'prompt', 'messages' or 'conversations' fields)")
     return out
@@ -466,6 +471,26 @@ class Answers:
         return cache
 
 
+def check_data_options(
+    folder, batch_size, shard_size, max_new_tokens, max_prompt_tokens, limit, temperature
+) -> None:
+    """`generate_data`'s settings, checked before a model is loaded for them."""
+    for name, value in (
+        ("batch size", batch_size),
+        ("shard size", shard_size),
+        ("max new tokens", max_new_tokens),
+        ("max prompt tokens", max_prompt_tokens),
+    ):
+        if value is not None and value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
+    if limit is not None and limit < 0:
+        raise UserError(f"limit cannot be negative, got {limit}")
+    if not 0 <= temperature <= 100:
+        raise UserError(f"temperature must be between 0 and 100, got {temperature}")
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise UserError(f"{folder} is a file: give a folder for the answers' shards")
+
+
 def generate_data(
     model,
     tokenizer,
@@ -493,18 +518,7 @@ def generate_data(
     `source` names the prompt list; resuming a folder made from another source is an error, since
     the resume point counts prompts of the first one.
     """
-    for name, value in (
-        ("batch size", batch_size),
-        ("shard size", shard_size),
-        ("max new tokens", max_new_tokens),
-        ("max prompt tokens", max_prompt_tokens),
-    ):
-        if value < 1:
-            raise UserError(f"{name} must be at least 1, got {value}")
-    if limit is not None and limit < 0:
-        raise UserError(f"limit cannot be negative, got {limit}")
-    if not 0 <= temperature <= 100:
-        raise UserError(f"temperature must be between 0 and 100, got {temperature}")
+    check_data_options(folder, batch_size, shard_size, max_new_tokens, max_prompt_tokens, limit, temperature)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     done, consumed = resume_point(folder, source, shard_size)

@@ -31,19 +31,27 @@ def atomic_folder(dest: str | Path, force: bool = False):
         tmp.chmod(0o755)  # mkdtemp makes it private
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
             dest.rename(old)
             try:
                 tmp.rename(dest)
             except BaseException:
                 old.rename(dest)  # put the good folder back
                 raise
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
         else:
             tmp.rename(dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _remove(path: Path) -> None:
+    """A folder or a file (what --force replaces may be either), if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -8,8 +8,10 @@ downloaded are kept, and a dropped connection resumes within the run).
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +127,11 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
         print(f"converting {path.name} to an MLX folder in {dest} (once)", file=sys.stderr)
         with atomic_folder(dest, force=True) as tmp:
             convert_gguf(path, tmp, dtype)
+        # Conversions of an earlier file of that name (replaced, or touched: another size or time) are
+        # not read again; each is as large as the model.
+        for old in dest.parent.glob(f"{glob.escape(path.stem)}-{tag}-*"):
+            if old != dest and (old / "config.json").exists():
+                shutil.rmtree(old, ignore_errors=True)
     return dest
 
 
@@ -243,9 +250,12 @@ def read_config(path: Path) -> dict:
     if not file.exists():
         raise NotFound(f"{path} has no config.json: not a model folder")
     try:
-        return json.loads(file.read_text())
+        config = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{file} is not valid JSON ({e}): re-download or re-convert the model") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{file} is not a model config (a JSON object): re-download or re-convert the model")
+    return config
 
 
 def check_model_type(path: Path, config: dict) -> None:
@@ -296,7 +306,13 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
     path = resolve_draft(name)
     raw = read_config(path)
     layout = drafter_format(raw)
-    config = layout.read_config(raw)
+    try:  # (a field of the wrong type fails deep in the config reader or the model's constructor)
+        config = layout.read_config(raw)
+        model = layout.model_class(config)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise UserError(
+            f"{path / 'config.json'} has a field of the wrong type ({e}): re-download or re-convert it"
+        ) from None
     files = sorted(path.glob("model*.safetensors"))  # not optimizer.safetensors of a checkpoint
     if not files:
         raise NotFound(f"{path} has no model*.safetensors weights")
@@ -308,7 +324,6 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
             raise UserError(
                 f"cannot read {f}: {str(e).strip()} (truncated or not a safetensors file?)"
             ) from None
-    model = layout.model_class(config)
     if "quantization" in raw:
         q = raw["quantization"]
         nn.quantize(

@@ -28,7 +28,7 @@ from .drafters import NgramIndex
 from .errors import UserError
 from .models.dflash import DFlashConfig, DFlashDraftModel
 from .pairing import prepare
-from .platform import DISABLE_ENV, blas
+from .platform import DISABLE_ENV, blas, device_memory
 from .policy import DFLASH, PLAIN, AdaptivePolicy, CostModel, costs_for, costs_path, fastest_seconds
 from .speculative import stream_generate
 
@@ -89,16 +89,24 @@ def ar_tokens_per_s(model, prompt, n=48) -> float:
 
 
 def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt_len=128) -> dict:
-    if hidden < 64 or hidden % 64:
-        raise UserError(f"hidden must be a multiple of 64 (the head size), got {hidden}")
-    for name, value, least in (
-        ("layers", layers, 1),
-        ("vocab", vocab, 2),
-        ("block size", block_size, 2),
-        ("cycles", cycles, 1),
+    if not 64 <= hidden <= 16384 or hidden % 64:
+        raise UserError(f"hidden must be a multiple of 64 (the head size) up to 16384, got {hidden}")
+    # (the most a real model has, about: past these a random model would not fit in memory)
+    for name, value, least, most in (
+        ("layers", layers, 1, 256),
+        ("vocab", vocab, 2, 1 << 20),
+        ("block size", block_size, 2, 64),
+        ("cycles", cycles, 1, 10_000),
     ):
-        if value < least:
-            raise UserError(f"{name} must be at least {least}, got {value}")
+        if not least <= value <= most:
+            raise UserError(f"{name} must be from {least} to {most}, got {value}")
+    need = 4 * (2 * vocab * hidden + 13 * layers * hidden * hidden)  # float32: embedding, head, layers
+    memory = device_memory() or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > memory / 2:
+        raise UserError(
+            f"a random target of this size takes about {need / 2**30:.1f} GiB, more than half this machine's "
+            f"{memory / 2**30:.0f}: make it smaller"
+        )
     model, draft = random_pair(hidden, layers, vocab, block_size=block_size)
     target = prepare(model, draft)
     prompt = mx.random.randint(0, vocab - 1, (prompt_len,)).tolist()

@@ -11,8 +11,9 @@ until the caller reads the two numbers, so a cycle synchronises once.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -30,6 +31,20 @@ MAX_TEMPERATURE = 1e4
 MIN_TOP_P = 1e-8
 
 
+def _check_types(settings) -> None:
+    """Each numeric field of a settings dataclass holds a number of its annotated kind (or None where the
+    annotation allows it): a string or None where a number goes is refused by name, not deep inside."""
+    for f in fields(settings):
+        value, kind = getattr(settings, f.name), str(f.type).split(" ")[0]
+        if kind not in ("int", "float") or (value is None and "None" in str(f.type)):
+            continue
+        number = numbers.Integral if kind == "int" else numbers.Real
+        if not isinstance(value, number) or isinstance(value, bool):
+            raise UserError(
+                f"{f.name} must be {'a whole number' if kind == 'int' else 'a number'}, got {value!r}"
+            )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings, checked, and normalised where the math needs it: a temperature below
@@ -42,6 +57,7 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self):
+        _check_types(self)
         if not 0 <= self.temperature <= MAX_TEMPERATURE:  # (NaN fails this too)
             raise UserError(
                 f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, got {self.temperature}"

@@ -36,6 +36,8 @@ class GenerationSettings(SamplingParams):
             check_block_size(self.block_size)
         if self.tree is not None and not 2 <= self.tree <= TREE_MAX:
             raise UserError(f"tree must be from 2 to {TREE_MAX} (the width of its pass), got {self.tree}")
+        if self.tree is not None and self.block_size is not None:
+            raise UserError("give a tree or a block size, not both: a tree's pass is as wide as its block")
         if self.prefill_step_size is not None and self.prefill_step_size < 1:
             raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
         if self.draft_window is not None and self.draft_window < 1:

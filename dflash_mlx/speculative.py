@@ -15,6 +15,7 @@ produced: the same tokens as plain greedy decoding at temperature 0, the same di
 from __future__ import annotations
 
 import collections.abc as abc
+import numbers
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -88,14 +89,18 @@ class GenerationResult:
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> list[int]:
     """A prompt as token ids: a string tokenised as is (with BOS unless it starts with one), ids as given."""
-    if isinstance(prompt, mx.array):
-        return prompt.reshape(-1).tolist()
     if isinstance(prompt, str):
         bos = tokenizer.bos_token
         return tokenizer.encode(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos), verbose=False
         )  # our context check, not transformers' warning, says the limit
-    return [int(t) for t in prompt]
+    if isinstance(prompt, mx.array) and mx.issubdtype(prompt.dtype, mx.integer):
+        return prompt.reshape(-1).tolist()
+    if isinstance(prompt, abc.Iterable) and not isinstance(prompt, (bytes, bytearray, mx.array)):
+        ids = list(prompt)
+        if all(isinstance(t, numbers.Integral) for t in ids):
+            return [int(t) for t in ids]
+    raise UserError("the prompt must be a string, or token ids: a list of ints or an integer mx.array")
 
 
 class _NoText:
@@ -196,10 +201,16 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     if tokenizer is None and isinstance(prompt, str):
         raise UserError("a string prompt needs a tokenizer")
+    if not isinstance(model, (nn.Module, Target)) or not (draft is None or isinstance(draft, nn.Module)):
+        raise UserError("model and draft must be loaded models (load_pair, load, load_draft), draft or None")
     prompt_ids = encode_prompt(tokenizer, prompt)
     if not prompt_ids and (prompt_cache is None or not prompt_cache.pending):
         raise UserError("the prompt is empty: give at least one token")
     target = prepare(model, draft)
+    if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < target.vocab_size:
+        raise UserError(f"prompt token ids must be in 0..{target.vocab_size - 1}")
+    if isinstance(stop, str):  # (one stop string, not its characters)
+        stop = [stop]
     if prompt_cache is not None and (
         prompt_cache.target.model is not target.model or prompt_cache.draft is not draft
     ):

@@ -94,8 +94,13 @@ class TrainConfig:
         for name in ("warmup", "eval_every"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name.replace('_', '-')} cannot be negative, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise UserError(f"the learning rate must be positive, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise UserError(f"the learning rate must be a positive number, got {self.lr}")
+        for name in ("weight_decay", "grad_clip"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise UserError(f"{name.replace('_', '-')} must be a number >= 0, got {getattr(self, name)}")
+        if self.gamma is not None and not 0 < self.gamma < math.inf:
+            raise UserError(f"gamma must be a positive number, got {self.gamma}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise UserError(f"micro-batch must be at least 1, got {self.micro_batch}")
         if self.precision not in ("float32", "bf16"):
@@ -648,6 +653,14 @@ def train(
             "block_tokens": sum(len(a) for a in anchors) * cfg.block_size,
             "seconds": time.perf_counter() - tic,
         }
+        if not math.isfinite(record["loss"]) or not math.isfinite(record["grad_norm"]):
+            # (weights that are no longer numbers: nothing of this step is kept, the last checkpoint stays)
+            saved = max(start, step // cfg.checkpoint_every * cfg.checkpoint_every)
+            kept = f"the checkpoint of step {saved}" if saved else "no checkpoint"
+            raise UserError(
+                f"the loss became {record['loss']} at step {step + 1}: training diverged and stopped, "
+                f"keeping {kept}; start a new run with a lower --lr (or a longer --warmup)"
+            )
         history.append({k: record[k] for k in ("step", "loss")})
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             tau, acc = evaluate_blocks(draft, target, features_of, seqs, range(cfg.holdout), cfg)

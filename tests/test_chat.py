@@ -189,6 +189,9 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
         child.sendline("/stats")
         child.expect(r"1 answer, \d+ tokens")
         child.expect(PROMPT)
+        child.sendline("/temp warm")
+        child.expect(r"/temp X takes a number, got 'warm'")
+        child.expect(PROMPT)
         child.sendline("Write a very long story about a dragon and a knight.")
         child.expect(r"model>")
         child.expect(r"\w+ \w+ \w+ \w+ \w+")  # the answer is streaming

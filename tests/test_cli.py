@@ -81,6 +81,30 @@ def test_generate_warms_up_on_a_gpu_only(pair, device, monkeypatch):
     assert len(warmed) == (device == "cuda")
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_generate_json_stopped_with_ctrl_c_still_gives_what_came(pair, monkeypatch, plain):
+    import dflash_mlx.cli.generate as command
+
+    root, model = pair
+    name = "plain_stream_generate" if plain else "stream_generate"
+    real = getattr(command, name)
+
+    def stopped_after_three(*args, **kw):
+        for n, response in enumerate(real(*args, **kw)):
+            if n == 3:
+                raise KeyboardInterrupt
+            yield response
+
+    monkeypatch.setattr(command, name, stopped_after_three)
+    flags = "--no-draft" if plain else f"-d {root}/draft --block-size 2"
+    r = run(f"generate -m {root}/target {flags} -p 'w5 w6 w7' --max-tokens 12 --no-chat-template --json")
+    assert r.exit_code == 130
+    record = json.loads(r.stdout)
+    want = greedy_reference(model, [5, 6, 7], 12, eos={95})
+    assert record["finish_reason"] == "interrupted" and 3 <= len(record["tokens"]) < 12
+    assert record["tokens"] == want[: len(record["tokens"])]
+
+
 def test_generate_json_and_the_plain_baseline_agree(pair):
     root, model = pair
     args = f"generate -m {root}/target -p 'w5 w6 w7' --max-tokens 12 --no-chat-template --json"
@@ -98,6 +122,10 @@ def test_generate_json_and_the_plain_baseline_agree(pair):
         c[0] == "tree" and c[1] == 5 and 1 <= c[2] <= 6 for c in tree["cycle_log"]
     )
     assert ours["mean_acceptance"] >= 1 and plain["mean_acceptance"] is None
+    stats = run(f"{args.removesuffix(' --json')} -d {root}/draft --tree 6").stderr
+    assert f"(tree {len(tree['cycle_log'])})" in stats, stats  # the stats line counts tree cycles too
+    both = run(f"{args} -d {root}/draft --tree 6 --block-size 8")
+    assert both.exit_code == 1 and "give a tree or a block size, not both" in both.stderr
     assert set(ours) >= {
         "text",
         "tokens",
@@ -143,7 +171,13 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     assert r.exit_code == 1 and "max_tokens must be >= 1" in r.stderr
     r = run(f"train run --data {root}/nowhere -o {root}/run --target-layer-ids 1,a")
     assert r.exit_code == 1 and "--target-layer-ids takes comma-separated layer numbers" in r.stderr
-    for args in ("--hidden 32", "--cycles 0", "--block-size 1"):
+    for args in (
+        "--hidden 32",
+        "--cycles 0",
+        "--block-size 1",
+        "--vocab 99999999999",
+        "--hidden 16384 --vocab 1000000",
+    ):
         r = run(f"profile {args}")
         assert r.exit_code == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.output, (
             args,
@@ -732,6 +766,13 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert r.exit_code == 1 and "none of the 4 prompts fits in 2 tokens" in r.stderr
     r = run(f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/d2 --limit -3")
     assert r.exit_code == 1 and "--limit must be >= 0, got -3" in r.stderr
+    (tmp_path / "a-file").write_text("x")
+    for flags, line in (
+        (f"-o {tmp_path}/a-file", "is a file: give a folder"),
+        ("--batch-size 0", "at least 1"),
+    ):
+        r = run(f"train data -m {tmp_path}/nowhere --source {root}/prompts.jsonl -o {tmp_path}/d3 {flags}")
+        assert r.exit_code == 1 and line in r.stderr, r.output  # (before the model: it is not there)
     from mlx_lm.models import qwen2  # a family `train run` cannot use: refused before generating
 
     args = {k: v for k, v in CONFIGS["llama"].items() if k not in ("model_type", "head_dim")}

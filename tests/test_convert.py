@@ -306,6 +306,20 @@ def test_gguf_target_converts_to_the_same_model(tmp_path, family):
     assert tokenizer.eos_token == "<|end|>" and tokenizer.encode("<|end|>", add_special_tokens=False) == [258]
 
 
+def test_a_gguf_loaded_by_path_is_converted_once_and_again_only_when_the_file_changes(tmp_path, monkeypatch):
+    from dflash_mlx.loading import gguf_folder
+
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path / "home"))
+    write_gguf(tmp_path / "tiny.gguf", "llama")
+    first = gguf_folder(tmp_path / "tiny.gguf", mx.float32)
+    assert gguf_folder(tmp_path / "tiny.gguf", mx.float32) == first
+    os.utime(tmp_path / "tiny.gguf", (1, 1))  # (a reinstalled wheel's file: another time)
+    again = gguf_folder(tmp_path / "tiny.gguf", mx.float32)
+    assert again != first and (again / "config.json").exists()
+    assert not first.exists()  # the copy of the earlier file is not kept beside the new one
+    assert sorted(p.name for p in (tmp_path / "home" / "gguf").iterdir()) == [again.name]
+
+
 def test_gguf_bos_is_added_to_raw_text_when_the_file_asks(tmp_path):
     """`tokenizer.ggml.add_bos_token` (Llama 3 sets it): a raw prompt starts with BOS, as the original
     tokenizer's post-processor does; a chat template's text is not given a second one."""
@@ -393,9 +407,21 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     assert r.exit_code == 1 and "already exists" in r.output
     r = cli("convert", "some-org/some-model", tmp_path / "empty")  # said before any download is tried
     assert r.exit_code == 1 and "already exists" in r.output and "Hugging Face" not in r.output
+    wrong = json.loads((zlab / "config.json").read_text())
     for name, config, message in (
         ("nojson", "{oops", "config.json is not valid JSON"),
         ("notype", "{}", "config.json has no model_type"),
+        ("list", "[1, 2]", "config.json is not a model config"),
+        (
+            "words",
+            json.dumps(dict(wrong, num_hidden_layers="three")),
+            "config.json has a field of the wrong type",
+        ),
+        (
+            "nulls",
+            json.dumps(dict(wrong, num_attention_heads=None)),
+            "config.json has a field of the wrong type",
+        ),
     ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(config)
@@ -423,6 +449,17 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     )
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder
+    # --force into the folder that holds the source would replace the source with the output
+    for out in (zlab, zlab.parent):
+        r = cli("convert", zlab, out, "--force")
+        assert r.exit_code == 1 and "holds" in r.output and "write to another folder" in r.output, r.output
+    assert (zlab / "model.safetensors").exists()
+    for flags in (["--q-bits", "7"], ["--q-bits", "0"], ["--q-group-size", "7"]):
+        r = cli("convert", zlab, tmp_path / "q", "-q", *flags)
+        assert r.exit_code == 1 and "MLX quantizes to 2, 3, 4, 5, 6, 8 bits" in r.output, r.output
+    (tmp_path / "a-file").write_text("not a model")  # --force over a file leaves nothing of it beside
+    assert cli("convert", zlab, tmp_path / "a-file", "--force").exit_code == 0
+    assert (tmp_path / "a-file" / "config.json").exists() and not (tmp_path / ".a-file.old").exists()
 
 
 def test_a_failed_replace_keeps_the_old_folder(tmp_path, monkeypatch):

@@ -636,6 +636,13 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
         command_on_taken = [str(taken.getsockname()[1]) if a == str(port) else a for a in command]
         busy = subprocess.run(command_on_taken, capture_output=True, text=True, timeout=120)
     assert busy.returncode == 1 and busy.stderr.strip().splitlines()[-1].startswith("error: cannot listen")
+    for more, line in (
+        (["--port", "70000"], "error: --port must be from 1 to 65535, got 70000"),
+        (["--host", "999.1.1.1"], "choose another --host"),
+        (["--cache-gb", "nan"], "--cache-gb at least 0"),
+    ):
+        bad = subprocess.run(command + more, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 1 and line in bad.stderr.strip().splitlines()[-1], bad.stderr
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

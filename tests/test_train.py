@@ -36,6 +36,7 @@ from dflash_mlx.data import (
     parse_hf_spec,
     prompt_source,
 )
+from dflash_mlx.errors import UserError
 from dflash_mlx.models.dflash import block_mask
 from dflash_mlx.models.targets import Target
 from dflash_mlx.pairing import prepare
@@ -283,6 +284,26 @@ def test_the_mask_token_is_a_spare_special_token():
     assert pick_mask_token(tok) == max(ids[:2])  # the last spare one, never BOS/EOS/PAD/UNK
     tok.add_special_tokens({"mask_token": "<mask>"})
     assert pick_mask_token(tok) == tok.mask_token_id
+
+
+def test_a_run_whose_loss_is_no_longer_a_number_stops_and_keeps_the_last_good_checkpoint(
+    tiny_setup, tmp_path
+):
+    model, seqs = tiny_setup
+    logged = []
+    with pytest.raises(UserError, match="training diverged and stopped, keeping the checkpoint of step") as e:
+        train(
+            Target(model),
+            make_tokenizer(),
+            seqs,
+            tmp_path / "run",
+            tiny_config(steps=40, lr=1e30, warmup=0, checkpoint_every=1),
+            on_step=lambda r: logged.append(r["loss"]),
+        )
+    saved = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"]
+    assert f"step {saved + 1}" in str(e.value) and len(logged) == saved and all(map(math.isfinite, logged))
+    weights = mx.load(str(tmp_path / "run" / "checkpoint" / "model.safetensors"))
+    assert all(bool(mx.isfinite(w).all()) for w in weights.values())
 
 
 def test_resume_continues_the_same_run(tiny_setup, tmp_path):
@@ -579,6 +600,10 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
         ({"checkpoint_every": 0}, "checkpoint-every"),
         ({"anchors": -1}, "anchors must be at least 1"),
         ({"lr": 0.0}, "learning rate must be"),
+        ({"lr": float("inf")}, "learning rate must be"),
+        ({"lr": float("nan")}, "learning rate must be"),
+        ({"grad_clip": float("inf")}, "grad-clip must be a number"),
+        ({"weight_decay": float("nan")}, "weight-decay must be a number"),
         ({"warmup": -5}, "warmup cannot be negative"),
     ):
         with pytest.raises(ValueError, match=message):
@@ -586,6 +611,9 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     (tmp_path / "empty.jsonl").write_text('{"text": "no usable field"}\n\n')
     with pytest.raises(ValueError, match="no usable rows"):
         jsonl_prompts(tmp_path / "empty.jsonl")
+    (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl, line 2: not UTF-8 text"):
+        jsonl_prompts(tmp_path / "latin1.jsonl")
     (tmp_path / "broken.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "cut off\n')
     with pytest.raises(ValueError, match=r"broken.jsonl, line 2: not JSON"):
         jsonl_prompts(tmp_path / "broken.jsonl")
