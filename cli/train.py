@@ -17,11 +17,11 @@ from dflash_mlx.data import (
     resume_point,
     shards_tokenizer,
 )
-from dflash_mlx.errors import UserError
+from dflash_mlx.errors import AlreadyExists, UserError
 from dflash_mlx.loading import load, load_pair, read_config, template_kwargs
 from dflash_mlx.models.dflash import is_drafter_config
 from dflash_mlx.models.targets import Target
-from dflash_mlx.phrases import FILE, Phrases
+from dflash_mlx.phrases import FILE, MIN_COUNT, Phrases
 from dflash_mlx.settings import GenerationSettings
 from dflash_mlx.train_run import prepare_run, tau_on_prompts
 
@@ -125,6 +125,7 @@ def phrases(
     out: str = typer.Option(
         ..., "--out", "-o", help=f"The drafter's folder: the table is written there as {FILE}."
     ),
+    force: bool = typer.Option(False, help="Replace the table the folder holds."),
 ):
     """Learn the target's phrases from its answers: prompt lookup's fallback where the context has no
     match (what the target usually writes next after a few tokens)."""
@@ -132,6 +133,8 @@ def phrases(
         folder = Path(out).expanduser()
         if not (folder / "config.json").is_file() or not is_drafter_config(read_config(folder)):
             raise UserError(f"{out} is not a drafter's folder (a DFlash config.json): give the drafter's")
+        if (folder / FILE).exists() and not force:
+            raise AlreadyExists(f"{out} holds a phrase table already (pass --force to replace it)")
         seqs, made = [], set()
         for d in data:
             found = load_shards(d) if Path(d).is_dir() else []
@@ -143,7 +146,12 @@ def phrases(
             raise UserError("the --data folders come from targets with other vocabularies: give one target's")
         with stderr().status(f"learning phrases from {len(seqs)} answers ..."):
             table = Phrases.learn(seqs, (made - {""} or {""}).pop())
-            path = table.save(folder)
+        if not table:
+            raise UserError(
+                f"no context is followed by the same token {MIN_COUNT} times in these {len(seqs)} answers: "
+                "give more"
+            )
+        path = table.save(folder)
     size = path.stat().st_size / 1e6
     answer = _answer_tokens(seqs)
     typer.echo(f"{len(table)} phrases from {len(seqs)} answers ({answer} tokens) in {path} ({size:.1f} MB)")

@@ -16,7 +16,7 @@ import dflash_mlx.engine as engine
 from dflash_mlx import UserError, apply_chat_template, generate, load_draft
 from dflash_mlx.cli.main import app
 from dflash_mlx.convert import convert_draft, export_draft
-from dflash_mlx.data import _write_shard, tokenizer_fingerprint
+from dflash_mlx.data import _write_shard, load_shards, tokenizer_fingerprint
 from dflash_mlx.drafters import PHRASES, NgramIndex
 from dflash_mlx.phrases import FILE, MIN_COUNT, SHARE, SIZES, Phrases
 from dflash_mlx.policy import LOOKUP, Choice
@@ -151,6 +151,15 @@ def test_train_phrases_writes_the_table_beside_the_drafter_and_refuses_what_cann
     )
     assert load_draft(str(tmp_path / "draft")).phrases.next == Phrases.load(tmp_path / "draft").next
 
+    again = runner.invoke(
+        app, ["train", "phrases", "--data", str(tmp_path / "data"), "-o", str(tmp_path / "draft")]
+    )
+    assert again.exit_code == 1 and "holds a phrase table already (pass --force" in again.output
+    write_data(tmp_path / "few", [([1, 2, 3, 4, 5], 1)] * 2)  # (each context twice: no phrase)
+    few = ["train", "phrases", "--data", str(tmp_path / "few"), "-o", str(tmp_path / "draft"), "--force"]
+    failed = runner.invoke(app, few)
+    assert failed.exit_code == 1 and "give more" in failed.output
+    assert Phrases.load(tmp_path / "draft").next == Phrases.learn(load_shards(tmp_path / "data")).next  # kept
     write_data(tmp_path / "other", [([1, 2, 3], 1)], tokenizer="another")
     (tmp_path / "empty").mkdir()
     for args, message in [
@@ -169,7 +178,7 @@ def test_train_phrases_writes_the_table_beside_the_drafter_and_refuses_what_cann
             "other vocabularies",
         ),
     ]:
-        failed = runner.invoke(app, ["train", "phrases", *args])
+        failed = runner.invoke(app, ["train", "phrases", *args, "--force"])
         assert failed.exit_code == 1 and message in failed.output, failed.output
 
 
