@@ -479,6 +479,16 @@ def test_past_its_time_limit_an_answer_ends_as_at_max_tokens(tiny, monkeypatch):
             "messages[0].tool_calls[0].function: should be an object",
         ),
         ("stop", 5, "stop: should be a valid string or should be a valid list"),
+        (
+            "messages",
+            [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+            "messages[0].content[0].text: should be a valid string",
+        ),
+        (
+            "messages",
+            [{"role": "user", "content": [{"text": "w5"}]}],
+            "messages[0].content[0].type: is required",
+        ),
         ("stream_options", 3, "stream_options: should be an object"),
     ],
 )

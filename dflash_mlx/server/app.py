@@ -226,6 +226,8 @@ def _wanted(error: dict) -> str:
     """What a pydantic error says the value should be, with no class names in it."""
     if error.get("type") in ("model_type", "model_attributes_type", "dict_type"):
         return "should be an object"
+    if error.get("type") == "missing":
+        return "is required"
     message = error.get("msg", "not valid")
     return message.removeprefix("Input ").removeprefix("Value error, ")
 
@@ -277,7 +279,9 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
                 f"the request body is {kind or 'of no type'}: send JSON, with Content-Type: application/json"
             )
             return error_response(request.url.path, 400, message)
-        where = _field(errors[0].get("loc", ()))
+        # The deepest place named: where a union's branch that fits the value went wrong (a list of
+        # content parts with a bad part), not the other branch's "should be a valid string".
+        where = max((_field(x.get("loc", ())) for x in errors), key=lambda f: f.count(".") + f.count("["))
         wants = dict.fromkeys(_wanted(x) for x in errors if _field(x.get("loc", ())) == where)
         message = f"{where or 'body'}: {' or '.join(wants)}"
         return error_response(request.url.path, 400, message, param=where or None)
