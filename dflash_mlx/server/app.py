@@ -273,11 +273,9 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         errors = e.errors()
         if errors[0].get("type") == "json_invalid":
             return error_response(request.url.path, 400, "the request body is not valid JSON")
-        kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-        if kind != "application/json" and not kind.endswith("+json"):  # (FastAPI then reads no JSON)
-            message = (
-                f"the request body is {kind or 'of no type'}: send JSON, with Content-Type: application/json"
-            )
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind and kind != "application/json" and not kind.endswith("+json"):  # (FastAPI read no JSON)
+            message = f"the request body is {kind}: send JSON, with Content-Type: application/json"
             return error_response(request.url.path, 400, message)
         # The deepest place named: where a union's branch that fits the value went wrong (a list of
         # content parts with a bad part), not the other branch's "should be a valid string".
