@@ -95,7 +95,7 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
     for name, value, least, most in (
         ("layers", layers, 1, 256),
         ("vocab", vocab, 2, 1 << 20),
-        ("block size", block_size, 2, 64),
+        ("block size", block_size, 2, 1024),
         ("cycles", cycles, 1, 10_000),
     ):
         if not least <= value <= most:

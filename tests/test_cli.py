@@ -353,7 +353,9 @@ def test_the_plain_baseline_runs_any_mlx_lm_model():
 
     args = {k: v for k, v in CONFIGS["llama"].items() if k not in ("model_type", "head_dim")}
     model = qwen2.Model(qwen2.ModelArgs(**dict(args, model_type="qwen2")))
-    _, tokens, last, _ = _plain(model, make_tokenizer(eos=95), [5, 6], True, GenerationSettings(max_tokens=6))
+    tokens = [
+        r.token for r in _plain(model, make_tokenizer(eos=95), [5, 6], GenerationSettings(max_tokens=6))
+    ]
     assert tokens == greedy_reference(model, [5, 6], 6, eos={95})
     with pytest.raises(ValueError, match="family 'qwen2' is not supported by dflash-mlx"):
         prepare(model, make_draft())  # while drafting needs a supported family
