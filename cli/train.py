@@ -145,7 +145,7 @@ def phrases(
         if len(made - {""}) > 1:
             raise UserError("the --data folders come from targets with other vocabularies: give one target's")
         with stderr().status(f"learning phrases from {len(seqs)} answers ..."):
-            table = Phrases.learn(seqs, (made - {""} or {""}).pop())
+            table = Phrases.learn(seqs, next(iter(made - {""}), ""))  # ("": shards that predate the record)
         if not table:
             raise UserError(
                 f"no context is followed by the same token {MIN_COUNT} times in these {len(seqs)} answers: "
