@@ -9,7 +9,8 @@ import pytest
 from mlx_lm.generate import generate_step
 from test_drafter import write_zlab_checkpoint
 from test_policy import ScriptedPolicy
-from tiny import greedy_reference, make_draft, make_target, no_eos_tokenizer, prompt_of
+from test_sampling import PROMPT, RUNS, T, V, chi_square_p, exact_joint
+from tiny import greedy_reference, make_draft, make_target, make_tokenizer, no_eos_tokenizer, prompt_of
 from typer.testing import CliRunner
 
 import dflash_mlx.engine as engine
@@ -129,6 +130,28 @@ def test_greedy_output_is_the_targets_with_a_phrase_table_right_or_wrong(right, 
     assert looked_up  # (the tiny target's answer does not repeat itself: these came from the table)
     if right:
         assert max(looked_up) == 9  # 8 proposals, all right, and the target's own token
+
+
+def test_sampled_output_follows_the_target_distribution_with_the_phrase_tables_proposals(monkeypatch):
+    model = make_target("llama", seed=4, vocab_size=V)
+    draft = make_draft(seed=11, vocab=V, block_size=3)
+    draft.phrases = Phrases.learn([([1, 5, 3, 6, 2, 7, 4, 0], 0)] * MIN_COUNT)  # after PROMPT: 2, 7, 4, 0
+    proposed, follow = [], draft.phrases.follow
+
+    def counted(tokens, cap):
+        found = follow(tokens, cap)
+        proposed.extend([found] if found else [])
+        return found
+
+    draft.phrases.follow = counted
+    monkeypatch.setattr(engine, "policy_for", lambda *a, **k: ScriptedPolicy([Choice(LOOKUP, 4)]))
+    tok = make_tokenizer(vocab=V, eos=V + 5)  # (no EOS inside the vocabulary)
+    counts = {}
+    for seed in range(RUNS):
+        out = generate(model, draft, tok, PROMPT, max_tokens=T, temperature=0.7, top_p=0.9, seed=seed)
+        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+    assert len(proposed) > RUNS // 10  # (where the first token, the target's own draw, is a context it knows)
+    assert chi_square_p(counts, exact_joint(model, 0.7, 0.9, PROMPT)) > 1e-3
 
 
 def write_data(folder, seqs, tokenizer="fp"):
