@@ -63,14 +63,14 @@ class NgramIndex:
 
     def possible(self) -> list[int]:
         """The suffix lengths, longest first, at which the next token, whatever it is, may give a match:
-        those whose last n - 1 tokens occurred before, followed by something; then PHRASES, if there is
-        a phrase table (whether it knows what follows the next token is a chance the policy learns)."""
+        those whose last n - 1 tokens occurred before, followed by something. (Whether the phrase table
+        knows what follows the next token is a chance only a policy's odds can weigh: see plain_next.)"""
         end = len(self.tokens)
         return [
             n
             for n in self.sizes
             if 1 < n <= end + 1 and tuple(self.tokens[end - n + 1 :]) in self.latest[n - 1]
-        ] + ([PHRASES] if self.phrases else [])
+        ]
 
     def match(self, cap: int = LOOKUP_MAX) -> tuple[list[int], int]:
         """-> (up to `cap` tokens that followed the latest earlier occurrence of the longest suffix that

@@ -463,7 +463,9 @@ class AdaptivePolicy:
                 return False
             if self._best(self.dflash, self.max[DFLASH], context, True, pace[DFLASH], switch)[0] > ahead:
                 return False
-        lengths = index.possible() if self.max[LOOKUP] else []
+        lengths = []
+        if self.max[LOOKUP]:  # (then the phrase table, whose odds of following this policy learns)
+            lengths = index.possible() + ([PHRASES] if index.phrases else [])
         if lengths and self.idle[LOOKUP] >= self.wait[LOOKUP]:
             return False
         step = 1.0 / self.costs.step_time(context, "built")

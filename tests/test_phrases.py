@@ -8,19 +8,21 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from test_drafter import write_zlab_checkpoint
-from test_policy import ScriptedPolicy
+from test_policy import CPU, ScriptedPolicy
 from test_sampling import PROMPT, RUNS, T, V, chi_square_p, exact_joint
 from tiny import greedy_reference, make_draft, make_target, make_tokenizer, no_eos_tokenizer, prompt_of
 from typer.testing import CliRunner
 
 import dflash_mlx.engine as engine
-from dflash_mlx import UserError, apply_chat_template, generate, load_draft
+from dflash_mlx import SpeculativeCache, UserError, apply_chat_template, generate, load_draft
 from dflash_mlx.cli.main import app
 from dflash_mlx.convert import convert_draft, export_draft
 from dflash_mlx.data import _write_shard, load_shards, tokenizer_fingerprint
 from dflash_mlx.drafters import PHRASES, NgramIndex
+from dflash_mlx.engine import Engine, Sequence
 from dflash_mlx.phrases import FILE, MIN_COUNT, SHARE, SIZES, Phrases
-from dflash_mlx.policy import LOOKUP, Choice
+from dflash_mlx.policy import LOOKUP, AdaptivePolicy, Choice
+from dflash_mlx.settings import GenerationSettings
 
 
 def brute_force_table(seqs):
@@ -96,7 +98,7 @@ def test_lookup_matches_the_context_first_and_falls_back_to_the_table():
     index.extend([5, 6, 40, 41, 5, 6])
     assert index.match() == ([40, 41, 5, 6], 2)  # the context's own match wins
     index.extend([99])
-    assert index.match() == ([], 0) and index.possible() == [PHRASES]
+    assert index.match() == ([], 0) and index.possible() == []  # (a batch never waits on the table)
     index.extend([5, 6, 7])
     assert index.match() == ([8, 1], PHRASES)  # from (5, 6, 7), then (5, 6, 7, 8)
     other = NgramIndex(phrases=table)
@@ -152,6 +154,25 @@ def test_sampled_output_follows_the_target_distribution_with_the_phrase_tables_p
         counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
     assert len(proposed) > RUNS // 10  # (where the first token, the target's own draw, is a context it knows)
     assert chi_square_p(counts, exact_joint(model, 0.7, 0.9, PROMPT)) > 1e-3
+
+
+def test_a_batch_starts_plain_steps_ahead_with_a_table_and_one_answer_weighs_waiting_for_it():
+    """In a batch nothing weighs the table's odds, so only a context match that may follow keeps a plain
+    step from starting ahead; one answer's policy weighs waiting for the table's proposals too."""
+
+    model, draft = make_target("llama"), make_draft()
+    draft.phrases = Phrases.learn([([1, 2, 3, 4], 0)] * MIN_COUNT)
+    seqs = [Sequence(SpeculativeCache(model, draft), GenerationSettings(max_tokens=8), 8) for _ in range(2)]
+    for s, tokens in zip(seqs, ([7, 8, 9], [10, 11, 12])):  # (no suffix that occurred before)
+        s.cache.index.extend(tokens)
+    assert Engine(model, draft)._plain_next(seqs)
+    policy = AdaptivePolicy(CPU, 0, lookup=True)
+    for _ in range(20):  # the table's proposals always right, and one always follows
+        choice = policy.choose(500, ([1] * 8, PHRASES))
+        policy.observe(choice, choice.k, choice.k, [], PHRASES)
+    assert not policy.plain_next(500, seqs[0].cache.index)
+    seqs[0].cache.index.phrases = None
+    assert policy.plain_next(500, seqs[0].cache.index)
 
 
 def write_data(folder, seqs, tokenizer="fp"):
