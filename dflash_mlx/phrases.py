@@ -44,8 +44,8 @@ class Phrases:
     """Context hash -> the token that most often followed it; `follow` chains them."""
 
     def __init__(self, keys: np.ndarray, tokens: np.ndarray, tokenizer: str = ""):
-        self.keys, self.tokens, self.tokenizer = keys, tokens, tokenizer
         self.next = dict(zip(keys.tolist(), tokens.tolist()))
+        self.tokenizer = tokenizer
 
     def __len__(self) -> int:
         return len(self.next)
@@ -84,14 +84,16 @@ class Phrases:
             if nxt is None:
                 break
             out.append(nxt)
-            context = context[1:] + [nxt] if len(context) == SIZES[0] else context + [nxt]
+            context.append(nxt)
         return out
 
     def save(self, folder: str | Path) -> Path:
         dest = Path(folder) / FILE
         with atomic_file(dest) as tmp:
             with open(tmp, "wb") as f:  # (a file object: savez would add .npz to the temporary name)
-                np.savez_compressed(f, keys=self.keys, tokens=self.tokens, tokenizer=np.array(self.tokenizer))
+                keys = np.fromiter(self.next, np.uint64, len(self.next))
+                tokens = np.fromiter(self.next.values(), np.int32, len(self.next))
+                np.savez_compressed(f, keys=keys, tokens=tokens, tokenizer=np.array(self.tokenizer))
         return dest
 
     @classmethod
