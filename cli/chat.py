@@ -115,7 +115,11 @@ def read_message(console: Console) -> str:
     lines = [line]
     while lines[-1].endswith("\\"):
         lines[-1] = lines[-1][:-1]
-        lines.append(ask(console, "..."))
+        try:
+            lines.append(ask(console, "..."))
+        except EOFError:  # Ctrl-D (or the input's end) sends what came, as it ends a """-block
+            console.print()
+            break
     return "\n".join(lines)
 
 

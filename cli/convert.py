@@ -48,6 +48,8 @@ def convert(
                 f"MLX quantizes to {', '.join(map(str, Q_BITS))} bits in groups of "
                 f"{', '.join(map(str, Q_GROUP_SIZES))}: got --q-bits {q_bits} --q-group-size {q_group_size}"
             )
+        if not output.strip():
+            raise UserError("the output folder needs a name")
         out_path, src = Path(output).expanduser().resolve(), Path(source).expanduser().resolve()
         if src.exists() and (out_path == src or out_path in src.parents):
             raise UserError(f"{output} holds {source}: write to another folder (it would be replaced)")

@@ -58,6 +58,8 @@ def _remove(path: Path) -> None:
 def atomic_file(dest: str | Path):
     """Yield a temporary path beside `dest`; on success it replaces `dest`, on failure it disappears."""
     dest = Path(dest).expanduser()
+    if not dest.parent.is_dir():  # (mkstemp's error would name the temporary file)
+        raise UserError(f"cannot write {dest}: there is no folder {dest.parent}")
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.partial-", dir=dest.parent)
     os.close(fd)
     try:

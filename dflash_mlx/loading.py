@@ -369,6 +369,8 @@ def draft_for(target: str, draft: str | None = None) -> str:
     if pair is None:
         refuse_drafter_as_target(target)
         check_name(target)  # a mistyped path is the clearer error
+        if Path(target).expanduser().is_file() and not is_gguf(Path(target)):
+            raise UserError(f"{target} is a file; expected a model folder (or a .gguf file for a target)")
         raise UserError(
             f"no known drafter for {target}: pass one (--draft), or train one with "
             "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer, TokenizerWrapper
 
 from .cache import SpeculativeCache
 from .engine import Engine, Sequence
@@ -133,10 +133,17 @@ class _StopText:
             self.held = ""
             at, stop = min(hits)
             return text[:at], stop
-        keep = max((len(s) - 1 for s in self.stops), default=0)
-        cut = len(text) - keep if keep else len(text)
+        cut = len(text) - max((self._started(text, s) for s in self.stops), default=0)
         self.held = text[cut:]
         return text[:cut], None
+
+    @staticmethod
+    def _started(text: str, stop: str) -> int:
+        """How many of the text's last characters begin `stop` (held back: only those could be its start)."""
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                return k
+        return 0
 
     def flush(self) -> str:
         out, self.held = self.held, ""
@@ -268,14 +275,48 @@ class Answer:
     """One answer's tokens as GenerationResponses: text (EOS not shown, held back where a stop string
     may start), the stop string that ended it, and speeds."""
 
-    def __init__(self, tokenizer, stop: abc.Sequence[str], prompt_tokens: int):
+    def __init__(self, tokenizer, stop: abc.Sequence[str], prompt_tokens: int, joins: int | None = None):
+        """`joins`: the prompt's last token, where the answer's text continues the prompt's (a completion,
+        a reply going on from its assistant message) and so keeps the space that joins them, which
+        mlx-lm's streaming detokenizers drop from the start of a text."""
+        self.tokenizer = tokenizer
         self.eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
-        self.detok = tokenizer.detokenizer if tokenizer is not None else _NoText()
-        self.detok.reset()
+        self.joins = joins
+        self.detok = self._detokenizer()
         self.stops = _StopText(stop)
         self.prompt_tokens, self.prompt_tps = prompt_tokens, 0.0
         self.produced = 0
+        self.shown = 0  # characters of text handed out
+        self.tokens: list[int] = []  # the answer's tokens so far, EOS left out
         self.tic = None  # when the first token was handed out
+
+    def _detokenizer(self):
+        if self.tokenizer is None:
+            return _NoText()
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        if self.joins is not None:
+            detok.add_token(self.joins)
+            if not isinstance(detok, NaiveStreamingDetokenizer):  # (it decodes its tokens together)
+                detok.finalize()
+            _ = detok.last_segment  # (read: the prompt's text is not the answer's)
+        return detok
+
+    def _through_stop(self, new: list[int], end: int) -> int:
+        """How many of `new` (the last tokens) the answer's text needs to reach `end` characters: a
+        stop string can end inside a step's tokens, and those after it are not the answer's."""
+        kept = len(self.tokens) - sum(t not in self.eos for t in new)
+        detok = self._detokenizer()
+        for t in self.tokens[:kept]:
+            detok.add_token(t)
+        text = len(detok.last_segment)
+        for i, t in enumerate(new):
+            if t not in self.eos:
+                detok.add_token(t)
+                text += len(detok.last_segment)
+            if text >= end:
+                return i + 1
+        return len(new)
 
     def respond(
         self,
@@ -286,17 +327,21 @@ class Answer:
         proposed: int = 0,
     ) -> GenerationResponse:
         self.tic = self.tic or time.perf_counter()
-        self.produced += len(new)
         for t in new:
             if t not in self.eos:
                 self.detok.add_token(t)
+                self.tokens.append(t)
         if finish is not None:
             self.detok.finalize()
         text, hit = self.stops.feed(self.detok.last_segment)
         if hit is not None:
             finish = "stop"
+            if len(new) > 1:
+                new = new[: self._through_stop(new, self.shown + len(text) + len(hit))]
         elif finish is not None:
             text += self.stops.flush()
+        self.produced += len(new)
+        self.shown += len(text)
         elapsed = time.perf_counter() - self.tic
         return GenerationResponse(
             text,

@@ -313,6 +313,8 @@ def prepare_run(
         raise UserError(f"--feature-cache-gb must be >= 0, got {feature_cache_gb}")
     seqs, folders = [], []
     for folder in data:
+        if not Path(folder).expanduser().is_dir():
+            raise UserError(f"no folder {folder}: make sequences with `dflash-mlx train data -o {folder}`")
         found = load_shards(folder)
         if not found:
             raise UserError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")

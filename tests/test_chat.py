@@ -143,12 +143,18 @@ def test_save_writes_the_whole_conversation_at_a_home_path(smollm2, tmp_path, mo
     assert [p.name for p in tmp_path.iterdir()] == ["chat.json"]  # no temporary file left
 
 
-def test_ctrl_d_ends_a_multi_line_block_not_the_chat():
+@pytest.mark.parametrize(
+    "lines, message", [(['"""', "first line", "second line"], "first line\nsecond line"), (["hi \\"], "hi ")]
+)
+def test_ctrl_d_ends_a_multi_line_message_not_the_chat(lines, message):
+    """A \"\"\"-block or a line continued with a backslash: Ctrl-D (a piped input's end) sends what came."""
     from dflash_mlx.cli.chat import read_message
 
     class Keyboard:
         is_terminal = False
-        lines = iter(['"""', "first line", "second line"])
+
+        def __init__(self):
+            self.lines = iter(lines)
 
         def input(self, prompt):
             try:
@@ -159,7 +165,17 @@ def test_ctrl_d_ends_a_multi_line_block_not_the_chat():
         def print(self, *args, **kwargs):
             pass
 
-    assert read_message(Keyboard()) == "first line\nsecond line"
+    assert read_message(Keyboard()) == message
+
+
+def test_save_into_a_missing_folder_says_which(tmp_path):
+    from dflash_mlx.files import atomic_file
+
+    with pytest.raises(
+        UserError, match=f"cannot write {tmp_path}/no/chat.json: there is no folder {tmp_path}/no"
+    ):
+        with atomic_file(tmp_path / "no" / "chat.json"):
+            pass
 
 
 PROMPT = r"you>\S* "  # rich may close its colour code before the space

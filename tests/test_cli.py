@@ -394,6 +394,9 @@ def test_wrong_folders_and_missing_drafters_are_named_before_any_loading(pair, t
     monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
     r = run(f"generate -m {root}/target -p w5")
     assert r.exit_code == 1 and f"no known drafter for {root / 'target'}: pass one (--draft)" in r.stderr
+    (tmp_path / "notes.txt").write_text("not a model")
+    r = run(f"generate -m {tmp_path}/notes.txt -p w5")
+    assert r.exit_code == 1 and "notes.txt is a file; expected a model folder" in r.stderr, r.stderr
 
 
 def test_bench_without_matplotlib_still_writes_its_results(pair, tmp_path, monkeypatch):
@@ -800,6 +803,8 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     (tmp_path / "none").mkdir()
     r = run(f"train run --data {tmp_path}/data --data {tmp_path}/none -o {tmp_path}/run -m {root}/target")
     assert r.exit_code == 1 and "none holds no training sequences" in r.stderr
+    r = run(f"train run --data {tmp_path}/data --data {tmp_path}/typo -o {tmp_path}/run -m {root}/target")
+    assert r.exit_code == 1 and f"no folder {tmp_path}/typo" in r.stderr
     # The README's three steps end to end: data (above), a short run exported, its tau measured.
     data = f"--data {tmp_path}/data " * 5  # 20 sequences: 16 held out, 4 to train on
     r = run(

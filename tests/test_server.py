@@ -89,10 +89,11 @@ def test_completions_and_models(tiny, server):
     client, _ = clients(url)
     target, draft, tok = tiny
     want = generate(target, draft, tok, words(3), max_tokens=10)
+    document = tok.decode(tok.encode(words(3)) + want.tokens)  # a completion continues its prompt's text
     r = client.completions.create(model="tiny", prompt=words(3), max_tokens=10)
-    assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.tokens)
+    assert words(3) + r.choices[0].text == document and r.usage.completion_tokens == len(want.tokens)
     streamed = client.completions.create(model="tiny", prompt=words(3), max_tokens=10, stream=True)
-    assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text
+    assert words(3) + "".join(c.choices[0].text for c in streamed if c.choices) == document
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 
@@ -143,7 +144,7 @@ def test_an_anthropic_reply_goes_on_from_an_assistant_message_that_ends_the_conv
     assert prompt[-3:] == tok.encode(words(91, 3), add_special_tokens=False)  # the reply goes on from there
     want = generate(target, draft, tok, prompt, max_tokens=MAX)
     r = client.messages.create(model="tiny", max_tokens=MAX, messages=messages)
-    assert r.content[0].text == want.text
+    assert words(91, 3) + r.content[0].text == tok.decode(tok.encode(words(91, 3)) + want.tokens)
 
 
 def test_stop_strings_end_the_text_where_they_start(tiny, server):
@@ -155,6 +156,7 @@ def test_stop_strings_end_the_text_where_they_start(tiny, server):
     want = expected(tiny, messages, stop=[stop])
     r = oai.chat.completions.create(model="tiny", messages=messages, stop=[stop, "never"])
     assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(want.tokens)  # through the token that completes the stop
     m = ant.messages.create(model="tiny", messages=messages, max_tokens=MAX, stop_sequences=["never", stop])
     assert m.content[0].text == want.text
     assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)

@@ -331,14 +331,49 @@ def test_a_json_body_is_read_whatever_its_type_says_and_a_compressed_one_is_told
         ("/v1/completions", "echo", True),
         ("/v1/completions", "suffix", "w5"),
         ("/v1/completions", "best_of", 2),
+        ("/v1/completions", "logit_bias", {"5": 10}),
+        ("/v1/chat/completions", "logit_bias", {"abc": 100}),
+        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+        ("/v1/chat/completions", "tool_choice", "required"),
+        ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("/v1/messages", "tool_choice", {"type": "any"}),
     ],
 )
 def test_what_the_server_cannot_give_is_refused_rather_than_left_out(server, path, field, value):
     url, _ = server
     r = post(url, path, dict(request(path, "w5"), **{field: value}))
-    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
-    asked_not = {"logprobs": False, "top_logprobs": None, "echo": False, "best_of": 1, "suffix": ""}[field]
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field}: "), r.text
+    asked_not = {
+        "logprobs": False,
+        "top_logprobs": None,
+        "echo": False,
+        "best_of": 1,
+        "suffix": "",
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+        "tool_choice": {"type": "auto"} if path == "/v1/messages" else "none",
+    }[field]
     assert post(url, path, dict(request(path, "w5"), **{field: asked_not})).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, part",
+    [
+        ("/v1/chat/completions", {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}),
+        (
+            "/v1/messages",
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}},
+        ),
+        ("/v1/messages/count_tokens", {"type": "document", "source": {"type": "text", "data": "w5"}}),
+    ],
+)
+def test_images_and_documents_are_refused_by_a_model_that_reads_text(server, path, part):
+    url, _ = server
+    body = request(path.removesuffix("/count_tokens"), "w5")
+    body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "w5"}, part]}]
+    r = post(url, path, body)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith("messages[0].content[1]: ") and "text only" in message
 
 
 def test_stop_strings_are_limited_in_number(server):

@@ -233,3 +233,55 @@ def test_where_width_is_nearly_free_the_adaptive_policy_stays_lossless_in_whatev
         assert got.text == want
         sources |= set(got.sources)
     assert sources == {"plain", "lookup", "dflash", "tree"}
+
+
+def _answer(tok, prompt: str, text: str, steps: int, joins: bool, stop=()) -> tuple[str, list[int]]:
+    """The text and tokens an Answer hands out for `text`'s tokens, `steps` at a time (a cycle's)."""
+    from dflash_mlx.speculative import Answer
+
+    ids, new = tok.encode(prompt), tok.encode(text)
+    answer = Answer(tok, list(stop), len(ids), ids[-1] if joins else None)
+    out, tokens = "", []
+    for i in range(0, len(new), steps):
+        r = answer.respond(new[i : i + steps], 1, None if i + steps < len(new) else "length")
+        out, tokens = out + r.text, tokens + r.tokens
+        if r.finish_reason is not None:
+            break
+    return out, tokens
+
+
+@pytest.mark.parametrize(
+    "prompt, text", [(p, t) for p in STRINGS[:3] + PROMPTS for t in (" Paris, ok.", "1, 2, 3")]
+)
+def test_an_answer_that_continues_its_prompt_keeps_the_text_that_joins_them(ours, prompt, text):
+    """A completion (or a reply going on from its assistant message) is appended to the prompt: the
+    space the streaming detokenizer drops from the start of a chat reply is the document's."""
+    _, tok = ours
+    ids = tok.encode(prompt) + tok.encode(text)
+    whole = tok.decode(ids)
+    assert prompt + _answer(tok, prompt, text, 3, joins=True)[0] == whole
+    assert _answer(tok, prompt, text, 3, joins=False)[0] == tok.decode(tok.encode(text)).lstrip(" ")
+
+
+def test_tokens_after_a_stop_string_are_not_the_answers(ours):
+    """A cycle can commit tokens past the stop string's end: the answer's tokens (and usage counts) end
+    with the token that completes it, however many tokens a cycle hands out."""
+    _, tok = ours
+    text = " there friend, how are you doing today? Fine."
+    pieces = [tok.decode([t]) for t in tok.encode(text)]
+    for stop, through in (("friend", 2), (", how", 4), ("Fine", len(pieces) - 1), ("re fr", 2)):
+        for steps in (1, 3, 8):
+            out, tokens = _answer(tok, "Hi", text, steps, joins=True, stop=[stop])
+            assert out == text[: text.index(stop)]
+            assert tokens == tok.encode(text)[:through], (stop, steps)
+
+
+def test_a_long_stop_string_holds_back_only_what_could_begin_it():
+    from dflash_mlx.speculative import _StopText
+
+    stops = _StopText(["Z" * 400, "end."])
+    assert stops.feed("a river runs ") == ("a river runs ", None)
+    assert stops.feed("to the en") == ("to the ", None)  # "en" may begin "end."
+    assert stops.feed("ZZ") == ("en", None)  # ... it did not; "ZZ" may begin the other
+    assert stops.feed("d.") == ("ZZd.", None)
+    assert stops.feed(" the end.") == (" the ", "end.")

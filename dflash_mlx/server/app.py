@@ -138,11 +138,12 @@ class Generation:
         settings: GenerationSettings,
         stop: list[str],
         deadline: float | None,
+        continues: bool = False,
     ):
-        """Submit an admitted request."""
+        """Submit an admitted request (`continues`: its answer's text goes on from the prompt's)."""
         loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
         emit = lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e)  # noqa: E731
-        self.job = Job(prompt, settings, stop, emit, backlog=self.queue.qsize, deadline=deadline)
+        self.job = Job(prompt, settings, stop, emit, self.queue.qsize, deadline=deadline, continues=continues)
         self.prompt, self.started = prompt, Started(len(prompt), 0)
         self.tokens: list[int] = []
         self.text = ""
@@ -295,6 +296,12 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             raise ApiError(
                 400, f"{name}: this server does not give {NOT_GIVEN[name]}; leave it out", param=name
             )
+        check_refused(body)
+
+    def check_refused(body) -> None:
+        if refused := body.refused():
+            name, why = refused
+            raise ApiError(400, f"{name}: {why}", param=name)
 
     def check_model(name: str) -> None:
         if name != config.model_id:
@@ -334,12 +341,14 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             scheduler.withdraw()
             raise
 
-    def start(prompt: list[int], settings: GenerationSettings, stop: list[str], arrived: float) -> Generation:
+    def start(
+        prompt: list[int], settings: GenerationSettings, stop: list[str], arrived: float, continues=False
+    ) -> Generation:
         if not prompt:
             raise ApiError(400, "the prompt is empty")
         context_room(target, len(prompt))  # a prompt the context cannot hold is refused here
         deadline = None if config.request_timeout is None else arrived + config.request_timeout
-        return Generation(scheduler, prompt, settings, stop, deadline)
+        return Generation(scheduler, prompt, settings, stop, deadline, continues)
 
     async def answer(request: Request, generation: Generation) -> None:
         """Run a non-streamed request to the end, stopping it if the client goes away."""
@@ -400,7 +409,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         settings = settings_for(body, body.max_tokens)
         reply = _OpenAIReply(config.model_id, "text_completion")
         async with admitted():
-            generation = start(await prompts.text(body.prompt), settings, body.stops, arrived)
+            generation = start(await prompts.text(body.prompt), settings, body.stops, arrived, True)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _Stream(reply.completion_stream(generation, include_usage), generation)
@@ -416,18 +425,21 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     @app.post(ANTHROPIC + "/count_tokens")
     async def count_tokens(body: TokenCountRequest):
         check_model(body.model)
+        check_refused(body)
         return {"input_tokens": len(await anthropic_prompt(body))}
 
     @app.post(ANTHROPIC)
     async def messages(body: MessagesRequest, request: Request):
         arrived = time.monotonic()
         check_model(body.model)
+        check_refused(body)
         settings = settings_for(body, body.max_tokens)
         reply = _AnthropicReply(config.model_id)
         async with admitted():
             prompt = await anthropic_prompt(body)
             channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), body.function_tools())
-            generation = start(prompt, settings, body.stop_sequences or [], arrived)
+            go_on = body.messages[-1].role == "assistant"  # (the reply continues that message's text)
+            generation = start(prompt, settings, body.stop_sequences or [], arrived, go_on)
         if body.stream:
             return _Stream(reply.stream(generation, channels), generation)
         await answer(request, generation)

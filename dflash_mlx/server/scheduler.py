@@ -81,6 +81,7 @@ class Request:
     backlog: Callable[[], int] = lambda: 0  # events emitted and not yet read
     cancelled: threading.Event = field(default_factory=threading.Event)
     deadline: float | None = None  # time.monotonic() past which the answer ends where it is ("length")
+    continues: bool = False  # the answer's text goes on from the prompt's (see Answer's `joins`)
 
 
 @dataclass(eq=False)
@@ -279,7 +280,8 @@ class Scheduler:
         self.metrics.cached_tokens.inc(taken.reused)
         self.metrics.cache_lookups.labels("hit" if taken.reused else "miss").inc()
         request.emit(Started(len(request.prompt), taken.reused))
-        answer = Answer(self.tokenizer, request.stop, len(request.prompt))
+        joins = request.prompt[-1] if request.continues else None
+        answer = Answer(self.tokenizer, request.stop, len(request.prompt), joins)
         prompt = request.prompt[len(taken.cache.tokens) :]
         self.active.append(_Job(request, taken.cache, prompt, answer, level))
 

@@ -66,7 +66,9 @@ NOT_GIVEN = {
     "echo": "the prompt echoed back",
     "suffix": "insertions (a suffix)",
     "best_of": "the best of several answers",
+    "logit_bias": "token biases",
 }
+FORCED_TOOLS = "this server cannot make the model call a tool; leave tool_choice out or make it "
 
 
 class _OpenAI(_Sampling):
@@ -86,8 +88,16 @@ class _OpenAI(_Sampling):
         extra = self.model_extra or {}
         for name in NOT_GIVEN:
             value = extra.get(name)
-            if value not in (None, False, 0, "") and not (name == "best_of" and value == 1):
+            if value not in (None, False, 0, "", {}) and not (name == "best_of" and value == 1):
                 return name
+        return None
+
+    def refused(self) -> tuple[str, str] | None:
+        """(field, why) for a field asked for that would change what the answer holds, which this server
+        cannot give (beyond NOT_GIVEN's, checked first)."""
+        form = (self.model_extra or {}).get("response_format")
+        if form not in (None, {"type": "text"}):
+            return "response_format", "this server does not constrain answers to a format; leave it out"
         return None
 
     @property
@@ -102,6 +112,18 @@ class ChatCompletionRequest(_OpenAI):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     chat_template_kwargs: dict | None = None  # what vLLM and mlx-lm's server take for e.g. enable_thinking
+
+    def refused(self) -> tuple[str, str] | None:
+        if self.tool_choice not in (None, "auto", "none"):
+            return "tool_choice", FORCED_TOOLS + '"auto" or "none"'
+        for i, m in enumerate(self.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type != "text":
+                    return (
+                        f"messages[{i}].content[{j}]",
+                        f"this model reads text only, not {part.type!r} parts",
+                    )
+        return super().refused()
 
     def conversation(self) -> list[dict]:
         """The messages as chat templates take them: text parts joined, tool-call arguments as objects."""
@@ -164,6 +186,18 @@ class TokenCountRequest(_Sampling):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None  # {"type": "enabled" | "disabled", ...}
+
+    def refused(self) -> tuple[str, str] | None:
+        """(field, why) for a field asked for that would change what the answer holds, which this server
+        cannot give."""
+        if (self.tool_choice or {}).get("type") not in (None, "auto", "none"):
+            return "tool_choice", FORCED_TOOLS + '{"type": "auto"} or {"type": "none"}'
+        for i, m in enumerate(self.messages):
+            for j, block in enumerate(m.content if isinstance(m.content, list) else []):
+                if block.type in ("image", "document"):
+                    why = f"this model reads text only, not {block.type!r} blocks"
+                    return f"messages[{i}].content[{j}]", why
+        return None
 
     def function_tools(self) -> list[dict] | None:
         """The tools as chat templates take them (OpenAI's function layout)."""
