@@ -228,7 +228,8 @@ def stream_generate(
         )
     if prompt_cache is not None and prompt_cache.broken:
         raise UserError(
-            "this prompt_cache was left half-updated by an interrupted call: make a new "
+            "this prompt_cache was left half-updated (by an interrupted call, or a stop string it "
+            "could not go back to): make a new "
             "SpeculativeCache (the prompt then holds the whole conversation again)"
         )
     kept = len(prompt_cache.tokens) if prompt_cache is not None else 0
@@ -261,8 +262,11 @@ def stream_generate(
                 engine.launch()
             response = answer.respond(r.tokens, r.accepted, seq.finish, r.source, r.proposed)
             if response.finish_reason is not None:
-                if seq.finish is None:  # a stop string ended it: the step under way is taken back
+                if seq.finish is None:  # a stop string ended it: the step under way is taken back,
                     engine.remove(seq)
+                    # ... and the tokens committed after the stop's, so that a kept cache goes on from it
+                    if not cache.truncate(len(cache.tokens) - len(r.tokens) + len(response.tokens)):
+                        cache.broken = True  # (it cannot: the next call says to start a new cache)
                 yield response
                 return
             yield response

@@ -230,7 +230,7 @@ def test_a_cache_an_interrupted_pass_left_half_updated_is_refused(where, monkeyp
     monkeypatch.undo()
     assert cache.broken and cache.truncate(len(prompt)) is False  # chat then starts a new cache
     with pytest.raises(
-        ValueError, match="left half-updated by an interrupted call: make a new SpeculativeCache"
+        ValueError, match=r"left half-updated \(by an interrupted call, .*\): make a new SpeculativeCache"
     ):
         next(stream_generate(target, draft, tok, more, max_tokens=5, prompt_cache=cache))
 
@@ -263,3 +263,23 @@ def test_prompts_prefilled_together_leave_each_cache_as_its_own_prefill_would(fa
         assert_same_caches(cache, fresh)
         assert np.allclose(np.array(logits), np.array(want), atol=1e-4)
         assert cache.last_prefill == len(prompt) + (cache is caches[1])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_after_a_stop_string_a_kept_cache_goes_on_from_the_stops_token(family):
+    """A step can commit tokens after the one that completes a stop string: the answer ends there, and
+    so does the conversation the cache goes on with (its next call as if the answer had ended there)."""
+    model, prompt, follow_up = make_target(family), prompt_of(10, seed=3), prompt_of(4, seed=8)
+    ref = greedy_reference(model, prompt, 16)
+    at = next(i for i in range(3, 7) if ref[i] not in ref[:i])  # a token whose text comes first there
+    second_ref = greedy_reference(model, prompt + ref[: at + 1] + follow_up, 8)
+    tok = no_eos_tokenizer(ref + second_ref)
+    draft = OracleDraft(draft_config(block_size=8), prompt + ref, [None])  # every block accepted whole
+    cache = SpeculativeCache(model, draft)
+    stop = [tok.decode([ref[at]])]
+    first = generate(model, draft, tok, prompt, max_tokens=16, prompt_cache=cache, block_size=8, stop=stop)
+    assert first.finish_reason == "stop" and first.tokens == ref[: at + 1]
+    assert first.acceptance_lengths[0] == 8  # the step went past the stop
+    assert cache.tokens == prompt + ref[: at + 1]
+    second = generate(model, draft, tok, follow_up, max_tokens=8, prompt_cache=cache, block_size=8)
+    assert second.tokens == second_ref
