@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import textwrap
+import zipfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -245,9 +246,12 @@ def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:
     """All sequences of a data folder as (token ids, prompt length)."""
     seqs = []
     for shard in sorted(Path(folder).glob("shard-*.npz")):
-        d = np.load(shard)
-        for k, plen in enumerate(d["prompt_lens"]):
-            seqs.append((d["tokens"][d["offsets"][k] : d["offsets"][k + 1]].tolist(), int(plen)))
+        try:
+            d = np.load(shard)
+            for k, plen in enumerate(d["prompt_lens"]):
+                seqs.append((d["tokens"][d["offsets"][k] : d["offsets"][k + 1]].tolist(), int(plen)))
+        except (OSError, ValueError, KeyError, IndexError, EOFError, zipfile.BadZipFile) as e:
+            raise UserError(f"{shard} is not a shard `dflash-mlx train data` wrote ({e}): remove it") from e
     return seqs
 
 

@@ -95,10 +95,12 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> list[int]:
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos), verbose=False
         )  # our context check, not transformers' warning, says the limit
     if isinstance(prompt, mx.array) and mx.issubdtype(prompt.dtype, mx.integer):
+        if prompt.ndim > 2 or (prompt.ndim == 2 and prompt.shape[0] != 1):
+            raise UserError(f"one prompt at a time: token ids of shape (n,) or (1, n), got {prompt.shape}")
         return prompt.reshape(-1).tolist()
     if isinstance(prompt, abc.Iterable) and not isinstance(prompt, (bytes, bytearray, mx.array)):
         ids = list(prompt)
-        if all(isinstance(t, numbers.Integral) for t in ids):
+        if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
             return [int(t) for t in ids]
     raise UserError("the prompt must be a string, or token ids: a list of ints or an integer mx.array")
 
@@ -166,7 +168,7 @@ def stream_generate(
     min_p: float = 0.0,
     seed: int | None = None,
     sampler: Callable[[mx.array], mx.array] | None = None,
-    stop: abc.Sequence[str] = (),
+    stop: abc.Sequence[str] | str | None = (),
     prompt_cache: SpeculativeCache | None = None,
     prefill_step_size: int | None = None,
     draft_window: int | None = None,
@@ -216,8 +218,14 @@ def stream_generate(
     target = prepare(model, draft)
     if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < target.vocab_size:
         raise UserError(f"prompt token ids must be in 0..{target.vocab_size - 1}")
-    if isinstance(stop, str):  # (one stop string, not its characters)
-        stop = [stop]
+    if isinstance(stop, str) or stop is None:  # (one stop string, not its characters; or none)
+        stop = [stop] if stop else []
+    if not isinstance(stop, abc.Iterable) or not all(isinstance(s, str) for s in stop):
+        raise UserError(f"stop must be a string or a list of strings, got {stop!r}")
+    if block_size is not None and block_size > 1 and draft is None:
+        raise UserError("block_size drafts a block: give a drafter (draft), or leave block_size out")
+    if prompt_cache is not None and not isinstance(prompt_cache, SpeculativeCache):
+        raise UserError("prompt_cache must be a SpeculativeCache (SpeculativeCache(model, draft))")
     if prompt_cache is not None and (
         prompt_cache.target.model is not target.model or prompt_cache.draft is not draft
     ):
@@ -245,7 +253,11 @@ def stream_generate(
     seq = Sequence(cache, settings, max_tokens, eos, sampler, compile)
     answer = Answer(tokenizer, stop, len(prompt_ids))
     tic = time.perf_counter()
-    first = seq.start(prompt_ids)
+    try:
+        first = seq.start(prompt_ids)
+    except BaseException:  # (a failing sampler, Ctrl-C): the prompt may be in, its answer is not
+        cache.broken = True
+        raise
     answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)  # with a kept cache's pending
     response = answer.respond(first, None, seq.finish)
     yield response

@@ -76,3 +76,41 @@ def test_bad_block_size_max_tokens_and_prefill_step_are_refused(model):
     for step in (0, -1):
         with pytest.raises(UserError, match=f"prefill_step_size must be >= 1, got {step}"):
             generate(model, make_draft(), make_tokenizer(), [5, 6], prefill_step_size=step)
+
+
+def test_arguments_of_the_wrong_shape_or_kind_are_refused_by_name(model):
+    import mlx.core as mx
+
+    draft, tok = make_draft(), make_tokenizer()
+    for prompt in (mx.array([[5, 6], [7, 8]]), mx.array([[[5, 6]]])):  # a batch is not one prompt
+        with pytest.raises(UserError, match=r"one prompt at a time: token ids of shape \(n,\) or \(1, n\)"):
+            generate(model, draft, tok, prompt)
+    assert generate(model, draft, tok, mx.array([[5, 6]]), max_tokens=3).tokens == (
+        generate(model, draft, tok, [5, 6], max_tokens=3).tokens
+    )
+    with pytest.raises(UserError, match="the prompt must be a string, or token ids"):
+        generate(model, draft, tok, [True, False])
+    assert generate(model, draft, tok, [5, 6], stop=None, max_tokens=3).finish_reason == "length"
+    for stop in (5, ["w5", None]):
+        with pytest.raises(UserError, match="stop must be a string or a list of strings"):
+            generate(model, draft, tok, [5, 6], stop=stop)
+    with pytest.raises(UserError, match="block_size drafts a block: give a drafter"):
+        generate(model, None, tok, [5, 6], block_size=16)
+    with pytest.raises(UserError, match="prompt_cache must be a SpeculativeCache"):
+        generate(model, draft, tok, [5, 6], prompt_cache=[])
+
+
+def test_a_sampler_failing_at_the_first_token_leaves_the_cache_refused(model):
+    """Its prompt went in and its answer did not: going on with it would hold the prompt twice."""
+    from dflash_mlx import SpeculativeCache
+
+    draft, tok = make_draft(), make_tokenizer()
+    cache = SpeculativeCache(model, draft)
+
+    def failing(logprobs):
+        raise RuntimeError("a sampler bug")
+
+    with pytest.raises(RuntimeError, match="a sampler bug"):
+        generate(model, draft, tok, prompt_of(6), sampler=failing, prompt_cache=cache)
+    with pytest.raises(UserError, match="left half-updated"):
+        generate(model, draft, tok, prompt_of(6), prompt_cache=cache)

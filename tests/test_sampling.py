@@ -83,7 +83,7 @@ def sample_counts(model, draft, holder, temperature, top_p, sampler=None, **filt
                     tok,
                     PROMPT,
                     max_tokens=T,
-                    block_size=None if "tree" in filters else B,
+                    block_size=None if "tree" in filters or draft is None else B,
                     temperature=temperature,
                     top_p=top_p,
                     seed=seed,

@@ -985,3 +985,14 @@ def test_bf16_training_learns_and_checkpoints_float32_weights(tiny_setup, tmp_pa
     assert all(v.dtype == mx.float32 for v in flat_params(draft).values())
     with pytest.raises(ValueError, match="precision must be 'float32' or 'bf16', got 'fp8'"):
         tiny_config(precision="fp8")
+
+
+def test_a_shard_that_is_not_one_is_named_with_what_to_do(tmp_path):
+    from dflash_mlx.data import load_shards
+
+    (tmp_path / "shard-00000.npz").write_text("not a shard")
+    with pytest.raises(UserError, match="shard-00000.npz is not a shard `dflash-mlx train data` wrote"):
+        load_shards(tmp_path)
+    np.savez(tmp_path / "shard-00000.npz", tokens=np.arange(4))  # an npz without the shard's arrays
+    with pytest.raises(UserError, match="shard-00000.npz is not a shard"):
+        load_shards(tmp_path)
