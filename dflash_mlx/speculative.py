@@ -220,7 +220,8 @@ def stream_generate(
         raise UserError(f"prompt token ids must be in 0..{target.vocab_size - 1}")
     if isinstance(stop, str) or stop is None:  # (one stop string, not its characters; or none)
         stop = [stop] if stop else []
-    if not isinstance(stop, abc.Iterable) or not all(isinstance(s, str) for s in stop):
+    stops = list(stop) if isinstance(stop, abc.Iterable) else [None]  # (read once: it may be a generator)
+    if not all(isinstance(s, str) for s in stops):
         raise UserError(f"stop must be a string or a list of strings, got {stop!r}")
     if block_size is not None and block_size > 1 and draft is None:
         raise UserError("block_size drafts a block: give a drafter (draft), or leave block_size out")
@@ -251,7 +252,7 @@ def stream_generate(
     cache = prompt_cache or SpeculativeCache(target, draft, draft_window)
     eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
     seq = Sequence(cache, settings, max_tokens, eos, sampler, compile)
-    answer = Answer(tokenizer, stop, len(prompt_ids))
+    answer = Answer(tokenizer, stops, len(prompt_ids))
     tic = time.perf_counter()
     try:
         first = seq.start(prompt_ids)
