@@ -125,7 +125,11 @@ class Sequence:
 
     def begin(self, logits: mx.array) -> list[int]:
         """`start` once the prompt is prefilled (`logits`: the target's after it, as `prefill` gives)."""
-        first = int(self.pick_at(logits, len(self.cache.tokens)).item())
+        try:
+            first = int(self.pick_at(logits, len(self.cache.tokens)).item())
+        except BaseException:  # (a failing sampler, Ctrl-C): the prompt is in, its answer is not
+            self.cache.broken = True
+            raise
         new = self.cut([first])
         self.cache.add([first])
         return new

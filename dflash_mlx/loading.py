@@ -153,12 +153,16 @@ def check_name(name: str) -> None:
         )
 
 
+def _a_file(name: str) -> UserError:
+    return UserError(f"{name} is a file; expected a model folder (or a .gguf file for a target)")
+
+
 def resolve(name: str) -> Path:
     """A local folder as is; anything else is a Hugging Face repo id, downloaded (and cached)."""
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise UserError(f"{name} is a file; expected a model folder (or a .gguf file for a target)")
+            raise _a_file(name)
         return path
     check_name(name)
     try:
@@ -370,7 +374,7 @@ def draft_for(target: str, draft: str | None = None) -> str:
         refuse_drafter_as_target(target)
         check_name(target)  # a mistyped path is the clearer error
         if Path(target).expanduser().is_file() and not is_gguf(Path(target)):
-            raise UserError(f"{target} is a file; expected a model folder (or a .gguf file for a target)")
+            raise _a_file(target)
         raise UserError(
             f"no known drafter for {target}: pass one (--draft), or train one with "
             "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)"

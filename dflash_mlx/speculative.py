@@ -218,9 +218,10 @@ def stream_generate(
     target = prepare(model, draft)
     if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < target.vocab_size:
         raise UserError(f"prompt token ids must be in 0..{target.vocab_size - 1}")
-    if isinstance(stop, str) or stop is None:  # (one stop string, not its characters; or none)
-        stop = [stop] if stop else []
-    stops = list(stop) if isinstance(stop, abc.Iterable) else [None]  # (read once: it may be a generator)
+    if stop is None or isinstance(stop, str):  # (one stop string, not its characters; or none)
+        stops = [stop] if stop else []
+    else:  # (read once: a generator too)
+        stops = list(stop) if isinstance(stop, abc.Iterable) else [stop]
     if not all(isinstance(s, str) for s in stops):
         raise UserError(f"stop must be a string or a list of strings, got {stop!r}")
     if block_size is not None and block_size > 1 and draft is None:
@@ -254,11 +255,7 @@ def stream_generate(
     seq = Sequence(cache, settings, max_tokens, eos, sampler, compile)
     answer = Answer(tokenizer, stops, len(prompt_ids))
     tic = time.perf_counter()
-    try:
-        first = seq.start(prompt_ids)
-    except BaseException:  # (a failing sampler, Ctrl-C): the prompt may be in, its answer is not
-        cache.broken = True
-        raise
+    first = seq.start(prompt_ids)
     answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)  # with a kept cache's pending
     response = answer.respond(first, None, seq.finish)
     yield response

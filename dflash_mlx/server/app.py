@@ -38,7 +38,7 @@ from .pool import PromptCachePool
 from .prompts import Prompts
 from .scheduler import Busy, Finished, Scheduler, Started
 from .scheduler import Request as Job
-from .schemas import NOT_GIVEN, ChatCompletionRequest, CompletionRequest, MessagesRequest, TokenCountRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest, TokenCountRequest
 
 log = logging.getLogger("dflash_mlx.server")
 
@@ -292,10 +292,6 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     def check_given(body) -> None:
         if body.n != 1:
             raise ApiError(400, "n must be 1: this server makes one choice per request", param="n")
-        if name := body.not_given():
-            raise ApiError(
-                400, f"{name}: this server does not give {NOT_GIVEN[name]}; leave it out", param=name
-            )
         check_refused(body)
 
     def check_refused(body) -> None:

@@ -83,20 +83,15 @@ class _OpenAI(_Sampling):
             raise ValueError(f"at most {MAX_STOPS} stop strings")
         return stop
 
-    def not_given(self) -> str | None:
-        """The first field asked for that NOT_GIVEN names, if any."""
+    def refused(self) -> tuple[str, str] | None:
+        """(field, why) for the first field asked for that would change what the answer holds, which this
+        server cannot give."""
         extra = self.model_extra or {}
         for name in NOT_GIVEN:
             value = extra.get(name)
             if value not in (None, False, 0, "", {}) and not (name == "best_of" and value == 1):
-                return name
-        return None
-
-    def refused(self) -> tuple[str, str] | None:
-        """(field, why) for a field asked for that would change what the answer holds, which this server
-        cannot give (beyond NOT_GIVEN's, checked first)."""
-        form = (self.model_extra or {}).get("response_format")
-        if form not in (None, {"type": "text"}):
+                return name, f"this server does not give {NOT_GIVEN[name]}; leave it out"
+        if extra.get("response_format") not in (None, {"type": "text"}):
             return "response_format", "this server does not constrain answers to a format; leave it out"
         return None
 
@@ -114,6 +109,8 @@ class ChatCompletionRequest(_OpenAI):
     chat_template_kwargs: dict | None = None  # what vLLM and mlx-lm's server take for e.g. enable_thinking
 
     def refused(self) -> tuple[str, str] | None:
+        if refused := super().refused():
+            return refused
         if self.tool_choice not in (None, "auto", "none"):
             return "tool_choice", FORCED_TOOLS + '"auto" or "none"'
         for i, m in enumerate(self.messages):
@@ -123,7 +120,7 @@ class ChatCompletionRequest(_OpenAI):
                         f"messages[{i}].content[{j}]",
                         f"this model reads text only, not {part.type!r} parts",
                     )
-        return super().refused()
+        return None
 
     def conversation(self) -> list[dict]:
         """The messages as chat templates take them: text parts joined, tool-call arguments as objects."""
