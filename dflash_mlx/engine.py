@@ -31,7 +31,7 @@ from .drafters import DFlashDrafter, from_logits, propose_together
 from .errors import UserError
 from .pairing import prepare
 from .policy import DFLASH, LOOKUP, PLAIN, TREE, Choice, choose_batch, keep_learnt, policy_for
-from .sampling import acceptance, match_accept
+from .sampling import acceptance, guarded, match_accept, out_of_vocabulary
 from .settings import GenerationSettings
 from .trees import TREE_MAX, Tree, path_of, walk
 
@@ -78,6 +78,8 @@ class Sequence:
         with a custom sampler): the answer then depends on the seed alone, not on what was proposed,
         so not on what runs beside it in a batch either."""
         s, cache = self.settings, self.cache
+        if self.sampler is not None:
+            self.sampler = guarded(self.sampler)
         self.keyed = self.keyed and s.seed is not None and not s.greedy and self.sampler is None
         self.draw, self.accept = acceptance(s, self.sampler)
         if self.keyed:
@@ -127,6 +129,8 @@ class Sequence:
         """`start` once the prompt is prefilled (`logits`: the target's after it, as `prefill` gives)."""
         try:
             first = int(self.pick_at(logits, len(self.cache.tokens)).item())
+            if first < 0:
+                raise out_of_vocabulary()
         except BaseException:  # (a failing sampler, Ctrl-C): the prompt is in, its answer is not
             self.cache.broken = True
             raise
@@ -372,7 +376,11 @@ class Engine:
                 paths[b] = path_of(c.accepted.tolist())
                 s.policy.observe_tree(c.tree, c.values.tolist(), paths[b])
                 proposals, source = [c.tree.tokens[i - 1] for i in paths[b][1:]], TREE
-            new = s.cut(proposals + [c.nxt.item()])
+            nxt = c.nxt.item()
+            if nxt < 0:  # (only a custom sampler's draw: see `guarded`)
+                s.cache.broken = True
+                raise out_of_vocabulary()
+            new = s.cut(proposals + [nxt])
             tokens.append(new)
             results.append(Result(s, new, n + 1, source, c.x.size))
         if self.ready is None:

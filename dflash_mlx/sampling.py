@@ -174,6 +174,31 @@ def one_hot_accept(proposals: mx.array, p: mx.array):
     return n, mx.random.categorical(mx.log(row))
 
 
+def guarded(sampler: Callable) -> Callable:
+    """A custom sampler whose draws are safe to feed the models: one integer id per row of its logits,
+    or a clear error; an id outside the vocabulary becomes -1, which the host refuses when it reads the
+    token (`out_of_vocabulary`). MLX reads an embedding row past the table's end from whatever memory
+    lies there (or crashes), and the next pass may start before the host has seen the token."""
+
+    def draw(logprobs: mx.array) -> mx.array:
+        rows, vocab = logprobs.shape[0], logprobs.shape[-1]
+        ids = sampler(logprobs)
+        if not isinstance(ids, mx.array) or ids.size != rows or not mx.issubdtype(ids.dtype, mx.integer):
+            got = f"{str(ids.dtype).split('.')[-1]} {tuple(ids.shape)}" if isinstance(ids, mx.array) else type(ids).__name__
+            raise UserError(
+                f"a sampler must return an integer mx.array of one token id per row of its logits "
+                f"({rows}); it returned {got}"
+            )
+        ids = ids.reshape(rows)
+        return mx.where((ids >= 0) & (ids < vocab), ids.astype(mx.int32), -1)
+
+    return draw
+
+
+def out_of_vocabulary() -> UserError:
+    return UserError("the sampler returned a token id outside the vocabulary (0 to its size - 1)")
+
+
 def acceptance(params: SamplingParams, sampler: Callable | None):
     """Pick the drafting and acceptance rules for these settings.
 

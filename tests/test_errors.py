@@ -2,6 +2,7 @@
 
 import importlib
 
+import mlx.core as mx
 import pytest
 from tiny import _COMMON, make_draft, make_target, make_tokenizer, prompt_of
 
@@ -114,3 +115,38 @@ def test_a_sampler_failing_at_the_first_token_leaves_the_cache_refused(model):
         generate(model, draft, tok, prompt_of(6), sampler=failing, prompt_cache=cache)
     with pytest.raises(UserError, match="left half-updated"):
         generate(model, draft, tok, prompt_of(6), prompt_cache=cache)
+
+
+@pytest.mark.parametrize("first_bad", [0, 5])
+@pytest.mark.parametrize("bad", [96, 10**8])
+def test_a_sampler_drawing_outside_the_vocabulary_is_refused_not_read(model, first_bad, bad):
+    """An id past the embedding table would be read from whatever memory lies there (or crash the
+    process) by a pass that starts before the host sees it: it is refused, and the cache with it."""
+    from dflash_mlx import SpeculativeCache
+
+    draft, tok = make_draft(), make_tokenizer()
+    cache, calls = SpeculativeCache(model, draft), []
+
+    def buggy(logprobs):
+        calls.append(1)
+        best = mx.argmax(logprobs, axis=-1)
+        return best + bad if len(calls) > first_bad else best
+
+    with pytest.raises(UserError, match="sampler returned a token id outside the vocabulary"):
+        generate(model, draft, tok, prompt_of(6), sampler=buggy, prompt_cache=cache, max_tokens=40)
+    assert len(calls) > first_bad
+    with pytest.raises(UserError, match="left half-updated"):
+        generate(model, draft, tok, prompt_of(6), prompt_cache=cache)
+
+
+@pytest.mark.parametrize(
+    "returns,got",
+    [
+        (lambda lp: mx.argmax(lp, axis=-1).astype(mx.float32), r"float32 \(1,\)"),
+        (lambda lp: mx.zeros((2,), dtype=mx.int32), r"int32 \(2,\)"),
+        (lambda lp: 3, "int"),
+    ],
+)
+def test_a_sampler_returning_the_wrong_kind_of_answer_is_refused_by_name(model, returns, got):
+    with pytest.raises(UserError, match=rf"one token id per row of its logits \(1\); it returned {got}"):
+        generate(model, make_draft(), make_tokenizer(), prompt_of(6), sampler=returns, max_tokens=8)
