@@ -1,33 +1,41 @@
 """dflash-mlx: DFlash block-diffusion speculative decoding for MLX."""
 
+import importlib
+
 # The Linux CPU fast path has to run before anything imports mlx.core (see platform.py).
 from .platform import preload_blas
 
 preload_blas()
 
-from .cache import SpeculativeCache  # noqa: E402
-from .chat import apply_chat_template  # noqa: E402
-from .errors import UserError  # noqa: E402
-from .loading import load, load_draft, load_pair  # noqa: E402
-from .models.dflash import DFlashConfig, DFlashDraftModel  # noqa: E402
-from .models.targets import SUPPORTED_FAMILIES, Target  # noqa: E402
-from .policy import warm_up  # noqa: E402
-from .speculative import GenerationResponse, GenerationResult, generate, stream_generate  # noqa: E402
+# The public names load their modules (MLX, mlx-lm) when first used, so that the command line starts
+# at once and a Ctrl-C while those load ends it quietly (cli/__init__.py).
+_HOMES = {
+    "DFlashConfig": "models.dflash",
+    "DFlashDraftModel": "models.dflash",
+    "GenerationResponse": "speculative",
+    "GenerationResult": "speculative",
+    "SUPPORTED_FAMILIES": "models.targets",
+    "SpeculativeCache": "cache",
+    "Target": "models.targets",
+    "UserError": "errors",
+    "apply_chat_template": "chat",
+    "generate": "speculative",
+    "load": "loading",
+    "load_draft": "loading",
+    "load_pair": "loading",
+    "stream_generate": "speculative",
+    "warm_up": "policy",
+}
+__all__ = sorted(_HOMES)
 
-__all__ = [
-    "DFlashConfig",
-    "DFlashDraftModel",
-    "GenerationResponse",
-    "GenerationResult",
-    "SUPPORTED_FAMILIES",
-    "SpeculativeCache",
-    "Target",
-    "UserError",
-    "apply_chat_template",
-    "generate",
-    "load",
-    "load_draft",
-    "load_pair",
-    "stream_generate",
-    "warm_up",
-]
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'dflash_mlx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

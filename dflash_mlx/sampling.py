@@ -184,7 +184,9 @@ def guarded(sampler: Callable) -> Callable:
         rows, vocab = logprobs.shape[0], logprobs.shape[-1]
         ids = sampler(logprobs)
         if not isinstance(ids, mx.array) or ids.size != rows or not mx.issubdtype(ids.dtype, mx.integer):
-            got = f"{str(ids.dtype).split('.')[-1]} {tuple(ids.shape)}" if isinstance(ids, mx.array) else type(ids).__name__
+            got = type(ids).__name__
+            if isinstance(ids, mx.array):
+                got = f"{str(ids.dtype).split('.')[-1]} {tuple(ids.shape)}"
             raise UserError(
                 f"a sampler must return an integer mx.array of one token id per row of its logits "
                 f"({rows}); it returned {got}"

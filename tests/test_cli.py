@@ -1024,3 +1024,29 @@ def test_a_context_length_that_mlx_lm_drops_is_read_from_the_config(tmp_path):
     assert context_length(loaded) == 64
     r = run(f"generate -m {tmp_path} --no-draft --no-chat-template -p", "w5 " * 64)
     assert r.exit_code == 1 and "the prompt is 64 tokens and the model's context holds 64" in r.stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="watches the process's libraries in /proc")
+def test_ctrl_c_while_the_command_starts_ends_it_quietly():
+    """MLX and mlx-lm take a second or two to load: a Ctrl-C then exits 130 with no traceback."""
+    from importlib.metadata import entry_points
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "dflash-mlx"]
+    assert script.value == "dflash_mlx.cli:run"
+    proc = subprocess.Popen(
+        [Path(sys.executable).parent / "dflash-mlx", "version"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_signals_as_in_a_terminal,
+    )
+    maps, deadline = Path(f"/proc/{proc.pid}/maps"), time.monotonic() + 60
+    try:  # Ctrl-C once MLX is loaded: mlx-lm (most of the wait) comes after it
+        while "libmlx" not in maps.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert (proc.returncode, out, err) == (130, "", "")
