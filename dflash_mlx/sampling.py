@@ -198,7 +198,10 @@ def guarded(sampler: Callable) -> Callable:
 
 
 def out_of_vocabulary() -> UserError:
-    return UserError("the sampler returned a token id outside the vocabulary (0 to its size - 1)")
+    return UserError(
+        "the sampler returned a token id outside the vocabulary: ids run from 0 to a row's number of "
+        "logits less one"
+    )
 
 
 def acceptance(params: SamplingParams, sampler: Callable | None):
