@@ -26,12 +26,14 @@ from test_server import (  # noqa: F401  (tiny: a fixture)
 )
 
 import dflash_mlx.server.prompts as prompts
+import dflash_mlx.server.scheduler as scheduler_module
 from dflash_mlx import SpeculativeCache, generate
 from dflash_mlx.server.app import create_app
 from dflash_mlx.server.metrics import Metrics
 from dflash_mlx.server.pool import PromptCachePool
-from dflash_mlx.server.scheduler import RETRY_SHORT, Finished, Request, Scheduler, Started
+from dflash_mlx.server.scheduler import MAX_BACKLOG, RETRY_SHORT, Finished, Request, Scheduler, Started
 from dflash_mlx.settings import GenerationSettings
+from dflash_mlx.speculative import GenerationResponse
 
 
 @pytest.fixture(scope="module")
@@ -592,3 +594,62 @@ def test_short_prompts_go_together_where_that_gives_their_first_tokens_sooner_on
     assert [s._together(4) for _ in range(32)].count(True) == 32 // RETRY_SHORT
     s.short_rates = {False: 100.0, True: 400.0}  # four rows cost what one does (a GPU)
     assert [s._together(4) for _ in range(32)].count(False) == 32 // RETRY_SHORT
+
+
+class _Reader:
+    """A request's reader that takes an event every `every` seconds (None: never), noting how many it
+    had left unread whenever another came."""
+
+    def __init__(self, every: float | None):
+        self.events, self.read, self.most_behind, self.every = [], 0, 0, every
+        self.lock = threading.Lock()
+        if every is not None:
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def emit(self, event) -> None:
+        with self.lock:
+            self.most_behind = max(self.most_behind, self.backlog())
+            self.events.append(event)
+
+    def backlog(self) -> int:
+        return len(self.events) - self.read
+
+    def _read(self) -> None:
+        while not (self.read and isinstance(self.events[self.read - 1], Finished)):
+            time.sleep(self.every)
+            with self.lock:
+                self.read = min(self.read + 1, len(self.events))
+
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, GenerationResponse))
+
+
+def test_an_answer_waits_for_a_slow_reader_and_gives_up_its_slot_to_others_when_its_reader_hangs(
+    tiny,  # noqa: F811
+    monkeypatch,
+):
+    target, draft, tok = tiny
+    monkeypatch.setattr(scheduler_module, "STALLED_S", 0.5)
+    metrics = Metrics()
+    scheduler = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), metrics, 1, 4)
+    a, b = (tok.encode(words(seed), add_special_tokens=False) for seed in (7, 8))
+    settings = GenerationSettings(max_tokens=300)
+    hung, after, slow = _Reader(None), _Reader(0.0), _Reader(0.01)  # one slot: hung, then after, then slow
+    for reader, prompt in ((hung, a), (after, b), (slow, b)):
+        scheduler.admit()
+        scheduler.submit(Request(prompt, settings, [], reader.emit, reader.backlog))
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (slow.events and isinstance(slow.events[-1], Finished)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    whole = generate(target, draft, tok, b, max_tokens=300).text
+    cut = [e for e in hung.events if isinstance(e, GenerationResponse)]
+    assert cut[-1].finish_reason == "length" and cut[-1].generation_tokens < 300
+    assert isinstance(hung.events[-1], Finished) and hung.events[-1].error is None
+    assert metrics.cancelled._value.get() == 1
+    assert after.text() == slow.text() == whole
+    assert MAX_BACKLOG - 1 <= slow.most_behind <= MAX_BACKLOG + 1  # behind, and never run ahead of

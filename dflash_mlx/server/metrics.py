@@ -46,7 +46,9 @@ class Metrics:
             registry=r,
         )
         self.cancelled = Counter(
-            "dflash_mlx_cancelled_requests", "Requests stopped because their client went away", registry=r
+            "dflash_mlx_cancelled_requests",
+            "Requests stopped because their client went away (or stopped reading)",
+            registry=r,
         )
         self.cache_lookups = Counter(
             "dflash_mlx_prefix_cache_lookups",

@@ -9,7 +9,9 @@ others are under way (about PREFILL_ALONE_S alone, which is as long as a request
 waits). Turns go to whatever has received the fewest tokens: the batch (its least served request) or a
 prefilling request, a chunk counting as the tokens the batch's requests receive in its time, so a long
 prompt shares the worker with the streams under way rather than holding them up. A request whose reader
-has fallen behind (a slow client) leaves the batch until it catches up. Requests are admitted before
+has fallen behind (a slow client) leaves the batch until it catches up; one whose reader takes nothing
+for STALLED_S meanwhile (a hung client, which TCP may keep connected for hours) ends there, so that
+it does not hold its slot for good. Requests are admitted before
 their prompts are made (`admit`), so a full server refuses them (`Busy`) before any work: up to
 `max_active` in flight and `max_waiting` more. A request whose client has gone, or that has run past its
 deadline, is taken out before the next step; its cache, left consistent, goes back to the pool like any
@@ -46,6 +48,7 @@ PREFILL_TURN_S = 0.25  # about how long a prefill chunk takes while other reques
 PREFILL_ALONE_S = 1.0  # ... and while none is
 FIRST_CHUNK = 64  # prompt tokens in a chunk before any prefill speed is known
 MAX_BACKLOG = 64  # events a request's reader may leave unread before it leaves the batch
+STALLED_S = 60.0  # seconds out of the batch with its reader taking nothing: a hung client, whose answer ends
 # Short prompts (each the last chunk of its request, of at most SHORT tokens) that wait at once are
 # prefilled together or one at a time by which gives them their first tokens sooner on average, from
 # the prompt tokens a second each has given; the other is tried again every RETRY_SHORT. (A longer
@@ -93,6 +96,7 @@ class _Job:
     served: float  # tokens received (a prefill chunk counts what it cost), plus the level it started at
     seq: Sequence | None = None  # once its prompt is in: its place in the engine
     paused: bool = False  # out of the batch while its reader catches up
+    paused_at: float = 0.0  # when it last left the batch
     turn: int = 0  # when it last had a turn (ties go to the one waiting longest)
 
 
@@ -251,18 +255,25 @@ class Scheduler:
             self._end(job, None)
         elif request.deadline is not None and time.monotonic() > request.deadline:
             self.metrics.timed_out.inc()
-            produced = job.answer.produced
-            request.emit(
-                GenerationResponse("", [], None, len(request.prompt), 0.0, produced, 0.0, 0.0, "length")
-            )
-            self._end(job, None)
+            self._cut(job)
         elif job.seq is not None:
             behind = request.backlog() >= MAX_BACKLOG
             if behind and not job.paused:
                 self.engine.remove(job.seq)
+                job.paused_at = time.monotonic()
             elif job.paused and not behind:
                 self.engine.add(job.seq)
             job.paused = behind
+            if behind and time.monotonic() - job.paused_at > STALLED_S:
+                self.metrics.cancelled.inc()
+                self._cut(job)
+
+    def _cut(self, job: _Job) -> None:
+        """End an answer where it is, as if it had reached max_tokens (finish reason "length")."""
+        request = job.request
+        produced = job.answer.produced
+        request.emit(GenerationResponse("", [], None, len(request.prompt), 0.0, produced, 0.0, 0.0, "length"))
+        self._end(job, None)
 
     def _start(self, request: Request, level: float) -> None:
         if request.cancelled.is_set():
