@@ -24,8 +24,11 @@ def atomic_folder(dest: str | Path, force: bool = False):
         raise UserError(f"{dest} is the current folder or holds it: give the name of a new folder")
     if dest.exists() and not force:
         raise AlreadyExists(f"{dest} already exists (pass --force to replace it)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    except OSError as e:  # (its own error names the folder above, or the temporary one)
+        raise UserError(f"cannot write {dest}: {e.strerror}") from None
     try:
         yield tmp
         tmp.chmod(0o755)  # mkdtemp makes it private
@@ -56,15 +59,25 @@ def _remove(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_file(dest: str | Path):
-    """Yield a temporary path beside `dest`; on success it replaces `dest`, on failure it disappears."""
+    """Yield a temporary path beside `dest`; on success it replaces `dest`, on failure it disappears.
+    A link is written through (the file it names is replaced, the link kept), an existing file keeps
+    its permissions, and what is not a regular file (a folder, a device) is refused."""
     dest = Path(dest).expanduser()
+    if dest.is_symlink():
+        dest = dest.resolve()
+    if dest.exists() and not dest.is_file():
+        raise UserError(f"cannot write {dest}: it is {'a folder' if dest.is_dir() else 'not a regular file'}")
     if not dest.parent.is_dir():  # (mkstemp's error would name the temporary file)
         raise UserError(f"cannot write {dest}: there is no folder {dest.parent}")
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.partial-", dir=dest.parent)
+    mode = dest.stat().st_mode & 0o7777 if dest.exists() else 0o644  # (mkstemp makes it private)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.partial-", dir=dest.parent)
+    except OSError as e:
+        raise UserError(f"cannot write {dest}: {e.strerror}") from None
     os.close(fd)
     try:
         yield Path(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private
+        os.chmod(tmp, mode)
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -178,6 +178,29 @@ def test_save_into_a_missing_folder_says_which(tmp_path):
             pass
 
 
+def test_a_file_written_whole_goes_through_a_link_keeps_its_mode_and_never_replaces_a_folder_or_device(
+    tmp_path,
+):
+    from dflash_mlx.files import atomic_file
+
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("old")
+    real.chmod(0o600)
+    link.symlink_to(real.name)
+    with atomic_file(link) as tmp:
+        tmp.write_text("new")
+    assert link.is_symlink() and real.read_text() == "new" and real.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(UserError, match=f"cannot write {tmp_path}: it is a folder"):
+        with atomic_file(tmp_path):
+            pass
+    os.mkfifo(tmp_path / "pipe")  # (a device as well, and nothing a test may replace by mistake)
+    with pytest.raises(UserError, match=f"cannot write {tmp_path}/pipe: it is not a regular file"):
+        with atomic_file(tmp_path / "pipe"):
+            pass
+    assert (tmp_path / "pipe").is_fifo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "pipe", "real.json"]
+
+
 PROMPT = r"you>\S* "  # rich may close its colour code before the space
 
 
