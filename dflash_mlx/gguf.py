@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from collections.abc import Callable
@@ -85,12 +86,16 @@ _OTHER_TYPES = {
 def tensor_types(path: str | Path) -> dict[str, int]:
     """{tensor name: GGML type id}, read from the GGUF header (MLX does not expose the types)."""
     with open(path, "rb") as f:
+        end = os.fstat(f.fileno()).st_size
 
         def read(fmt):
             return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
 
         def string():
-            return f.read(read("Q")).decode("utf-8", "replace")
+            n = read("Q")
+            if n > end - f.tell():  # (read whole, a forged length would ask for exabytes)
+                raise struct.error(f"a string of {n} bytes at byte {f.tell()}, past the end of the file")
+            return f.read(n).decode("utf-8", "replace")
 
         sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
@@ -104,8 +109,10 @@ def tensor_types(path: str | Path) -> dict[str, int]:
                 else:
                     for _ in range(n):
                         skip_value(item)
-            else:
+            elif kind in sizes:
                 f.seek(sizes[kind], 1)
+            else:
+                raise struct.error(f"a value of unknown type {kind} at byte {f.tell()}")
 
         if f.read(4) != b"GGUF":
             raise UserError(f"{path} is not a GGUF file (no GGUF magic number)")

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import struct
 
 import mlx.core as mx
 import numpy as np
@@ -391,6 +392,23 @@ def test_unsupported_gguf_type_is_refused_and_leaves_nothing(tmp_path):
     assert r.exit_code == 1
     assert "type Q5_0" in r.output and "Q4_0, Q4_1 and Q8_0" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q5.gguf"]
+
+
+@pytest.mark.parametrize(
+    "header, problem",
+    [
+        (struct.pack("<QQQ", 0, 1, 2**60) + b"k", "a string of 1152921504606846976 bytes at byte 32"),
+        (struct.pack("<QQQ", 0, 1, 1) + b"k" + struct.pack("<I", 77), "a value of unknown type 77"),
+        (struct.pack("<QQ", 2**62, 0), "unpack requires a buffer of 8 bytes"),
+    ],
+    ids=["forged-string-length", "unknown-value-type", "tensors-past-the-end"],
+)
+def test_a_forged_gguf_header_is_one_line(tmp_path, header, problem):
+    path = tmp_path / "forged.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<I", 3) + header)
+    r = cli("convert", path, tmp_path / "out")
+    assert r.exit_code == 1 and f"{path} is not a readable GGUF file: {problem}" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["forged.gguf"]
 
 
 def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
