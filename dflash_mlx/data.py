@@ -132,7 +132,8 @@ def python_stdlib_prompts() -> list[list[dict]]:
 
 def jsonl_prompts(path: str | Path) -> list[list[dict]]:
     """Prompts from a JSONL file: each line {"prompt": str}, {"messages": [...]} or ShareGPT-style
-    {"conversations": [{"from": "human", "value": ...}, ...]} (its first human turn)."""
+    {"conversations": [{"from": "human", "value": ...}, ...]} (its first human turn; a conversation
+    without one is skipped). Any other line is refused, with its number."""
     raw = Path(path).read_bytes()
     try:
         text = raw.decode("utf-8")
@@ -152,28 +153,43 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
         if not isinstance(row, dict):
             raise UserError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
         where = f"{path}, line {n}"
-        if isinstance(row.get("prompt"), str) and row["prompt"].strip():
+        if "prompt" in row:
+            if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+                raise UserError(f'{where}: "prompt" must be a string with some text')
             out.append([{"role": "user", "content": row["prompt"]}])
-        elif isinstance(row.get("messages"), list) and row["messages"]:
+        elif "messages" in row:
             msgs = row["messages"]
-            if not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs
+            if (
+                not isinstance(msgs, list)
+                or not msgs
+                or not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in msgs
+                )
             ):
-                raise UserError(f'{where}: each message needs a "role" and a "content" string')
+                raise UserError(
+                    f'{where}: "messages" must be a list, each message with a "role" and a "content" string'
+                )
             if msgs[-1]["role"] == "assistant":  # the answer to learn is the target's own, not this one
                 msgs = msgs[:-1]
             if not any(m["role"] != "assistant" for m in msgs):
                 raise UserError(f"{where}: no user message to answer")
             out.append(msgs)
-        elif isinstance(row.get("conversations"), list):
-            human = [c for c in row["conversations"] if isinstance(c, dict) and c.get("from") == "human"]
-            if human:
+        elif "conversations" in row:
+            turns = row["conversations"]
+            if not isinstance(turns, list) or not all(isinstance(c, dict) for c in turns):
+                raise UserError(f'{where}: "conversations" must be a list of turns (objects)')
+            human = [c for c in turns if c.get("from") == "human"]
+            if human:  # (ShareGPT dumps hold conversations with none: those rows are skipped)
                 if not isinstance(human[0].get("value"), str):
                     raise UserError(f'{where}: the first "human" turn needs a "value" string')
                 out.append([{"role": "user", "content": human[0]["value"]}])
+        else:
+            raise UserError(f'{where}: expected a "prompt", "messages" or "conversations" field')
     if not out:
-        raise UserError(f"{path}: no usable rows (expected 'prompt', 'messages' or 'conversations' fields)")
+        raise UserError(f"{path}: no prompts (its conversations have no human turn)")
     return out
 
 

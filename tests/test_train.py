@@ -608,8 +608,8 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     ):
         with pytest.raises(ValueError, match=message):
             TrainConfig(**bad)
-    (tmp_path / "empty.jsonl").write_text('{"text": "no usable field"}\n\n')
-    with pytest.raises(ValueError, match="no usable rows"):
+    (tmp_path / "empty.jsonl").write_text('{"conversations": [{"from": "gpt", "value": "hi"}]}\n\n')
+    with pytest.raises(ValueError, match="no prompts"):
         jsonl_prompts(tmp_path / "empty.jsonl")
     (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.jsonl, line 2: not UTF-8 text"):
@@ -618,8 +618,19 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     with pytest.raises(ValueError, match=r"broken.jsonl, line 2: not JSON"):
         jsonl_prompts(tmp_path / "broken.jsonl")
     for row, message in (
-        ('{"messages": ["hi"]}', 'each message needs a "role" and a "content" string'),
-        ('{"messages": [{"role": "user"}]}', 'each message needs a "role" and a "content" string'),
+        (
+            '{"messages": ["hi"]}',
+            '"messages" must be a list, each message with a "role" and a "content" string',
+        ),
+        (
+            '{"messages": [{"role": "user"}]}',
+            '"messages" must be a list, each message with a "role" and a "content" string',
+        ),
+        ('{"messages": []}', '"messages" must be a list'),
+        ('{"text": "no prompt field"}', 'expected a "prompt", "messages" or "conversations" field'),
+        ('{"prompt": 5}', '"prompt" must be a string with some text'),
+        ('{"prompt": "  "}', '"prompt" must be a string with some text'),
+        ('{"conversations": "hi"}', '"conversations" must be a list of turns'),
         ('{"messages": [{"role": "assistant", "content": "hi"}]}', "no user message to answer"),
         ('{"conversations": [{"from": "human"}]}', 'the first "human" turn needs a "value" string'),
     ):
