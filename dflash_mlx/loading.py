@@ -154,6 +154,8 @@ def check_name(name: str) -> None:
 
 
 def _a_file(name: str) -> UserError:
+    if is_gguf(Path(name)):  # (a target's .gguf is converted before it gets here)
+        return UserError(f"{name} is a GGUF file, which only a target can be; a drafter is a model folder")
     return UserError(f"{name} is a file; expected a model folder (or a .gguf file for a target)")
 
 

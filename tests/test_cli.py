@@ -397,6 +397,13 @@ def test_wrong_folders_and_missing_drafters_are_named_before_any_loading(pair, t
     (tmp_path / "notes.txt").write_text("not a model")
     r = run(f"generate -m {tmp_path}/notes.txt -p w5")
     assert r.exit_code == 1 and "notes.txt is a file; expected a model folder" in r.stderr, r.stderr
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    for command in (
+        f"generate -m {root}/target -d {tmp_path}/a.gguf -p w5",
+        f"train eval -d {tmp_path}/a.gguf",
+    ):
+        r = run(command)
+        assert r.exit_code == 1 and "a.gguf is a GGUF file, which only a target can be" in r.stderr, r.stderr
 
 
 def test_bench_without_matplotlib_still_writes_its_results(pair, tmp_path, monkeypatch):
