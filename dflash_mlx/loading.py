@@ -370,6 +370,8 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
 def draft_for(target: str, draft: str | None = None) -> str:
     """The drafter to use with `target`: the one given, else the registry's."""
     if draft is not None:
+        if Path(draft).expanduser().is_file():  # (said before minutes of loading the target)
+            raise _a_file(draft)
         return draft
     pair = find_pair(target)
     if pair is None:
