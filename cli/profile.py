@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dflash_mlx.errors import UserError
 from dflash_mlx.loading import load_pair
 from dflash_mlx.pairing import context_length
 from dflash_mlx.profile import draft_window_profile, profile_pair
@@ -40,6 +41,9 @@ def profile(
         return _window(model or DEMO, draft, draft_window, as_json)
     if model is not None:
         return _pair(model, draft, as_json)
+    with user_errors():
+        if draft is not None:
+            raise UserError("--draft goes with --model (or --draft-window): the random target has no drafter")
     with user_errors(), stderr().status("timing cycles, verify and draft passes ..."):
         r = measure(hidden, layers, vocab, block_size, cycles)
     if as_json:

@@ -733,6 +733,9 @@ def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
     r = run("profile --hidden 576 --layers 2 --vocab 256 --block-size 130 --cycles 2 --json")
     assert r.exit_code == 0, r.output
     assert set(widths) == {130}
+    passes = len(widths)
+    r = run("profile -d /no/such/drafter --cycles 2")  # (it would time the random pair and say nothing)
+    assert r.exit_code == 1 and "--draft goes with --model" in r.stderr and len(widths) == passes, r.output
 
 
 def test_every_command_prints_its_help():
