@@ -129,7 +129,7 @@ def bench(
                         ps,
                         concurrency=levels,
                         max_tokens=max_tokens,
-                        template_kwargs=template_kwargs(model, think),
+                        template_kwargs=template_kwargs(model, think, tokenizer),
                         progress=done,
                     )
                 else:
@@ -138,7 +138,7 @@ def bench(
                         lookup=not no_lookup,
                         draft_window=draft_window,
                         max_tokens=max_tokens,
-                        template_kwargs=template_kwargs(model, think),
+                        template_kwargs=template_kwargs(model, think, tokenizer),
                         progress=done,
                     )
                     if fresh is not None:

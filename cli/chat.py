@@ -82,7 +82,7 @@ def chat(
             lookup=not no_lookup,
             max_tokens=max_tokens,
             draft_window=draft_window,
-            template_kwargs=template_kwargs(model, think),
+            template_kwargs=template_kwargs(model, think, tokenizer),
         )
     run(session, console, f"[bold]dflash-mlx chat[/bold] · {model} + {name} · {backend()}", hide_thinking)
 

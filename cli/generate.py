@@ -101,7 +101,7 @@ def generate(
             target, drafter, tokenizer = load_pair(model, draft)
             warm(target, drafter, stderr())
         ids = (
-            apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think))
+            apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think, tokenizer))
             if chat_template
             else tokenizer.encode(prompt, verbose=False)
         )

@@ -97,6 +97,7 @@ def serve(
         ).answering()
         _check_port(host, port)  # before minutes of loading, not after
         target, drafter, tokenizer = load_pair(model, draft)
+        template = template_kwargs(model, think, tokenizer)
         if block_size is None:  # measured now, not in the first request's time
             with stderr().status("measuring this machine's costs for the pair (once) ..."):
                 costs_for(prepare(target, drafter), drafter, batches=batch_sizes(max_concurrency))
@@ -110,7 +111,7 @@ def serve(
         config = ServerConfig(
             model_id=name or model,
             defaults=defaults,
-            template_kwargs=template_kwargs(model, think),
+            template_kwargs=template,
             api_key=api_key,
             max_active=max_concurrency,
             max_waiting=max_queue,

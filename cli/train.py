@@ -104,7 +104,7 @@ def data(
                     max_prompt_tokens=max_prompt_tokens,
                     limit=limit,
                     source=source,
-                    template_kwargs=template_kwargs(model, think),
+                    template_kwargs=template_kwargs(model, think, tokenizer),
                     progress=lambda k, _: bar.update(task, completed=k),
                     temperature=temp,
                     seed=seed,
@@ -345,7 +345,7 @@ def evaluate(
                 tokenizer,
                 ps,
                 settings,
-                template_kwargs=template_kwargs(model, think),
+                template_kwargs=template_kwargs(model, think, tokenizer),
                 progress=lambda k: bar.update(task, completed=k),
             )
     r.update(

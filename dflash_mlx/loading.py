@@ -83,10 +83,17 @@ def find_pair(name: str) -> Pair | None:
     return next((p for p in registry() if p.matches(name)), None)
 
 
-def template_kwargs(model: str, think: bool | None = None) -> dict:
-    """Chat-template settings for `model`: thinking on or off if asked (--think/--no-think), else the
-    registry pair's (Qwen3's drafters were trained on answers without thinking)."""
+def template_kwargs(model: str, think: bool | None = None, tokenizer=None) -> dict:
+    """Chat-template settings for `model`: thinking on or off if asked (--think/--no-think; refused
+    where `tokenizer`'s template has no such switch, which would ignore it), else the registry pair's
+    (Qwen3's drafters were trained on answers without thinking)."""
     if think is not None:
+        if tokenizer is not None and "enable_thinking" not in (
+            getattr(tokenizer, "chat_template", None) or ""
+        ):
+            raise UserError(
+                f"--think/--no-think: the chat template of {model} has no thinking switch; drop the flag"
+            )
         return {"enable_thinking": think}
     pair = find_pair(model)
     return dict(pair.template) if pair is not None else {}

@@ -265,6 +265,18 @@ def test_think_and_no_think_reach_the_chat_template(pair, tmp_path):
         "--max-tokens 2 --no-think"
     )
     assert r.exit_code == 0 and "tau" in r.stdout, r.output
+    # A template without the switch would ignore the flag: refused, by each command that takes it.
+    for command in (
+        f"generate -m {root}/target -d {root}/draft -p w5 --max-tokens 2",
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --limit 1 --max-tokens 2 "
+        f"-o {tmp_path}/b2",
+        f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/d2 --max-new-tokens 2 "
+        "--limit 1",
+    ):
+        for flag in ("--think", "--no-think"):
+            r = run(f"{command} {flag}")
+            assert r.exit_code == 1 and "template of" in r.stderr and "has no thinking switch" in r.stderr
+    assert not (tmp_path / "d2").exists() and not (tmp_path / "b2").exists()
 
 
 def test_bad_input_is_one_line_and_a_bug_shows_its_traceback(pair, monkeypatch):
