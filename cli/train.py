@@ -11,6 +11,7 @@ import typer
 from dflash_mlx.data import (
     answer_rows,
     check_data_options,
+    data_settings,
     generate_data,
     load_shards,
     prompt_source,
@@ -52,7 +53,7 @@ def data(
         help="sharegpt, sharegpt-followup, python-stdlib, humaneval, a .jsonl file, "
         "or hf:org/name\\[/config]\\[:split\\[:field]].",
     ),  # \\[ : literal [ in rich help
-    limit: int | None = typer.Option(None, help="Stop after this many sequences."),
+    limit: int | None = typer.Option(None, help="Stop after this many sequences (0: all)."),
     max_new_tokens: int = typer.Option(256, help="Longest answer."),
     max_prompt_tokens: int = typer.Option(384, help="Skip longer prompts."),
     batch_size: int | None = typer.Option(
@@ -69,11 +70,13 @@ def data(
     with user_errors():
         if limit is not None and limit < 0:
             raise UserError(f"--limit must be >= 0, got {limit}")
+        limit = limit or None  # (0: all, as bench takes it)
         check_data_options(out, batch_size, shard_size, max_new_tokens, max_prompt_tokens, limit, temp)
         prompts = prompt_source(source)
         total = min(limit or len(prompts), len(prompts))
         folder = Path(out).expanduser()
-        done, consumed = resume_point(folder, source, max(shard_size, 1))
+        settings = data_settings(max_new_tokens, temp, seed, template_kwargs(model, think))
+        done, consumed = resume_point(folder, source, max(shard_size, 1), prompts, settings)
         if consumed >= len(prompts) or (limit is not None and done >= limit):
             typer.echo(f"{done} sequences in {out}: nothing left to generate")
             return

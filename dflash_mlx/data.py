@@ -308,6 +308,8 @@ def _write_shard(
     next_prompt: int,
     source: str,
     tokenizer: str,
+    prompts: str = "",
+    settings: str = "",
 ) -> None:
     tokens = np.concatenate([np.asarray(s, dtype=np.uint32) for s, _ in seqs])
     offsets = np.cumsum([0] + [len(s) for s, _ in seqs])
@@ -321,24 +323,68 @@ def _write_shard(
         next_prompt=np.array(next_prompt),
         source=np.array(source),
         tokenizer=np.array(tokenizer),
+        prompts=np.array(prompts),
+        settings=np.array(settings),
     )
     os.replace(tmp, folder / f"shard-{index:05d}.npz")
 
 
-def resume_point(folder: str | Path, source: str = "", shard_size: int = 256) -> tuple[int, int]:
+def prompts_fingerprint(prompts: list[list[dict]]) -> str:
+    """Which prompts, in which order: a folder's resume point counts prompts of one list."""
+    return hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def data_settings(max_new_tokens: int, temperature: float, seed: int, template_kwargs: dict | None) -> str:
+    """What the answers were made with (a folder's answers are made alike), as its shards record it."""
+    return json.dumps(
+        {
+            "max-new-tokens": max_new_tokens,
+            "temp": temperature,
+            "seed": seed if temperature > 0 else None,  # (greedy answers draw nothing)
+            "chat template": template_kwargs or {},
+        },
+        sort_keys=True,
+    )
+
+
+def resume_point(
+    folder: str | Path,
+    source: str = "",
+    shard_size: int = 256,
+    prompts: list[list[dict]] | None = None,
+    settings: str | None = None,
+) -> tuple[int, int]:
     """(sequences already in `folder`, prompts of `source` already consumed); an error if the folder's
-    shards answer another source."""
+    shards answer other prompts (another list than `prompts`, or, where shards do not record their
+    prompts, another source name), or were made with other `settings` (`data_settings`)."""
     folder = Path(folder)
     shards = sorted(folder.glob("shard-*.npz"))
     if not shards:
         return 0, 0
     done = sum(len(np.load(s)["prompt_lens"]) for s in shards)
     last = np.load(shards[-1])  # resume after the last prompt it consumed (whatever --shard-size was then)
+    made = str(last["prompts"]) if "prompts" in last else ""
     before = str(last["source"]) if "source" in last else ""
-    if before and source and before != source:
+    if made and prompts is not None:
+        if made != prompts_fingerprint(prompts):
+            raise UserError(
+                f"{folder} holds answers to another list of prompts than {source or 'these'!r} gives "
+                "(another source, or the file changed since): write them to a new --out folder and give "
+                "`train run` both folders (--data twice)"
+            )
+    elif before and source and before != source:
         raise UserError(
             f"{folder} holds answers to prompts from {before!r}, not {source!r}: write them to a "
             "new --out folder and give `train run` both folders (--data twice)"
+        )
+    kept = json.loads(str(last["settings"])) if "settings" in last and str(last["settings"]) else None
+    if kept is not None and settings is not None and kept != (asked := json.loads(settings)):
+        differ = ", ".join(
+            f"{k} {kept[k]} (not {asked.get(k)})" for k in sorted(kept) if kept[k] != asked.get(k)
+        )
+        raise UserError(
+            f"{folder} holds answers made with {differ}: give the same to go on, or write to a new "
+            "--out folder"
         )
     # Shards written before next_prompt was recorded: assume the same shard size as now.
     return done, int(last["next_prompt"]) if "next_prompt" in last else int(last["first_prompt"]) + shard_size
@@ -541,14 +587,16 @@ def generate_data(
     check_data_options(folder, batch_size, shard_size, max_new_tokens, max_prompt_tokens, limit, temperature)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    done, consumed = resume_point(folder, source, shard_size)
+    prompts = list(prompts)
+    made_from = prompts_fingerprint(prompts)
+    settings = data_settings(max_new_tokens, temperature, seed, template_kwargs)
+    done, consumed = resume_point(folder, source, shard_size, prompts, settings)
     fingerprint = tokenizer_fingerprint(tokenizer)
     if shards_tokenizer(folder) not in ("", fingerprint):
         raise UserError(
             f"{folder} holds answers written by a model with another vocabulary: write this "
             "target's answers to a new --out folder"
         )
-    prompts = list(prompts)
     index = len(list(folder.glob("shard-*.npz")))
     seen = {tuple(ids[:plen]) for ids, plen in load_shards(folder)}  # a prompt is answered once
     # An answer does not depend on what else is in the batch (sampled ones draw from their prompt's
@@ -589,7 +637,17 @@ def generate_data(
             shard = shards.pop(0)
             seqs = ended(shard)
             if seqs:
-                _write_shard(folder, index, seqs, shard["first"], shard["next"], source, fingerprint)
+                _write_shard(
+                    folder,
+                    index,
+                    seqs,
+                    shard["first"],
+                    shard["next"],
+                    source,
+                    fingerprint,
+                    made_from,
+                    settings,
+                )
                 index += 1
             done, admitted = done + len(seqs), admitted - len(seqs)
 
@@ -598,7 +656,8 @@ def generate_data(
         prompts. A resume reads those shards' prompts again and skips the ones answered."""
         seqs = [seq for shard in shards for seq in ended(shard)]
         if seqs:
-            _write_shard(folder, index, seqs, shards[0]["first"], shards[0]["first"], source, fingerprint)
+            first = shards[0]["first"]
+            _write_shard(folder, index, seqs, first, first, source, fingerprint, made_from, settings)
 
     try:
         admit()

@@ -783,10 +783,14 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "4 sequences" in r.stdout and len(list((tmp_path / "data").glob("shard-*.npz"))) == 2
-    r = run(f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/data")
+    r = run(
+        f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/data --max-new-tokens 24"
+    )
     assert r.exit_code == 0 and "4 sequences" in r.stdout and "nothing left to generate" in r.stdout
+    r = run(f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/data")
+    assert r.exit_code == 1 and "made with max-new-tokens 24 (not 256)" in r.stderr
     r = run(f"train data -m {root}/target --source python-stdlib -o {tmp_path}/data")
-    assert r.exit_code == 1 and "holds answers to prompts from" in r.stderr
+    assert r.exit_code == 1 and "another list of prompts than 'python-stdlib' gives" in r.stderr
     r = run(
         f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/long --max-prompt-tokens 2"
     )  # every templated prompt is longer: an error, not "0 sequences"

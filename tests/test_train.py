@@ -872,15 +872,27 @@ def test_a_repeated_prompt_is_answered_once_also_across_a_resume(tmp_path):
     ]
 
 
-def test_data_generation_will_not_resume_a_folder_from_another_source(tmp_path):
+def test_data_generation_resumes_only_the_same_prompts_answered_alike(tmp_path):
     model, tok = make_target("llama"), make_tokenizer(eos=95)
     prompts = [[{"role": "user", "content": f"w{i}"}] for i in range(5, 9)]
     kw = dict(max_new_tokens=2, batch_size=4, shard_size=2)
     assert generate_data(model, tok, prompts, tmp_path, limit=2, source="a.jsonl", **kw) == 2
-    # The resume point counts a.jsonl's prompts: b.jsonl would silently skip its first ones.
-    with pytest.raises(ValueError, match=r"from 'a.jsonl', not 'b.jsonl': write them to a new --out folder"):
-        generate_data(model, tok, prompts, tmp_path, source="b.jsonl", **kw)
-    assert generate_data(model, tok, prompts, tmp_path, source="a.jsonl", **kw) == 4
+    # The resume point counts a.jsonl's prompts: another list would silently skip its first ones.
+    other = prompts[1:] + prompts[:1]
+    with pytest.raises(ValueError, match=r"another list of prompts than 'a.jsonl' gives .* new --out folder"):
+        generate_data(model, tok, other, tmp_path, source="a.jsonl", **kw)
+    for changed, message in (
+        (dict(max_new_tokens=3), r"max-new-tokens 2 \(not 3\)"),
+        (dict(temperature=0.7), r"seed None \(not 0\), temp 0.0 \(not 0.7\)"),
+        (
+            dict(template_kwargs={"enable_thinking": False}),
+            r"chat template \{\} \(not \{'enable_thinking': False\}\)",
+        ),
+    ):
+        with pytest.raises(ValueError, match=rf"holds answers made with {message}: give the same to go on"):
+            generate_data(model, tok, prompts, tmp_path, source="a.jsonl", **{**kw, **changed})
+    # The same prompts, by whatever name (./a.jsonl, its full path), with the same settings: going on.
+    assert generate_data(model, tok, prompts, tmp_path, source="./a.jsonl", **kw) == 4
 
 
 def test_data_made_with_another_vocabulary_is_refused(tmp_path):
