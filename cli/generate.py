@@ -111,7 +111,9 @@ def generate(
         stream = (
             _plain(target, tokenizer, ids, settings)
             if drafter is None
-            else stream_generate(target, drafter, tokenizer, ids, **asdict(settings))
+            else stream_generate(
+                target, drafter, tokenizer, ids, **asdict(settings), continues=not chat_template
+            )
         )
         interrupted = False
         try:

@@ -173,6 +173,7 @@ def stream_generate(
     prefill_step_size: int | None = None,
     draft_window: int | None = None,
     compile: bool = True,
+    continues: bool = False,
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model) with DFlash drafting by `draft`, streaming.
 
@@ -189,6 +190,9 @@ def stream_generate(
     in a pass of N every cycle (see trees.py; the adaptive policy builds trees where they pay).
     `draft_window=N` keeps only the drafter's latest N context positions, so its pass stops growing
     with the context (a `prompt_cache` keeps its own).
+    `continues=True` says the answer's text goes on from the prompt's (a completion of raw text): its
+    first piece keeps the space that joins them, which mlx-lm's detokenizers drop; an empty prompt
+    with a `prompt_cache` goes on from the last answer, and always keeps it.
     `tokenizer=None` works on token ids alone: no text, no EOS. A stop string ends the text where it
     starts; the tokens of the cycle that hit it stay in `tokens` and in `prompt_cache`. A prompt that
     fills the target's context is an error; the answer stops ("length") where the context ends.
@@ -253,7 +257,9 @@ def stream_generate(
     cache = prompt_cache or SpeculativeCache(target, draft, draft_window)
     eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
     seq = Sequence(cache, settings, max_tokens, eos, sampler, compile)
-    answer = Answer(tokenizer, stops, len(prompt_ids))
+    history = prompt_ids or (prompt_cache.tokens if prompt_cache is not None else [])
+    joins = history[-1] if history and (continues or not prompt_ids) else None
+    answer = Answer(tokenizer, stops, len(prompt_ids), joins)
     tic = time.perf_counter()
     first = seq.start(prompt_ids)
     answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)  # with a kept cache's pending

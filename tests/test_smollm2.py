@@ -263,6 +263,25 @@ def test_an_answer_that_continues_its_prompt_keeps_the_text_that_joins_them(ours
     assert _answer(tok, prompt, text, 3, joins=False)[0] == tok.decode(tok.encode(text)).lstrip(" ")
 
 
+def test_a_completion_and_an_answer_going_on_after_a_break_keep_their_joining_space(ours):
+    from dflash_mlx import SpeculativeCache
+    from dflash_mlx.loading import draft_for, load_draft
+
+    model, tok = ours
+    draft = load_draft(draft_for("smollm2-135m-instruct", None))
+    prompt = "The capital of France is"
+    whole = generate(model, draft, tok, prompt, max_tokens=24, continues=True)
+    assert whole.text.startswith(" ") and prompt + whole.text == tok.decode(tok.encode(prompt) + whole.tokens)
+    assert generate(model, draft, tok, prompt, max_tokens=24).text == whole.text.lstrip(" ")  # mlx-lm's
+    # Cut before a token that begins with a space, and gone on with an empty prompt: the two texts
+    # join into the whole.
+    k = next(i for i, t in enumerate(whole.tokens) if i and tok.decode([t]).startswith(" "))
+    cache = SpeculativeCache(model, draft)
+    first = generate(model, draft, tok, prompt, max_tokens=k, prompt_cache=cache, continues=True)
+    rest = generate(model, draft, tok, [], max_tokens=24 - k, prompt_cache=cache)
+    assert first.tokens + rest.tokens == whole.tokens and first.text + rest.text == whole.text
+
+
 def test_tokens_after_a_stop_string_are_not_the_answers(ours):
     """A cycle can commit tokens past the stop string's end: the answer's tokens (and usage counts) end
     with the token that completes it, however many tokens a cycle hands out."""
