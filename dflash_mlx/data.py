@@ -555,6 +555,12 @@ def check_data_options(
         raise UserError(f"temperature must be between 0 and 100, got {temperature}")
     if Path(folder).exists() and not Path(folder).is_dir():
         raise UserError(f"{folder} is a file: give a folder for the answers' shards")
+    others = sorted(p.name for p in Path(folder).glob("*") if not p.name.startswith("shard-"))
+    if others:  # (a model folder given by mistake, say)
+        raise UserError(
+            f"{folder} holds other files than data shards ({', '.join(others[:3])}): give a new or "
+            "empty folder"
+        )
 
 
 def generate_data(

@@ -13,6 +13,7 @@ trains. Both tell their caller what happens through callbacks, so a front end on
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -222,7 +223,9 @@ class PreparedRun:
 
     def train(self, on_step: Callable[[dict], None], note: Callable[[str], None]) -> RunEnd:
         """Train to the run's last step, or until a signal stops it; export the drafter if asked and done.
-        `on_step(record)` sees every step's log record; `note` gets what the run says while training."""
+        `on_step(record)` sees every step's log record; `note` gets what the run says while training.
+        A new run refused before its first checkpoint (a drafter its target cannot have) leaves no folder."""
+        made = not self.out.exists()
         self.out.mkdir(parents=True, exist_ok=True)
         log = self.out / "log.jsonl"
         trim_log(log, self.step)
@@ -259,6 +262,10 @@ class PreparedRun:
                     feature_cache_gb=self.feature_cache_gb,
                     stop=lambda: asked is not None,
                 )
+        except UserError:
+            if made and saved_run(self.out) is None:
+                shutil.rmtree(self.out, ignore_errors=True)
+            raise
         except KeyboardInterrupt:
             kept = saved_run(self.out)
             return RunEnd(

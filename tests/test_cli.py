@@ -800,6 +800,7 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     (tmp_path / "a-file").write_text("x")
     for flags, line in (
         (f"-o {tmp_path}/a-file", "is a file: give a folder"),
+        (f"-o {root}/draft", "holds other files than data shards (config.json, model.safetensors)"),
         ("--batch-size 0", "at least 1"),
     ):
         r = run(f"train data -m {tmp_path}/nowhere --source {root}/prompts.jsonl -o {tmp_path}/d3 {flags}")
@@ -833,6 +834,15 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert r.exit_code == 1 and f"no folder {tmp_path}/typo" in r.stderr
     # The README's three steps end to end: data (above), a short run exported, its tau measured.
     data = f"--data {tmp_path}/data " * 5  # 20 sequences: 16 held out, 4 to train on
+    for flags, line in (
+        (
+            "--layers 1 --block-size 4 --mask-token-id 999",
+            "mask_token_id 999 is outside the target vocabulary",
+        ),
+        ("--layers 1 --block-size 4 --mask-token-id 94 --target-layer-ids 1,99", "contains 99"),
+    ):  # refused as the drafter is made: no run folder is left behind
+        r = run(f"train run {data} -o {tmp_path}/bad -m {root}/target --eval-prompts 0 --steps 2 {flags}")
+        assert r.exit_code == 1 and line in r.stderr and not (tmp_path / "bad").exists(), r.output
     r = run(
         f"train run {data} -o {tmp_path}/ok -m {root}/target {tiny} --steps 3 --export {tmp_path}/exported"
     )
