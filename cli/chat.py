@@ -245,6 +245,8 @@ def command(session, console: Console, line: str) -> str | None:
     name, _, arg = line.partition(" ")
     arg = arg.strip()
     try:
+        if arg and name in ("/exit", "/quit", "/help", "/reset", "/stats"):  # (a typo would act anyway)
+            raise UserError(f"{name} takes nothing after it")
         if name in ("/exit", "/quit"):
             return "exit"
         if name == "/help":

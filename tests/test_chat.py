@@ -241,6 +241,12 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
         child.expect(r"prefill (\d+)")
         assert int(child.match.group(1)) < 40  # the earlier conversation was not prefilled again
         child.expect(PROMPT)
+        child.sendline("/reset please")  # a typo, not a reset
+        child.expect("/reset takes nothing after it")
+        child.expect(PROMPT)
+        child.sendline("/stats")
+        child.expect(r"3 answers, \d+ tokens")
+        child.expect(PROMPT)
         child.sendline("/reset")
         child.expect(PROMPT)
         child.sendline("/stats")
