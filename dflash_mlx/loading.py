@@ -261,6 +261,8 @@ def read_config(path: Path) -> dict:
     """A model folder's config.json, or a one-line error naming the file."""
     file = path / "config.json"
     if not file.exists():
+        if (path / "checkpoint" / "config.json").exists():  # (`train run`'s folder)
+            raise NotFound(f"{path} is a training run; its drafter is {path / 'checkpoint'}")
         raise NotFound(f"{path} has no config.json: not a model folder")
     try:
         config = json.loads(file.read_text())

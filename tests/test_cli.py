@@ -848,6 +848,15 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "the learning rate never reaches its peak" in r.stderr  # 3 steps, the default 100 to warm up
+    r = run(f"train eval -d {tmp_path}/ok -m {root}/target --prompts {root}/prompts.jsonl --limit 1")
+    assert (
+        r.exit_code == 1
+        and f"{tmp_path}/ok is a training run; its drafter is {tmp_path}/ok/checkpoint" in r.stderr
+    )
+    r = run(
+        f"train eval -d {tmp_path}/ok/checkpoint -m {root}/target --prompts {root}/prompts.jsonl --limit 1"
+    )
+    assert r.exit_code == 0 and "tau" in r.stdout, r.output
     assert (tmp_path / "exported" / "model.safetensors").exists()
     # --export replaces an older drafter, but never a folder holding anything else (checked before training).
     again = f"train run {data} -o {tmp_path}/ok -m {root}/target {tiny} --steps 3"
