@@ -126,9 +126,7 @@ def generate(
                 if getattr(last, "accepted", None) is not None:
                     acc.append(last.accepted)
                     cycles.append([last.source, last.proposed, last.accepted])
-        except KeyboardInterrupt:  # what came so far is kept: the text was shown, the record says so
-            if not as_json:
-                raise
+        except KeyboardInterrupt:  # what came so far is kept: the text was shown, the statistics say so
             interrupted = True
         text = "".join(text)
         if drafter is None and tokens:
@@ -166,7 +164,9 @@ def generate(
     stats += f", prompt {record['prompt_tps']:.0f} tokens/s"
     if tau is not None:
         stats += f", mean acceptance {tau:.2f} over {len(acc)} cycles ({mix_text(record['mix'])})"
-    typer.secho(stats, err=True, dim=True)
+    typer.secho(stats + (" · interrupted" if interrupted else ""), err=True, dim=True)
+    if interrupted:
+        raise typer.Exit(130)
 
 
 def _plain(model, tokenizer, ids, settings: GenerationSettings):

@@ -82,7 +82,7 @@ def test_generate_warms_up_on_a_gpu_only(pair, device, monkeypatch):
 
 
 @pytest.mark.parametrize("plain", [False, True])
-def test_generate_json_stopped_with_ctrl_c_still_gives_what_came(pair, monkeypatch, plain):
+def test_generate_stopped_with_ctrl_c_still_gives_what_came(pair, monkeypatch, plain):
     import dflash_mlx.cli.generate as command
 
     root, model = pair
@@ -103,6 +103,10 @@ def test_generate_json_stopped_with_ctrl_c_still_gives_what_came(pair, monkeypat
     want = greedy_reference(model, [5, 6, 7], 12, eos={95})
     assert record["finish_reason"] == "interrupted" and 3 <= len(record["tokens"]) < 12
     assert record["tokens"] == want[: len(record["tokens"])]
+    r = run(f"generate -m {root}/target {flags} -p 'w5 w6 w7' --max-tokens 12 --no-chat-template")
+    shown = r.stdout.split()  # the text so far, then its statistics, which say it was cut
+    assert r.exit_code == 130 and shown == [f"w{t}" for t in want[: len(shown)]] and 3 <= len(shown) < 12
+    assert f"{len(record['tokens'])} tokens" in r.stderr and r.stderr.strip().endswith("interrupted")
 
 
 def test_generate_json_and_the_plain_baseline_agree(pair):
