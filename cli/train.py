@@ -140,6 +140,8 @@ def phrases(
             raise AlreadyExists(f"{out} holds a phrase table already (pass --force to replace it)")
         seqs, made = [], set()
         for d in data:
+            if Path(d).exists() and not Path(d).is_dir():
+                raise UserError(f"{d} is a file: --data takes a folder `dflash-mlx train data` wrote")
             found = load_shards(d) if Path(d).is_dir() else []
             if not found:
                 raise UserError(f"{d} holds no answers: make some with `dflash-mlx train data -o {d}`")

@@ -15,6 +15,7 @@ produced: the same tokens as plain greedy decoding at temperature 0, the same di
 from __future__ import annotations
 
 import collections.abc as abc
+import inspect
 import numbers
 import time
 from collections import Counter
@@ -381,6 +382,10 @@ class Answer:
 
 def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs) -> GenerationResult:
     """Run `stream_generate` to the end; return the text, tokens and acceptance statistics."""
+    try:  # (a misspelt argument is named as this function's, not stream_generate's)
+        inspect.signature(stream_generate).bind(model, draft, tokenizer, prompt, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"generate() {e}") from None
     text, tokens, acc, sources, last = [], [], [], [], None
     for last in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         if verbose:

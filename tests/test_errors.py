@@ -99,6 +99,8 @@ def test_arguments_of_the_wrong_shape_or_kind_are_refused_by_name(model):
         generate(model, None, tok, [5, 6], block_size=16)
     with pytest.raises(UserError, match="prompt_cache must be a SpeculativeCache"):
         generate(model, draft, tok, [5, 6], prompt_cache=[])
+    with pytest.raises(TypeError, match="^generate\\(\\) got an unexpected keyword argument 'max_token'"):
+        generate(model, draft, tok, [5, 6], max_token=5)
 
 
 def test_a_sampler_failing_at_the_first_token_leaves_the_cache_refused(model):

@@ -211,6 +211,10 @@ def test_train_phrases_writes_the_table_beside_the_drafter_and_refuses_what_cann
         (["--data", str(tmp_path / "empty"), "-o", str(tmp_path / "draft")], "holds no answers"),
         (["--data", str(tmp_path / "nowhere"), "-o", str(tmp_path / "draft")], "holds no answers"),
         (
+            ["--data", str(tmp_path / "draft" / "config.json"), "-o", str(tmp_path / "draft")],
+            "is a file: --data",
+        ),
+        (
             [
                 "--data",
                 str(tmp_path / "data"),
