@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.markdown import Markdown
 
 from dflash_mlx.bench import (
@@ -31,6 +31,7 @@ from .options import (
     Think,
     first_prompts,
     progress_bar,
+    stdout,
     user_errors,
 )
 
@@ -163,7 +164,11 @@ def bench(
         except OSError:
             typer.echo(markdown(results, title))  # the numbers are not lost with the files
             raise
-    Console().print(Markdown(paths[1].read_text()))
+    summary = paths[1].read_text()
+    if sys.stdout.isatty():
+        stdout().print(Markdown(summary))
+    else:  # (piped: the Markdown itself, which reads as text and keeps its tables whole)
+        typer.echo(summary)
     typer.echo("wrote " + ", ".join(str(p) for p in paths))
     bad = [s for s in results.get("summary", results.get("concurrency")) if s["identical"] is False]
     if bad:

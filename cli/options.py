@@ -64,6 +64,12 @@ Think = Annotated[
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
 
+def stdout() -> Console:
+    """A console on stdout; piped into a file or another program, as wide as the lines it prints (rich
+    would fold tables into 80 columns)."""
+    return Console() if sys.stdout.isatty() else Console(width=1000)
+
+
 def stderr() -> Console:
     """A console on stderr, for progress and notes (made when needed: it reads the terminal's width then)."""
     return Console(stderr=True)

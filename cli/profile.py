@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from dflash_mlx.errors import UserError
@@ -15,7 +14,7 @@ from dflash_mlx.profile import draft_window_profile, profile_pair
 from dflash_mlx.profile import profile as measure
 from dflash_mlx.settings import GenerationSettings
 
-from .options import DEMO, Draft, DraftWindow, Json, stderr, user_errors
+from .options import DEMO, Draft, DraftWindow, Json, stderr, stdout, user_errors
 
 
 def profile(
@@ -57,7 +56,7 @@ def profile(
     t.add_row("verify pass alone (ms)", f"{r['verify_ms']:.2f}", f"{r['verify_ms']:.2f}")
     t.add_row("draft step alone (ms)", f"{r['draft_ms_compiled']:.2f}", f"{r['draft_ms_eager']:.2f}")
     t.add_row("runtime overhead", f"{r['overhead_compiled']:+.1%}", f"{r['overhead_eager']:+.1%}")
-    Console().print(t)
+    stdout().print(t)
     line = f"plain decoding: {r['ar_tokens_per_s']:.1f} tokens/s"
     if "ar_tokens_per_s_without_blas_preload" in r:
         line += f" (without the BLAS preload: {r['ar_tokens_per_s_without_blas_preload']:.1f} tokens/s)"
@@ -90,7 +89,7 @@ def _pair(model: str, draft: str | None, as_json: bool) -> None:
         costs["draft"] or [[]] * len(costs["contexts"]),
     ):
         t.add_row(str(c), *[f"{x / step:.2f}" for x in row + [ahead, built] + drafts])
-    Console().print(t)
+    stdout().print(t)
     typer.echo(
         f"policy: {1e6 * r['policy_s']:.0f} us a cycle ({r['policy_share_of_a_step']:.2%} of a plain step)"
     )
@@ -114,4 +113,4 @@ def _window(model: str, draft: str | None, window: int, as_json: bool) -> None:
     t.add_column(f"draft window {window}", justify="right")
     for r in rows:
         t.add_row(str(r["context"]), f"{1000 * r['whole_s']:.1f}", f"{1000 * r['window_s']:.1f}")
-    Console().print(t)
+    stdout().print(t)
