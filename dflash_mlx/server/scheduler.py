@@ -10,12 +10,12 @@ waits). Turns go to whatever has received the fewest tokens: the batch (its leas
 prefilling request, a chunk counting as the tokens the batch's requests receive in its time, so a long
 prompt shares the worker with the streams under way rather than holding them up. A request whose reader
 has fallen behind (a slow client) leaves the batch until it catches up; one whose reader takes nothing
-for STALLED_S meanwhile (a hung client, which TCP may keep connected for hours) ends there, so that
-it does not hold its slot for good. Requests are admitted before
-their prompts are made (`admit`), so a full server refuses them (`Busy`) before any work: up to
-`max_active` in flight and `max_waiting` more. A request whose client has gone, or that has run past its
-deadline, is taken out before the next step; its cache, left consistent, goes back to the pool like any
-other (a request that failed leaves its cache out).
+for STALLED_S meanwhile (a hung client, which TCP may keep connected for hours) ends there, so that it
+does not hold its slot for good. Requests are admitted before their prompts are made (`admit`), so a
+full server refuses them (`Busy`) before any work: up to `max_active` in flight and `max_waiting` more.
+A request whose client has gone, or that has run past its deadline, is taken out before the next step;
+its cache, left consistent, goes back to the pool like any other (a request that failed leaves its
+cache out).
 
 Steps are pipelined: the next is launched before the last one's tokens are handed to the readers.
 A request with a seed draws each token with a key made from its seed and the token's position, so it
