@@ -53,6 +53,8 @@ def convert(
         out_path, src = Path(output).expanduser().resolve(), Path(source).expanduser().resolve()
         if src.exists() and (out_path == src or out_path in src.parents):
             raise UserError(f"{output} holds {source}: write to another folder (it would be replaced)")
+        if src.is_dir() and src in out_path.parents:  # (the source folder would then hold its copy)
+            raise UserError(f"{output} is inside {source}: write to a folder outside it")
         if out_path.exists() and not force:  # before any download
             raise AlreadyExists(f"{output} already exists (pass --force to replace it)")
         with Progress(
