@@ -88,9 +88,8 @@ def template_kwargs(model: str, think: bool | None = None, tokenizer=None) -> di
     where `tokenizer`'s template has no such switch, which would ignore it), else the registry pair's
     (Qwen3's drafters were trained on answers without thinking)."""
     if think is not None:
-        if tokenizer is not None and "enable_thinking" not in (
-            getattr(tokenizer, "chat_template", None) or ""
-        ):
+        # (str: a tokenizer may hold several named templates, as a dict)
+        if tokenizer is not None and "enable_thinking" not in str(getattr(tokenizer, "chat_template", "")):
             raise UserError(
                 f"--think/--no-think: the chat template of {model} has no thinking switch; drop the flag"
             )

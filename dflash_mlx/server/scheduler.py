@@ -95,8 +95,7 @@ class _Job:
     answer: Answer
     served: float  # tokens received (a prefill chunk counts what it cost), plus the level it started at
     seq: Sequence | None = None  # once its prompt is in: its place in the engine
-    paused: bool = False  # out of the batch while its reader catches up
-    paused_at: float = 0.0  # when it last left the batch
+    paused_at: float | None = None  # when it left the batch for its reader to catch up (None: in it)
     turn: int = 0  # when it last had a turn (ties go to the one waiting longest)
 
 
@@ -207,7 +206,7 @@ class Scheduler:
         for request in joining:
             self._start(request, level)
         prefilling = [j for j in self.active if j.seq is None]
-        answering = [j for j in self.active if j.seq is not None and not j.paused]
+        answering = [j for j in self.active if j.seq is not None and j.paused_at is None]
         first = min(prefilling, key=lambda j: (j.served, j.turn), default=None)
         if first is not None and (not answering or first.served <= min(j.served for j in answering)):
             short = [j for j in prefilling if len(j.prompt) <= min(self._chunk(j), SHORT)]
@@ -258,13 +257,13 @@ class Scheduler:
             self._cut(job)
         elif job.seq is not None:
             behind = request.backlog() >= MAX_BACKLOG
-            if behind and not job.paused:
+            if behind and job.paused_at is None:
                 self.engine.remove(job.seq)
                 job.paused_at = time.monotonic()
-            elif job.paused and not behind:
+            elif not behind and job.paused_at is not None:
                 self.engine.add(job.seq)
-            job.paused = behind
-            if behind and time.monotonic() - job.paused_at > STALLED_S:
+                job.paused_at = None
+            if job.paused_at is not None and time.monotonic() - job.paused_at > STALLED_S:
                 self.metrics.cancelled.inc()
                 self._cut(job)
 

@@ -7,6 +7,7 @@ accepted and ignored, as the official servers accept fields of newer API version
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -71,6 +72,15 @@ NOT_GIVEN = {
 FORCED_TOOLS = "this server cannot make the model call a tool; leave tool_choice out or make it "
 
 
+def _not_text(messages, unread: Callable[[str], bool], parts: str) -> tuple[str, str] | None:
+    """(field, why) for the first content part of a kind this text model cannot read, if any."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if unread(part.type):
+                return f"messages[{i}].content[{j}]", f"this model reads text only, not {part.type!r} {parts}"
+    return None
+
+
 class _OpenAI(_Sampling):
     stop: str | list[str] | None = Field(None, union_mode="left_to_right")
     n: int = 1
@@ -113,14 +123,7 @@ class ChatCompletionRequest(_OpenAI):
             return refused
         if self.tool_choice not in (None, "auto", "none"):
             return "tool_choice", FORCED_TOOLS + '"auto" or "none"'
-        for i, m in enumerate(self.messages):
-            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-                if part.type != "text":
-                    return (
-                        f"messages[{i}].content[{j}]",
-                        f"this model reads text only, not {part.type!r} parts",
-                    )
-        return None
+        return _not_text(self.messages, lambda kind: kind != "text", "parts")
 
     def conversation(self) -> list[dict]:
         """The messages as chat templates take them: text parts joined, tool-call arguments as objects."""
@@ -189,12 +192,7 @@ class TokenCountRequest(_Sampling):
         cannot give."""
         if (self.tool_choice or {}).get("type") not in (None, "auto", "none"):
             return "tool_choice", FORCED_TOOLS + '{"type": "auto"} or {"type": "none"}'
-        for i, m in enumerate(self.messages):
-            for j, block in enumerate(m.content if isinstance(m.content, list) else []):
-                if block.type in ("image", "document"):
-                    why = f"this model reads text only, not {block.type!r} blocks"
-                    return f"messages[{i}].content[{j}]", why
-        return None
+        return _not_text(self.messages, lambda kind: kind in ("image", "document"), "blocks")
 
     def function_tools(self) -> list[dict] | None:
         """The tools as chat templates take them (OpenAI's function layout)."""
