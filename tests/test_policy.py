@@ -477,7 +477,24 @@ def test_a_later_answer_starts_from_what_the_policy_learnt_in_an_earlier_one():
     assert policy_for(target, draft, block_size=None, lookup=True).dflash.trials == one.dflash.trials
 
 
-def test_the_next_process_starts_from_what_the_last_one_learnt():
+@pytest.fixture
+def as_priced(monkeypatch):
+    """A machine where width is cheap, whose cycles take what they are priced at: the policy's choices
+    then depend on what it learns of acceptance alone, not on how busy this machine is."""
+    import dflash_mlx.policy as policy
+
+    steps = [1.0, 1.05, 1.1, 1.2, 1.45, 1.9]
+    cheap = CostModel([64], list(WIDTHS), [steps], [1, 3, 7, 15], [[0.2] * 4], [1], [1])
+    monkeypatch.setattr(policy, "costs_for", lambda *args, **kwargs: cheap)
+    timed = policy.AdaptivePolicy.timed
+
+    def priced(self, choice, verified, context, after, seconds):
+        timed(self, choice, verified, context, after, self.price(choice, verified, context, after))
+
+    monkeypatch.setattr(policy.AdaptivePolicy, "timed", priced)
+
+
+def test_the_next_process_starts_from_what_the_last_one_learnt(as_priced):
     """What an answer's policy learnt is kept in the home when the answer ends, and a new process (here:
     the in-process record cleared) starts from it; a seeded answer, or a drafter with other weights,
     starts from the priors; a record that is not this policy's, or a broken file, leaves the priors."""
@@ -661,22 +678,10 @@ def pass_widths(monkeypatch):
     return seen
 
 
-def test_the_adaptive_policy_verifies_only_the_widths_its_costs_were_measured_at(pass_widths, monkeypatch):
+def test_the_adaptive_policy_verifies_only_the_widths_its_costs_were_measured_at(pass_widths, as_priced):
     """A few pass shapes, each warmed up at load (GPUs compile kernels on first use): lookup's matches
     and the drafter's blocks are cut to a measured width, never verified at a width in between. (On a
     machine where width is cheap, and timed as priced: what a busy machine measures is not the point.)"""
-    import dflash_mlx.policy as policy
-
-    cheap = CostModel(
-        [64], list(WIDTHS), [[1.0, 1.05, 1.1, 1.2, 1.45, 1.9]], [1, 3, 7, 15], [[0.2] * 4], [1], [1]
-    )
-    monkeypatch.setattr(policy, "costs_for", lambda *args, **kwargs: cheap)
-    timed = policy.AdaptivePolicy.timed
-    monkeypatch.setattr(
-        policy.AdaptivePolicy,
-        "timed",
-        lambda self, c, v, n, a, s: timed(self, c, v, n, a, self.price(c, v, n, a)),
-    )
     model, prompt = make_target("llama"), prompt_of(24, seed=8)
     prompt = prompt + prompt[:20]  # lookup finds matches of every length
     ref = greedy_reference(model, prompt, 120)
