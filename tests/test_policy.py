@@ -382,7 +382,7 @@ def test_a_longer_context_starts_from_the_paces_learnt_at_the_nearest_one():
     assert cycles(3000, 20).count(DFLASH) <= 1  # (a probe at most; priced from the costs alone: 9)
 
 
-def test_an_answer_times_its_cycles_for_its_policy():
+def test_an_answer_times_its_cycles_for_its_policy(cheap_width):
     model, draft = make_target("llama"), make_draft()
     prompt = prompt_of(24)
     generate(model, draft, no_eos_tokenizer(prompt), prompt, max_tokens=48)
@@ -478,14 +478,21 @@ def test_a_later_answer_starts_from_what_the_policy_learnt_in_an_earlier_one():
 
 
 @pytest.fixture
-def as_priced(monkeypatch):
-    """A machine where width is cheap, whose cycles take what they are priced at: the policy's choices
-    then depend on what it learns of acceptance alone, not on how busy this machine is."""
+def cheap_width(monkeypatch):
+    """A machine where width is cheap (the costs the policy starts from, whatever this one measures)."""
     import dflash_mlx.policy as policy
 
     steps = [1.0, 1.05, 1.1, 1.2, 1.45, 1.9]
     cheap = CostModel([64], list(WIDTHS), [steps], [1, 3, 7, 15], [[0.2] * 4], [1], [1])
     monkeypatch.setattr(policy, "costs_for", lambda *args, **kwargs: cheap)
+
+
+@pytest.fixture
+def as_priced(cheap_width, monkeypatch):
+    """... whose cycles take what they are priced at: the policy's choices then depend on what it
+    learns of acceptance alone, not on how busy this machine is."""
+    import dflash_mlx.policy as policy
+
     timed = policy.AdaptivePolicy.timed
 
     def priced(self, choice, verified, context, after, seconds):
