@@ -44,7 +44,7 @@ from .files import atomic_file
 from .loading import load, load_pair
 from .pairing import context_room, prepare
 from .platform import backend, has_module, report
-from .policy import costs_for, warm_up
+from .policy import batch_sizes, costs_for, warm_up
 from .settings import GenerationSettings
 from .speculative import stream_generate
 
@@ -401,6 +401,7 @@ def run_concurrent(
         if context_room(target, len(ids)) < max_tokens:
             raise UserError(f"prompt {k} ({len(ids)} tokens) leaves less than max_tokens {max_tokens}")
     eos = frozenset(tokenizer.eos_token_ids)
+    costs_for(target, draft, batches=batch_sizes(max(levels)))  # priced as `serve` prices them
     _batched_plain(model, encoded[:1], 1, max_tokens, eos)  # warm-ups, not counted
     _engine(target, draft, encoded[:1], 1, max_tokens, eos)
     rows, interrupted = [], False

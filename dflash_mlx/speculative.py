@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer, TokenizerWrapper
 
 from .cache import SpeculativeCache
@@ -95,15 +96,17 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> list[int]:
         return tokenizer.encode(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos), verbose=False
         )  # our context check, not transformers' warning, says the limit
-    if isinstance(prompt, mx.array) and mx.issubdtype(prompt.dtype, mx.integer):
-        if prompt.ndim > 2 or (prompt.ndim == 2 and prompt.shape[0] != 1):
-            raise UserError(f"one prompt at a time: token ids of shape (n,) or (1, n), got {prompt.shape}")
-        return prompt.reshape(-1).tolist()
-    if isinstance(prompt, abc.Iterable) and not isinstance(prompt, (bytes, bytearray, mx.array)):
+    if isinstance(prompt, (mx.array, np.ndarray)):
+        if prompt.ndim not in (1, 2) or (prompt.ndim == 2 and prompt.shape[0] != 1):
+            raise UserError(
+                f"one prompt at a time: token ids of shape (n,) or (1, n), got {tuple(prompt.shape)}"
+            )
+        prompt = prompt.reshape(-1).tolist()  # (floats stay floats, and are refused below)
+    if isinstance(prompt, abc.Iterable) and not isinstance(prompt, (bytes, bytearray)):
         ids = list(prompt)
         if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
             return [int(t) for t in ids]
-    raise UserError("the prompt must be a string, or token ids: a list of ints or an integer mx.array")
+    raise UserError("the prompt must be a string, or token ids: a list of ints or an integer array")
 
 
 class _NoText:

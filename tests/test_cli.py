@@ -26,6 +26,7 @@ from dflash_mlx.cli.main import app
 from dflash_mlx.data import jsonl_prompts, load_shards
 from dflash_mlx.loading import load as load_target
 from dflash_mlx.pairing import context_length, prepare
+from dflash_mlx.policy import costs_path
 
 
 @pytest.fixture(scope="module")
@@ -637,6 +638,10 @@ def test_bench_concurrency_races_mlx_lms_continuous_batching_with_the_same_outpu
     assert all(row["prompts"] == 4 and row["tokens"] > 4 and row["baseline_tps"] > 0 for row in rows)
     assert "| 3 |" in (tmp_path / "c" / "summary.md").read_text()
     assert not (tmp_path / "c" / "plot.png").exists()
+    # the engine's batched steps chose by measured batch costs, as the server's do
+    target, draft, _ = load_pair(str(root / "target"), str(root / "draft"))
+    batches = json.loads(costs_path(prepare(target, draft), draft).read_text())["batches"]
+    assert sorted(map(int, batches)) == [2, 3]
     r = run(f"bench -m {root}/target -d {root}/draft --concurrency 0,2 -o {tmp_path}/d")
     assert r.exit_code == 1 and "--concurrency takes numbers of answers of 1 or more" in r.stderr
 

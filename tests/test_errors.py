@@ -3,6 +3,7 @@
 import importlib
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from tiny import _COMMON, make_draft, make_target, make_tokenizer, prompt_of
 
@@ -83,14 +84,22 @@ def test_arguments_of_the_wrong_shape_or_kind_are_refused_by_name(model):
     import mlx.core as mx
 
     draft, tok = make_draft(), make_tokenizer()
-    for prompt in (mx.array([[5, 6], [7, 8]]), mx.array([[[5, 6]]])):  # a batch is not one prompt
+    # a batch is not one prompt, nor is a single id without a length (a 0-d array), in MLX or NumPy
+    for prompt in (
+        mx.array([[5, 6], [7, 8]]),
+        mx.array([[[5, 6]]]),
+        mx.array(5),
+        np.array(5),
+        np.ones((2, 2), int),
+    ):
         with pytest.raises(UserError, match=r"one prompt at a time: token ids of shape \(n,\) or \(1, n\)"):
             generate(model, draft, tok, prompt)
-    assert generate(model, draft, tok, mx.array([[5, 6]]), max_tokens=3).tokens == (
-        generate(model, draft, tok, [5, 6], max_tokens=3).tokens
-    )
-    with pytest.raises(UserError, match="the prompt must be a string, or token ids"):
-        generate(model, draft, tok, [True, False])
+    expected = generate(model, draft, tok, [5, 6], max_tokens=3).tokens
+    for prompt in (mx.array([[5, 6]]), np.array([5, 6]), np.array([[5, 6]], dtype=np.uint16)):
+        assert generate(model, draft, tok, prompt, max_tokens=3).tokens == expected
+    for prompt in ([True, False], mx.array([5.0, 6.0]), np.array([5.0, 6.0])):
+        with pytest.raises(UserError, match="the prompt must be a string, or token ids"):
+            generate(model, draft, tok, prompt)
     assert generate(model, draft, tok, [5, 6], stop=None, max_tokens=3).finish_reason == "length"
     for stop in (5, ["w5", None]):
         with pytest.raises(UserError, match="stop must be a string or a list of strings"):
