@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections.abc as abc
 import inspect
 import numbers
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -156,6 +157,14 @@ class _StopText:
         return out
 
 
+# What an answer asks of MLX runs in one thread at a time: a pass lends the shared model's layers taps
+# (and a tree's mask and positions) while its graph is built, and MLX takes calls from one thread at a
+# time (two evaluating at once can deadlock inside it). Answers generated in threads at once crashed,
+# took each other's features or hung; now their steps take turns (not held between pieces: a caller
+# that stops taking pieces holds up no one).
+_MLX_CALLS = threading.RLock()
+
+
 def stream_generate(
     model: nn.Module | Target,
     draft: DFlashDraftModel | None,
@@ -256,42 +265,46 @@ def stream_generate(
         if prompt_cache is not None:  # nothing to generate, but the conversation keeps the prompt
             prompt_cache.add(prompt_ids)
         return
-    if settings.seed is not None:
-        mx.random.seed(settings.seed)
-    cache = prompt_cache or SpeculativeCache(target, draft, draft_window)
-    eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
-    seq = Sequence(cache, settings, max_tokens, eos, sampler, compile)
     history = prompt_ids or (prompt_cache.tokens if prompt_cache is not None else [])
     joins = history[-1] if history and (continues or not prompt_ids) else None
     answer = Answer(tokenizer, stops, len(prompt_ids), joins)
-    tic = time.perf_counter()
-    first = seq.start(prompt_ids)
-    answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)  # with a kept cache's pending
-    response = answer.respond(first, None, seq.finish)
+    with _MLX_CALLS:  # (a first answer measures the pair's costs too)
+        if settings.seed is not None:
+            mx.random.seed(settings.seed)
+        cache = prompt_cache or SpeculativeCache(target, draft, draft_window)
+        eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
+        seq = Sequence(cache, settings, max_tokens, eos, sampler, compile)
+        tic = time.perf_counter()
+        first = seq.start(prompt_ids)
+        answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)  # with a kept cache's pending
+        response = answer.respond(first, None, seq.finish)
     yield response
     if response.finish_reason is not None:
         return
     engine = Engine(target, draft)
-    engine.add(seq)
-    engine.launch()
+    with _MLX_CALLS:
+        engine.add(seq)
+        engine.launch()
     try:
         # The next step starts before this one's tokens are handed out (see engine.py).
         while True:
-            (r,) = engine.collect()
-            if seq.finish is None:
-                engine.launch()
-            response = answer.respond(r.tokens, r.accepted, seq.finish, r.source, r.proposed)
-            if response.finish_reason is not None:
-                if seq.finish is None:  # a stop string ended it: the step under way is taken back,
+            with _MLX_CALLS:
+                (r,) = engine.collect()
+                if seq.finish is None:
+                    engine.launch()
+                response = answer.respond(r.tokens, r.accepted, seq.finish, r.source, r.proposed)
+                if response.finish_reason is not None and seq.finish is None:
+                    # a stop string ended it: the step under way is taken back, and the tokens
+                    # committed after the stop's, so that a kept cache goes on from it
                     engine.remove(seq)
-                    # ... and the tokens committed after the stop's, so that a kept cache goes on from it
                     if not cache.truncate(len(cache.tokens) - len(r.tokens) + len(response.tokens)):
                         cache.broken = True  # (it cannot: the next call says to start a new cache)
-                yield response
-                return
             yield response
+            if response.finish_reason is not None:
+                return
     except GeneratorExit:  # the caller stopped between two steps: the cache goes on from there
-        engine.remove(seq)
+        with _MLX_CALLS:
+            engine.remove(seq)
         raise
 
 

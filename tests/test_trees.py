@@ -1,6 +1,9 @@
 """Token trees: one pass gives every node the target's logits for its own path, the caches keep the
 accepted path only, and the output is the target's own."""
 
+import sys
+import threading
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,11 +18,12 @@ from tiny import (
     greedy_reference,
     make_draft,
     make_target,
+    make_tokenizer,
     no_eos_tokenizer,
     prompt_of,
 )
 
-from dflash_mlx import SpeculativeCache, stream_generate
+from dflash_mlx import SpeculativeCache, generate, stream_generate
 from dflash_mlx.engine import Engine, Sequence
 from dflash_mlx.models.targets import Target
 from dflash_mlx.pairing import prepare
@@ -261,3 +265,35 @@ def test_where_width_is_dear_and_the_drafter_weak_the_policy_leaves_trees_and_bl
     made = run_tree_trace(policy, [0.25, 0.1, 0.05], [0.3, 0.15, 0.1, 0.05], 400, random.Random(4))
     late = made[200:]
     assert sum(k == 0 for _, k, _ in late) / len(late) > 0.9
+
+
+def test_answers_generated_in_threads_at_once_are_each_what_it_gives_alone():
+    # A pass lends the shared model's layers taps (and, for a tree, masks and positions) while its graph
+    # is built, and MLX evaluates from one thread at a time: answers in threads at once crashed, took
+    # each other's features or hung. They now take turns.
+    model, draft, tok = make_target("llama"), make_draft(), make_tokenizer()
+    jobs = [(prompt_of(9 + i, seed=i), {"tree": 8} if i % 2 else {"block_size": 8}) for i in range(6)]
+    alone = [generate(model, draft, tok, p, max_tokens=24, **kw).tokens for p, kw in jobs]
+    together, failed = [None] * len(jobs), []
+
+    def answer(i):
+        try:
+            p, kw = jobs[i]
+            together[i] = generate(model, draft, tok, p, max_tokens=24, **kw).tokens
+        except Exception as e:  # noqa: BLE001  (reported below)
+            failed.append(repr(e))
+        finally:
+            mx.clear_streams()  # (MLX's rule for a thread that ran MLX: else an abort at exit)
+
+    threads = [threading.Thread(target=answer, args=(i,), daemon=True) for i in range(len(jobs))]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads take turns within a pass's building, as on a loaded machine)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads), "hung"
+    assert not failed and together == alone

@@ -190,6 +190,7 @@ class Scheduler:
             while self.waiting:
                 self.waiting.popleft().emit(Finished())
         mx.synchronize()  # no model work left running when the process ends (MLX would abort)
+        mx.clear_streams()  # (MLX's rule for a thread that ran its work: else an abort at exit, at times)
 
     def _cycle(self, joining: list[Request]) -> None:
         """One turn of the worker: collect the step under way, let requests go and come, then either a
