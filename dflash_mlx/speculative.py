@@ -161,7 +161,8 @@ class _StopText:
 # (and a tree's mask and positions) while its graph is built, and MLX takes calls from one thread at a
 # time (two evaluating at once can deadlock inside it). Answers generated in threads at once crashed,
 # took each other's features or hung; now their steps take turns (not held between pieces: a caller
-# that stops taking pieces holds up no one).
+# that stops taking pieces holds up no one). The server needs none: its one generation thread runs all
+# its answers.
 _MLX_CALLS = threading.RLock()
 
 
