@@ -80,6 +80,8 @@ def test_openai_chat_streamed_and_not_gives_the_text_of_generate(tiny, server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
     assert chunks[-1].usage.completion_tokens == len(want.tokens)
+    # (every chunk has a usage field, null until the last, as the API says)
+    assert all("usage" in c.model_fields_set for c in chunks) and all(c.usage is None for c in chunks[:-1])
     # The second time the whole prompt but its last token came from the kept cache.
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == want.prompt_tokens - 1
 
@@ -224,6 +226,19 @@ def test_reasoning_and_tool_calls_are_blocks_of_their_own_in_anthropic_replies(s
         },
     ]
     assert client.messages.create(**dict(kw, messages=follow)).content
+
+
+def test_anthropic_server_tools_are_left_out_of_the_prompt_and_a_clients_own_are_not(scripted):
+    def count(tools):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "weather Paris"}], "tools": tools}
+        r = httpx.post(f"{scripted}/v1/messages/count_tokens", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+
+    server_tool = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
+    own = {"name": "get_weather", "input_schema": {"type": "object"}}
+    assert count([server_tool]) == count([])
+    assert count([server_tool, own]) == count([own]) == count([dict(own, type="custom")]) > count([])
 
 
 def test_four_streams_at_once_each_get_their_own_text_and_a_first_token_before_any_ends(tiny, server):

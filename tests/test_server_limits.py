@@ -71,6 +71,7 @@ def request(path: str, content: str, **kw) -> dict:
         {"temperature": 1e-45},
         {"temperature": 5e-324},
         {"temperature": 0.7, "top_p": 1e-300},
+        {"temperature": 0.7, "top_p": 0},
     ],
 )
 def test_sampling_values_at_the_edges_of_the_math_decode_greedily(tiny, server, path, sampling):  # noqa: F811
@@ -339,6 +340,13 @@ def test_a_json_body_is_read_whatever_its_type_says_and_a_compressed_one_is_told
         ("/v1/chat/completions", "tool_choice", "required"),
         ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("/v1/messages", "tool_choice", {"type": "any"}),
+        ("/v1/chat/completions", "presence_penalty", 1.5),
+        ("/v1/completions", "frequency_penalty", -0.5),
+        ("/v1/chat/completions", "repetition_penalty", 1.3),
+        ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {"type": "object"}}]),
+        ("/v1/chat/completions", "function_call", {"name": "f"}),
+        ("/v1/chat/completions", "modalities", ["text", "audio"]),
+        ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
     ],
 )
 def test_what_the_server_cannot_give_is_refused_rather_than_left_out(server, path, field, value):
@@ -354,6 +362,13 @@ def test_what_the_server_cannot_give_is_refused_rather_than_left_out(server, pat
         "logit_bias": {},
         "response_format": {"type": "text"},
         "tool_choice": {"type": "auto"} if path == "/v1/messages" else "none",
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "functions": [],
+        "function_call": "auto",
+        "modalities": ["text"],
+        "audio": None,
     }[field]
     assert post(url, path, dict(request(path, "w5"), **{field: asked_not})).status_code == 200
 
@@ -376,6 +391,89 @@ def test_images_and_documents_are_refused_by_a_model_that_reads_text(server, pat
     r = post(url, path, body)
     message = r.json()["error"]["message"]
     assert r.status_code == 400 and message.startswith("messages[0].content[1]: ") and "text only" in message
+
+
+def test_an_image_a_tool_gave_back_is_refused_too(server):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}
+    body = request("/v1/messages", "w5")
+    body["messages"] = [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [image]}]},
+    ]
+    r = post(url := server[0], "/v1/messages", body)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith("messages[1].content[0].content[0]: "), r.text
+    body["messages"][1]["content"][0]["content"] = [{"type": "text", "text": "w5"}]
+    assert post(url, "/v1/messages", body).status_code == 200
+
+
+def test_options_sent_as_null_take_their_defaults(server):
+    url, _ = server
+    chat = request("/v1/chat/completions", words(102))
+    want = text_of("/v1/chat/completions", post(url, "/v1/chat/completions", chat))
+    for field in ("n", "stream", "max_tokens", "temperature", "top_p", "stop", "stream_options", "seed"):
+        r = post(url, "/v1/chat/completions", dict(chat, **{field: None}))
+        assert r.status_code == 200, (field, r.text)
+        assert text_of("/v1/chat/completions", r) == want or field == "max_tokens"
+    # a completion's default length is the API's, 16 tokens, not the server's
+    long = next(
+        c
+        for c in (request("/v1/completions", words(k), max_tokens=40) for k in range(103, 140))
+        if post(url, "/v1/completions", c).json()["usage"]["completion_tokens"] > 16
+    )
+    r = post(url, "/v1/completions", dict(long, max_tokens=None))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    sixteen = post(url, "/v1/completions", dict(long, max_tokens=16))
+    assert text_of("/v1/completions", r) == text_of("/v1/completions", sixteen)
+
+
+def test_a_completion_prompt_may_come_as_a_list_of_one(tiny, server):  # noqa: F811
+    url, _ = server
+    _, _, tok = tiny
+    text = words(104)
+    ids = tok.encode(text)
+    want = text_of("/v1/completions", post(url, "/v1/completions", request("/v1/completions", text)))
+    for prompt in ([text], ids, [ids]):
+        r = post(url, "/v1/completions", request("/v1/completions", prompt))
+        assert r.status_code == 200 and text_of("/v1/completions", r) == want, (prompt, r.text)
+    r = post(url, "/v1/completions", request("/v1/completions", [text, text]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "one prompt per request, got 2" in r.json()["error"]["message"]
+    r = post(url, "/v1/completions", request("/v1/completions", ["5", 6]))
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt[")
+
+
+def test_an_assistant_refusal_in_the_history_is_read_as_its_text(tiny, server):  # noqa: F811
+    url, _ = server
+    said = [{"role": "user", "content": words(105)}, None, {"role": "user", "content": words(106)}]
+    as_text = [said[0], {"role": "assistant", "content": words(107)}, said[2]]
+    as_refusal = [
+        said[0],
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": words(107)}]},
+        said[2],
+    ]
+    got = [
+        post(url, "/v1/chat/completions", dict(request("/v1/chat/completions", ""), messages=m))
+        for m in (as_text, as_refusal)
+    ]
+    assert got[1].status_code == 200, got[1].text
+    assert text_of("/v1/chat/completions", got[1]) == text_of("/v1/chat/completions", got[0])
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {"temperature": 1e308}, "temperature"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5 " * 5000}]}, "messages"),
+        ("/v1/completions", {"prompt": "w5 " * 5000}, "prompt"),
+        ("/v1/completions", {"prompt": [5] * 5000}, "prompt"),  # (past the context in tokens)
+    ],
+)
+def test_a_refused_value_names_its_field(server, path, body, param):
+    url, _ = server
+    r = post(url, path, dict(request(path, "w5"), **body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_stop_strings_are_limited_in_number(server):

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import UserError
 from ..pairing import context_length, context_room
+from ..sampling import MIN_TOP_P
 from ..settings import GenerationSettings
 from ..speculative import GenerationResponse
 from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_reasoning
@@ -290,7 +291,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         return error_response(request.url.path, e.status_code, str(e.detail))
 
     def check_given(body) -> None:
-        if body.n != 1:
+        if body.n not in (None, 1):
             raise ApiError(400, "n must be 1: this server makes one choice per request", param="n")
         check_refused(body)
 
@@ -312,7 +313,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         d = config.defaults
         return GenerationSettings(
             temperature=d.temperature if body.temperature is None else body.temperature,
-            top_p=d.top_p if body.top_p is None else body.top_p,
+            top_p=d.top_p if body.top_p is None else max(body.top_p, MIN_TOP_P),
             top_k=d.top_k if body.top_k is None else body.top_k,
             min_p=d.min_p if getattr(body, "min_p", None) is None else body.min_p,
             max_tokens=max_tokens or d.max_tokens,
@@ -338,11 +339,19 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             raise
 
     def start(
-        prompt: list[int], settings: GenerationSettings, stop: list[str], arrived: float, continues=False
+        prompt: list[int],
+        settings: GenerationSettings,
+        stop: list[str],
+        arrived: float,
+        continues=False,
+        where="messages",  # the field the prompt came from
     ) -> Generation:
         if not prompt:
-            raise ApiError(400, "the prompt is empty")
-        context_room(target, len(prompt))  # a prompt the context cannot hold is refused here
+            raise ApiError(400, "the prompt is empty", param=where)
+        try:
+            context_room(target, len(prompt))  # a prompt the context cannot hold is refused here
+        except UserError as e:
+            raise ApiError(400, str(e), param=where) from None
         deadline = None if config.request_timeout is None else arrived + config.request_timeout
         return Generation(scheduler, prompt, settings, stop, deadline, continues)
 
@@ -399,13 +408,17 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         arrived = time.monotonic()
         check_model(body.model)
         check_given(body)
+        try:
+            prompt = body.one()
+        except ValueError as e:
+            raise ApiError(400, f"prompt: {e}", param="prompt") from None
         vocab = target.args.vocab_size
-        if isinstance(body.prompt, list) and not all(0 <= t < vocab for t in body.prompt):
+        if isinstance(prompt, list) and not all(0 <= t < vocab for t in prompt):
             raise ApiError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
         settings = settings_for(body, body.max_tokens)
         reply = _OpenAIReply(config.model_id, "text_completion")
         async with admitted():
-            generation = start(await prompts.text(body.prompt), settings, body.stops, arrived, True)
+            generation = start(await prompts.text(prompt), settings, body.stops, arrived, True, "prompt")
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _Stream(reply.completion_stream(generation, include_usage), generation)
@@ -498,9 +511,11 @@ class _OpenAIReply:
         return {**self._head("chat.completion"), "choices": [choice], "usage": self._usage(generation)}
 
     async def chat_stream(self, generation: Generation, channels: Channels, include_usage: bool):
+        usage = {"usage": None} if include_usage else {}  # (the API's: null until the last chunk)
+
         def chunk(delta: dict, finish=None) -> str:
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return sse({**self._head("chat.completion.chunk"), "choices": [choice]})
+            return sse({**self._head("chat.completion.chunk"), "choices": [choice], **usage})
 
         calls = 0
         yield chunk({"role": "assistant", "content": ""})
@@ -532,9 +547,11 @@ class _OpenAIReply:
         return {**self._head("text_completion"), "choices": [choice], "usage": self._usage(generation)}
 
     async def completion_stream(self, generation: Generation, include_usage: bool):
+        usage = {"usage": None} if include_usage else {}
+
         def chunk(text: str, finish=None) -> str:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-            return sse({**self._head("text_completion"), "choices": [choice]})
+            return sse({**self._head("text_completion"), "choices": [choice], **usage})
 
         try:
             async for response in generation.responses():

@@ -107,11 +107,13 @@ class Prompts:
         return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
 
     def _encode(self, text: str, chat: bool) -> list[int]:
+        where = "messages" if chat else "prompt"  # (the field the text came from)
         if self.most_chars is not None and len(text) > self.most_chars:
             raise ApiError(
                 400,
                 f"the prompt is {len(text)} characters, more than the model's context of {self.context} "
                 "tokens can hold: shorten the prompt",
+                param=where,
             )
         try:
             text.encode("utf-8")
@@ -121,6 +123,7 @@ class Prompts:
                 400,
                 f"the prompt holds an unpaired UTF-16 surrogate ({character}, character {e.start} of "
                 "the prompt): send the text as valid Unicode",
+                param=where,
             ) from None
         if chat:
             return encode_chat_text(self.tokenizer, text)

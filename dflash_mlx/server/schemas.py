@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI and Anthropic APIs, as far as this server reads them (pydantic).
 
-Fields a client may send that the server has no use for (`user`, `metadata`, penalties, ...) are
-accepted and ignored, as the official servers accept fields of newer API versions.
+Fields a client may send that the server has no use for (`user`, `metadata`, `service_tier`, ...) are
+accepted and ignored, as the official servers accept fields of newer API versions; those that would
+change what the answer holds, which it cannot give, are refused (`refused`). Where the APIs let an
+option be null, null means its default.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import json
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+from ..sampling import MAX_TEMPERATURE
 
 
 class _Body(BaseModel):
@@ -19,12 +23,12 @@ class _Body(BaseModel):
 
 class _Sampling(_Body):
     model: str
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, ge=0, le=1)  # (0 as the APIs allow: the most likely token alone)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
 
 
 # ---- OpenAI -----------------------------------------------------------------------------------------
@@ -33,6 +37,7 @@ class _Sampling(_Body):
 class TextPart(_Body):
     type: str
     text: str | None = None
+    refusal: str | None = None  # (an assistant's "refusal" part: its text)
 
 
 class FunctionCall(_Body):
@@ -68,22 +73,34 @@ NOT_GIVEN = {
     "suffix": "insertions (a suffix)",
     "best_of": "the best of several answers",
     "logit_bias": "token biases",
+    "presence_penalty": "presence penalties",
+    "frequency_penalty": "frequency penalties",
+    "repetition_penalty": "repetition penalties",
+    "audio": "answers in audio",
 }
+NEUTRAL = {"best_of": 1, "repetition_penalty": 1}  # values of those fields that ask for nothing
 FORCED_TOOLS = "this server cannot make the model call a tool; leave tool_choice out or make it "
 
 
 def _not_text(messages, unread: Callable[[str], bool], parts: str) -> tuple[str, str] | None:
-    """(field, why) for the first content part of a kind this text model cannot read, if any."""
+    """(field, why) for the first content part of a kind this text model cannot read, if any (a tool
+    result's own parts too)."""
     for i, m in enumerate(messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-            if unread(part.type):
-                return f"messages[{i}].content[{j}]", f"this model reads text only, not {part.type!r} {parts}"
+            inner = getattr(part, "content", None)
+            named = [(f"messages[{i}].content[{j}]", part)] + [
+                (f"messages[{i}].content[{j}].content[{k}]", p)
+                for k, p in enumerate(inner if isinstance(inner, list) else [])
+            ]
+            for where, p in named:
+                if unread(p.type):
+                    return where, f"this model reads text only, not {p.type!r} {parts}"
     return None
 
 
 class _OpenAI(_Sampling):
     stop: str | list[str] | None = Field(None, union_mode="left_to_right")
-    n: int = 1
+    n: int | None = 1
     stream_options: StreamOptions | None = None
 
     @field_validator("stop")
@@ -99,10 +116,15 @@ class _OpenAI(_Sampling):
         extra = self.model_extra or {}
         for name in NOT_GIVEN:
             value = extra.get(name)
-            if value not in (None, False, 0, "", {}) and not (name == "best_of" and value == 1):
+            if value not in (None, False, 0, "", {}, []) and value != NEUTRAL.get(name):
                 return name, f"this server does not give {NOT_GIVEN[name]}; leave it out"
         if extra.get("response_format") not in (None, {"type": "text"}):
             return "response_format", "this server does not constrain answers to a format; leave it out"
+        if extra.get("functions") or extra.get("function_call") not in (None, "auto", "none"):
+            name = "functions" if extra.get("functions") else "function_call"
+            return name, "the deprecated functions are not read here: send tools (and tool_choice) instead"
+        if extra.get("modalities") not in (None, ["text"]):
+            return "modalities", 'this server answers in text only; leave it out or make it ["text"]'
         return None
 
     @property
@@ -123,7 +145,7 @@ class ChatCompletionRequest(_OpenAI):
             return refused
         if self.tool_choice not in (None, "auto", "none"):
             return "tool_choice", FORCED_TOOLS + '"auto" or "none"'
-        return _not_text(self.messages, lambda kind: kind != "text", "parts")
+        return _not_text(self.messages, lambda kind: kind not in ("text", "refusal"), "parts")
 
     def conversation(self) -> list[dict]:
         """The messages as chat templates take them: text parts joined, tool-call arguments as objects."""
@@ -148,8 +170,25 @@ class ChatCompletionRequest(_OpenAI):
 
 
 class CompletionRequest(_OpenAI):
-    prompt: str | list[int]
-    max_tokens: int = Field(16, ge=1)  # the OpenAI API's default for completions
+    # one prompt: text or token ids, alone or as a list of one (a list of several is refused: `one`)
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(union_mode="left_to_right")
+    max_tokens: int | None = Field(16, ge=1)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _default_length(cls, max_tokens):
+        return 16 if max_tokens is None else max_tokens  # the OpenAI API's default for completions
+
+    def one(self) -> str | list[int]:
+        """The prompt, where the request holds one."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) > 1:
+                raise ValueError(
+                    f"this server answers one prompt per request, got {len(prompt)}: send them one by one"
+                )
+            (prompt,) = prompt
+        return prompt
 
 
 # ---- Anthropic --------------------------------------------------------------------------------------
@@ -172,6 +211,7 @@ class AnthropicMessage(_Body):
 
 
 class AnthropicTool(_Body):
+    type: str | None = None  # a client's own tool: none or "custom"; Anthropic's server tools are typed
     name: str
     description: str | None = None
     input_schema: dict = Field(default_factory=dict)
@@ -196,7 +236,8 @@ class TokenCountRequest(_Sampling):
 
     def function_tools(self) -> list[dict] | None:
         """The tools as chat templates take them (OpenAI's function layout)."""
-        if not self.tools or (self.tool_choice or {}).get("type") == "none":
+        own = [t for t in self.tools or [] if t.type in (None, "custom")]  # (no server tools run here)
+        if not own or (self.tool_choice or {}).get("type") == "none":
             return None
         return [
             {
@@ -207,7 +248,7 @@ class TokenCountRequest(_Sampling):
                     "parameters": t.input_schema,
                 },
             }
-            for t in self.tools
+            for t in own
         ]
 
     def conversation(self) -> list[dict]:
@@ -244,7 +285,7 @@ def _text(content) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(p.text or "" for p in content if p.type == "text")
+    return "".join((p.text if p.type == "text" else p.refusal) or "" for p in content)
 
 
 def _blocks_text(content) -> str:
