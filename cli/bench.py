@@ -10,6 +10,7 @@ import typer
 from rich.markdown import Markdown
 
 from dflash_mlx.bench import (
+    counted,
     has_matplotlib,
     markdown,
     run_bench,
@@ -45,14 +46,17 @@ def bench(
         "hf:org/name (e.g. hf:openai/gsm8k/main:test:question).",
     ),
     limit: int | None = typer.Option(20, help="Use the first N prompts (0: all)."),
-    block_sizes: str = typer.Option(
-        "16,adaptive",
+    block_sizes: str | None = typer.Option(
+        None,
         help="Comma-separated policies: fixed block sizes, treeN (a tree in a pass as wide as a "
-        "block of N, every cycle), and 'adaptive' (each cycle chooses).",
+        "block of N, every cycle), and 'adaptive' (each cycle chooses). [default: 16,adaptive]",
+        show_default=False,
     ),
     no_lookup: NoLookup = False,
     draft_window: DraftWindow = None,
-    temps: str = typer.Option("0", help="Comma-separated temperatures (identity is checked at 0)."),
+    temps: str | None = typer.Option(
+        None, help="Comma-separated temperatures (identity is checked at 0). [default: 0]", show_default=False
+    ),
     max_tokens: MaxTokens = 256,
     rounds: int = typer.Option(
         1,
@@ -78,17 +82,14 @@ def bench(
     """DFlash against plain mlx-lm decoding of the same target, prompt by prompt (or many at once with
     --concurrency), in one process (or, with --fresh, in new ones)."""
     with user_errors():
-        try:
-            bs = [_policy(x.strip()) for x in block_sizes.split(",")]
-            ts = [float(x) for x in temps.split(",")]
-            levels = [int(x) for x in concurrency.split(",")] if concurrency is not None else None
-        except ValueError:
+        if concurrency is not None and (block_sizes is not None or temps is not None):
             raise UserError(
-                f"--block-sizes takes block sizes, trees and 'adaptive', --temps and --concurrency "
-                f"numbers, comma-separated, e.g. 4,16,tree16,adaptive, 0,1 and 1,2,4,8; "
-                f"got {block_sizes!r}, {temps!r} "
-                f"and {concurrency!r}"
-            ) from None
+                "--concurrency runs the adaptive policy at temperature 0: leave out "
+                + " and ".join(f for f, v in (("--block-sizes", block_sizes), ("--temps", temps)) if v)
+            )
+        bs = _listed("--block-sizes", block_sizes or "16,adaptive", _policy, "4,16,tree16,adaptive")
+        ts = _listed("--temps", temps or "0", float, "0,0.7")
+        levels = None if concurrency is None else _listed("--concurrency", concurrency, int, "1,2,4,8")
         if rounds < 1 or (rounds > 1 and concurrency is not None):
             raise UserError(f"--rounds takes a number of 1 or more, without --concurrency; got {rounds}")
         if fresh is not None and (fresh < 1 or rounds > 1 or levels is not None or set(ts) != {0.0}):
@@ -130,6 +131,8 @@ def bench(
                         ps,
                         concurrency=levels,
                         max_tokens=max_tokens,
+                        lookup=not no_lookup,
+                        draft_window=draft_window,
                         template_kwargs=template_kwargs(model, think, tokenizer),
                         progress=done,
                     )
@@ -153,9 +156,13 @@ def bench(
                         results = run_bench(
                             target, drafter, tokenizer, ps, temperatures=ts, rounds=rounds, **common
                         )
-        except BaseException:  # nothing to show: do not leave behind an empty folder this run made
+        except BaseException as e:  # nothing to show: do not leave behind an empty folder this run made
             if made and not any(folder.iterdir()):
                 folder.rmdir()
+            if isinstance(e, KeyboardInterrupt):
+                typer.secho(
+                    "stopped with Ctrl-C before anything finished: nothing written", fg="yellow", err=True
+                )
             raise
         results.update(model=model, draft=name, prompt_set=prompts)
         title = f"dflash-mlx bench: {model} + {name} on {prompts}"
@@ -180,15 +187,25 @@ def bench(
             err=True,
         )
     if results.get("interrupted"):
+        done = (
+            counted(len(results["concurrency"]), "level")
+            if "concurrency" in results
+            else counted(len(results["prompts"]), "prompt run")
+        )
         typer.secho(
-            f"stopped with Ctrl-C: the results cover the {len(results['prompts'])} prompt runs finished by "
-            "then",
-            fg="yellow",
-            err=True,
+            f"stopped with Ctrl-C: the results cover the {done} finished by then", fg="yellow", err=True
         )
         raise typer.Exit(130)
     if bad:
         raise typer.Exit(1)
+
+
+def _listed(flag: str, value: str, kind, example: str) -> list:
+    """A comma-separated flag's entries, each read by `kind` (a ValueError: not one)."""
+    try:
+        return [kind(x.strip()) for x in value.split(",")]
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated entries such as {example}, got {value!r}") from None
 
 
 def _policy(name: str) -> int | str | None:

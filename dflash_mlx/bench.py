@@ -385,11 +385,14 @@ def run_concurrent(
     *,
     concurrency=(1, 2, 4, 8),
     max_tokens: int = 256,
+    lookup: bool = True,
+    draft_window: int | None = None,
     template_kwargs: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """-> results: per number of sequences at a time, mlx-lm's batched plain decoding and our engine
     (adaptive policy, temperature 0) over all the prompts, submitted together."""
+    settings = GenerationSettings(max_tokens=max_tokens, lookup=lookup, draft_window=draft_window)
     levels = list(dict.fromkeys(int(c) for c in concurrency))
     if not levels or min(levels) < 1:
         raise UserError(f"--concurrency takes numbers of sequences of 1 or more, got {concurrency}")
@@ -403,12 +406,12 @@ def run_concurrent(
     eos = frozenset(tokenizer.eos_token_ids)
     costs_for(target, draft, batches=batch_sizes(max(levels)))  # priced as `serve` prices them
     _batched_plain(model, encoded[:1], 1, max_tokens, eos)  # warm-ups, not counted
-    _engine(target, draft, encoded[:1], 1, max_tokens, eos)
+    _engine(target, draft, encoded[:1], 1, settings, eos)
     rows, interrupted = [], False
     for c in levels:
         try:
             base = _batched_plain(model, encoded, c, max_tokens, eos)
-            ours = _engine(target, draft, encoded, c, max_tokens, eos)
+            ours = _engine(target, draft, encoded, c, settings, eos)
         except KeyboardInterrupt:
             if not rows:
                 raise
@@ -468,7 +471,7 @@ def _batched_plain(model, encoded, c: int, max_tokens: int, eos) -> dict:
     return {"tokens": out, "n": n, "tps": n / seconds, "ttft_s": sum(firsts.values()) / len(firsts)}
 
 
-def _engine(target, draft, encoded, c: int, max_tokens: int, eos) -> dict:
+def _engine(target, draft, encoded, c: int, settings: GenerationSettings, eos) -> dict:
     """All prompts through our engine, c sequences at a time (the next one starting when one ends)."""
     engine, waiting = Engine(target, draft), list(range(len(encoded)))
     tokens, firsts, seqs, index = {}, {}, {}, {}
@@ -477,9 +480,8 @@ def _engine(target, draft, encoded, c: int, max_tokens: int, eos) -> dict:
     while waiting or engine.active:
         while waiting and sum(s.finish is None for s in seqs.values()) < c:
             k = waiting.pop(0)
-            seq = Sequence(
-                SpeculativeCache(target, draft), GenerationSettings(max_tokens=max_tokens), max_tokens, eos
-            )
+            cache = SpeculativeCache(target, draft, settings.draft_window)
+            seq = Sequence(cache, settings, settings.max_tokens, eos)
             seqs[k], index[id(seq)], tokens[k] = seq, k, seq.start(encoded[k])
             firsts[k] = time.perf_counter() - tic
             if seq.finish is None:
@@ -545,7 +547,7 @@ def _speedup(summary: dict, kind: str) -> str:
     return f"{cell} ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else cell
 
 
-def _count(n: int, noun: str) -> str:
+def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
@@ -567,8 +569,9 @@ def markdown(results: dict, title: str) -> str:
     rounds = f", {n} rounds (a speedup: the rounds' median, and their range)" if n > 1 else ""
     answers = results.get("fresh")
     how = (
-        f"; plain decoding and each policy in a new process of their own per prompt (loading, a warm-up "
-        f"on a GPU, then the answer), which then answers it {_count(answers - 1, 'time')} more"
+        "; plain decoding and each policy in a new process of their own per prompt (loading, a warm-up "
+        "on a GPU, then the answer)"
+        + (f", which then answers it {counted(answers - 1, 'time')} more" if answers > 1 else "")
         if answers
         else "; warm-up excluded"
     )
@@ -576,7 +579,7 @@ def markdown(results: dict, title: str) -> str:
         f"# {title}",
         "",
         f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
-        f"BLAS: {m.get('blas preload')}. {_count(results['summary'][0]['prompts'], 'prompt')}, up to "
+        f"BLAS: {m.get('blas preload')}. {counted(results['summary'][0]['prompts'], 'prompt')}, up to "
         f"{results['max_tokens']} tokens each{rounds}{how}{stopped}.",
         "",
     ]
@@ -605,7 +608,7 @@ def _table(summaries: list[dict]) -> list[str]:
         where = f"; the nearest tie: token {first['at']}, top-2 gap {first['gap']:.2g}" if first else ""
         same = {
             True: "yes",
-            False: f"**NO** ({_count(len(s['mismatched_prompts']), 'prompt')}{where})",
+            False: f"**NO** ({counted(len(s['mismatched_prompts']), 'prompt')}{where})",
             None: "n/a (sampling)",
         }
         mix = " / ".join(str(s["mix"].get(k, 0)) for k in ("dflash", "tree", "lookup", "plain"))
@@ -624,7 +627,7 @@ def markdown_concurrent(results: dict, title: str) -> str:
         f"# {title}",
         "",
         f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
-        f"BLAS: {m.get('blas preload')}. {_count(rows[0]['prompts'], 'prompt')} submitted together, up to "
+        f"BLAS: {m.get('blas preload')}. {counted(rows[0]['prompts'], 'prompt')} submitted together, up to "
         f"{results['max_tokens']} tokens each, temperature 0; mlx-lm's continuous batching (BatchGenerator) "
         "against our engine with the adaptive policy, the same number of sequences at a time.",
         "",
@@ -634,7 +637,7 @@ def markdown_concurrent(results: dict, title: str) -> str:
     ]
     for r in rows:
         mix = " / ".join(str(r["mix"].get(k, 0)) for k in ("dflash", "lookup", "plain"))
-        same = "yes" if r["identical"] else f"**NO** ({_count(len(r['mismatched_prompts']), 'prompt')})"
+        same = "yes" if r["identical"] else f"**NO** ({counted(len(r['mismatched_prompts']), 'prompt')})"
         lines.append(
             f"| {r['concurrency']} | {r['baseline_tps']:.1f} | {r['dflash_tps']:.1f} | "
             f"{_fmt(r['speedup'], '.2f', 'x')} | {r['baseline_ttft_s']:.2f} / {r['ttft_s']:.2f} | {mix} | "

@@ -644,6 +644,24 @@ def test_bench_concurrency_races_mlx_lms_continuous_batching_with_the_same_outpu
     assert sorted(map(int, batches)) == [2, 3]
     r = run(f"bench -m {root}/target -d {root}/draft --concurrency 0,2 -o {tmp_path}/d")
     assert r.exit_code == 1 and "--concurrency takes numbers of answers of 1 or more" in r.stderr
+    # the flags it takes are used; the others are refused, and a bad entry names its flag
+    r = run(
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --concurrency 3 "
+        f"--max-tokens 24 --no-lookup -o {tmp_path}/e"
+    )
+    assert r.exit_code == 0, r.output
+    assert "lookup" in rows[1]["mix"]
+    assert "lookup" not in json.loads((tmp_path / "e" / "results.json").read_text())["concurrency"][0]["mix"]
+    for args in ("--temps 1", "--block-sizes 4", "--temps 0 --block-sizes adaptive"):
+        r = run(f"bench -m {root}/target -d {root}/draft --concurrency 2 {args} -o {tmp_path}/d")
+        assert r.exit_code == 1 and "--concurrency runs the adaptive policy at temperature 0" in r.stderr
+    for args in ("--concurrency a,b", "--block-sizes 4,x", "--temps hot"):
+        r = run(f"bench -m {root}/target -d {root}/draft {args} -o {tmp_path}/d")
+        flag = args.split()[0]
+        assert r.exit_code == 1 and r.stderr.startswith(f"error: {flag} takes comma-separated entries"), (
+            r.stderr
+        )
+        assert repr(args.split()[1]) in r.stderr and "None" not in r.stderr
 
 
 def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
