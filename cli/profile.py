@@ -16,6 +16,12 @@ from dflash_mlx.settings import GenerationSettings
 
 from .options import DEMO, Draft, DraftWindow, Json, stderr, stdout, user_errors
 
+RANDOM = {"--hidden": 1024, "--layers": 8, "--vocab": 32000, "--block-size": 16, "--cycles": 24}
+
+
+def _random(flag: str, what: str):
+    return typer.Option(None, flag, help=f"{what} [default: {RANDOM[flag]}]", show_default=False)
+
 
 def profile(
     model: str | None = typer.Option(
@@ -27,15 +33,23 @@ def profile(
     ),
     draft: Draft = None,
     draft_window: DraftWindow = None,
-    hidden: int = typer.Option(1024, help="Width of the random target."),
-    layers: int = typer.Option(8, help="Decoder layers of the random target."),
-    vocab: int = typer.Option(32000, help="Vocabulary size."),
-    block_size: int = typer.Option(16, help="Tokens per drafted block."),
-    cycles: int = typer.Option(24, help="Cycles (and repeats) to time."),
+    hidden: int | None = _random("--hidden", "Width of the random target."),
+    layers: int | None = _random("--layers", "Decoder layers of the random target."),
+    vocab: int | None = _random("--vocab", "Vocabulary size of the random target."),
+    block_size: int | None = _random("--block-size", "Tokens per drafted block of the random pair."),
+    cycles: int | None = _random("--cycles", "Cycles (and repeats) to time on the random pair."),
     as_json: Json = False,
 ):
     """Time one speculative cycle against its two model passes (random float32 models), or measure a
     pair's cost model (--model)."""
+    shape = {"--hidden": hidden, "--layers": layers, "--vocab": vocab, "--block-size": block_size}
+    given = [flag for flag, value in {**shape, "--cycles": cycles}.items() if value is not None]
+    with user_errors():
+        if given and (model is not None or draft_window is not None):
+            raise UserError(
+                f"{', '.join(given)} {'shapes' if len(given) == 1 else 'shape'} the random pair: leave "
+                "it out with --model or --draft-window"
+            )
     if draft_window is not None:
         return _window(model or DEMO, draft, draft_window, as_json)
     if model is not None:
@@ -43,8 +57,9 @@ def profile(
     with user_errors():
         if draft is not None:
             raise UserError("--draft goes with --model (or --draft-window): the random target has no drafter")
+    sizes = [RANDOM[f] if v is None else v for f, v in {**shape, "--cycles": cycles}.items()]
     with user_errors(), stderr().status("timing cycles, verify and draft passes ..."):
-        r = measure(hidden, layers, vocab, block_size, cycles)
+        r = measure(*sizes)
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return

@@ -204,6 +204,10 @@ def test_generate_and_profile_take_a_draft_window(pair):
     for bad in ("generate -p w5 --draft-window 0", "profile --draft-window 0"):
         r = run(f"{bad} -m {root}/target -d {root}/draft")
         assert r.exit_code == 1 and "draft_window must be >= 1, got 0" in r.stderr, r.output
+    for shaping in ("--hidden 64", "--cycles 3 --layers 2"):  # (they shape the random pair alone)
+        for other in ("", "--draft-window 64"):
+            r = run(f"profile -m {root}/target -d {root}/draft {other} {shaping}")
+            assert r.exit_code == 1 and "shape" in r.stderr and shaping.split()[0] in r.stderr, r.output
 
 
 def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
