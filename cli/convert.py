@@ -30,7 +30,7 @@ def convert(
     export: bool = typer.Option(
         False, help="Export an MLX drafter to z-lab's Hugging Face layout (bf16; vLLM and SGLang read it)."
     ),
-    force: bool = typer.Option(False, help="Replace OUTPUT if it exists."),
+    force: bool = typer.Option(False, help="Replace OUTPUT if it exists (a model folder, or a file)."),
 ):
     """Convert a drafter or a target to an MLX folder, or export a drafter to z-lab's layout."""
     with user_errors():
@@ -57,6 +57,11 @@ def convert(
             raise UserError(f"{output} is inside {source}: write to a folder outside it")
         if out_path.exists() and not force:  # before any download
             raise AlreadyExists(f"{output} already exists (pass --force to replace it)")
+        if out_path.is_dir() and any(out_path.iterdir()) and not (out_path / "config.json").is_file():
+            raise UserError(  # (a mistyped path with --force would wipe whatever it names)
+                f"{output} holds files but no model (no config.json): --force replaces a model folder "
+                "only; give another folder"
+            )
         with Progress(
             SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=stderr()
         ) as bar:

@@ -39,7 +39,7 @@ def convert_draft(
 ) -> Path:
     """A z-lab drafter (HF id or folder) -> MLX folder in `dtype`, optionally quantized."""
     draft = load_draft(source, dtype=DTYPES[dtype])
-    config = draft.config.to_dict()
+    config = dict(draft.config.to_dict(), torch_dtype=dtype)  # (the source's may name another)
     if quantize and any(k.endswith(".scales") for k, _ in tree_flatten(draft.parameters())):
         raise UserError(f"{source} is already quantized: quantize the float drafter it came from")
     if quantize:

@@ -49,6 +49,7 @@ def test_zlab_drafter_to_mlx_in_each_dtype(zlab, tmp_path, dtype):
     assert r.exit_code == 0, r.output
     stored = mx.load(str(tmp_path / "out" / "model.safetensors"))
     assert stored["fc.weight"].dtype == getattr(mx, dtype)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == dtype
     loaded = load_draft(str(tmp_path / "out"))
     model = make_target("llama")
     # The weights survived: the drafter's logits are the source's, up to the new dtype's rounding
@@ -479,6 +480,13 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     for flags in (["--q-bits", "7"], ["--q-bits", "0"], ["--q-group-size", "7"]):
         r = cli("convert", zlab, tmp_path / "q", "-q", *flags)
         assert r.exit_code == 1 and "MLX quantizes to 2, 3, 4, 5, 6, 8 bits" in r.output, r.output
+    (tmp_path / "notes" / "sub").mkdir(parents=True)  # --force replaces a model folder, not any folder
+    (tmp_path / "notes" / "todo.txt").write_text("important")
+    r = cli("convert", zlab, tmp_path / "notes", "--force")
+    assert r.exit_code == 1 and "holds files but no model (no config.json)" in r.output, r.output
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "important" and (
+        tmp_path / "notes" / "sub"
+    ).is_dir()
     (tmp_path / "a-file").write_text("not a model")  # --force over a file leaves nothing of it beside
     assert cli("convert", zlab, tmp_path / "a-file", "--force").exit_code == 0
     assert (tmp_path / "a-file" / "config.json").exists() and not (tmp_path / ".a-file.old").exists()
