@@ -135,7 +135,10 @@ def phrases(
     with user_errors():
         folder = Path(out).expanduser()
         if not (folder / "config.json").is_file() or not is_drafter_config(read_config(folder)):
-            raise UserError(f"{out} is not a drafter's folder (a DFlash config.json): give the drafter's")
+            raise UserError(
+                f"{out} is not a drafter's folder (a DFlash config.json): give -o the drafter's folder the "
+                "table is for"
+            )
         if (folder / FILE).exists() and not force:
             raise AlreadyExists(f"{out} holds a phrase table already (pass --force to replace it)")
         seqs, made = [], set()

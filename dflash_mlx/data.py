@@ -142,7 +142,7 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
         raise UserError(
             f"{path}, line {line}: not UTF-8 text; convert the file (e.g. iconv -f latin1 -t utf-8)"
         ) from None
-    out = []
+    out, where = [], None  # (where: the last row read, if any)
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
@@ -189,7 +189,8 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
         else:
             raise UserError(f'{where}: expected a "prompt", "messages" or "conversations" field')
     if not out:
-        raise UserError(f"{path}: no prompts (its conversations have no human turn)")
+        why = " (its conversations have no human turn)" if where else ": the file is empty"
+        raise UserError(f"{path}: no prompts{why}")
     return out
 
 
@@ -379,8 +380,11 @@ def resume_point(
         )
     kept = json.loads(str(last["settings"])) if "settings" in last and str(last["settings"]) else None
     if kept is not None and settings is not None and kept != (asked := json.loads(settings)):
+        greedy = 0 in (kept.get("temp"), asked.get("temp"))  # (then a seed is no setting of its own)
         differ = ", ".join(
-            f"{k} {kept[k]} (not {asked.get(k)})" for k in sorted(kept) if kept[k] != asked.get(k)
+            f"{k} {kept[k]} (not {asked.get(k)})"
+            for k in sorted(kept)
+            if kept[k] != asked.get(k) and not (k == "seed" and greedy)
         )
         raise UserError(
             f"{folder} holds answers made with {differ}: give the same to go on, or write to a new "
