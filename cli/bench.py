@@ -43,7 +43,8 @@ def bench(
     prompts: str = typer.Option(
         "humaneval",
         help="humaneval, sharegpt-heldout, edit, adversarial, long-2k, long-6k, a .jsonl file, or "
-        "hf:org/name (e.g. hf:openai/gsm8k/main:test:question).",
+        "hf:org/name (e.g. hf:openai/gsm8k/main:test:question); train data's sources too (sharegpt, "
+        "sharegpt-followup, python-stdlib).",
     ),
     limit: int | None = typer.Option(20, help="Use the first N prompts (0: all)."),
     block_sizes: str | None = typer.Option(

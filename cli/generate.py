@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from dflash_mlx.chat import apply_chat_template
 from dflash_mlx.errors import UserError
-from dflash_mlx.loading import load, load_pair, template_kwargs
+from dflash_mlx.loading import draft_for, load, load_pair, template_kwargs
 from dflash_mlx.pairing import context_room
 from dflash_mlx.settings import GenerationSettings
 from dflash_mlx.speculative import stream_generate
@@ -150,7 +150,7 @@ def generate(
             # (--max-tokens 0: "length", as generate() says)
             "finish_reason": "interrupted" if interrupted else last.finish_reason if last else "length",
             "model": model,
-            "draft": None if drafter is None else (draft or "registry"),
+            "draft": None if drafter is None else draft_for(model, draft),  # (as bench names it)
         }
         if as_json:  # (inside user_errors: a reader gone away ends it quietly, as for the text)
             typer.echo(json.dumps(record))

