@@ -95,6 +95,8 @@ def generate(
         if (system is not None or think is not None) and not chat_template:
             raise UserError("--system and --think/--no-think need the chat template: drop --no-chat-template")
         check_utf8(prompt, "the prompt")
+        if not prompt.strip():
+            raise UserError("the prompt is empty: give some text (--prompt, or on stdin)")
         if no_draft:
             (target, tokenizer), drafter = load(model), None
         else:

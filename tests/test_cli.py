@@ -331,6 +331,12 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     r = subprocess.run(cmd, input=b"caf\xe9 w5", capture_output=True, timeout=120)
     assert r.returncode == 1 and r.stderr.decode().startswith("error: the prompt is not UTF-8 text")
     assert r.stderr.count(b"\n") == 1
+    for given in (["-p", ""], ["-p", " \n"], []):  # (nothing on stdin either)
+        r = subprocess.run(cmd[:-1] + given, input=b"", capture_output=True, timeout=120)
+        assert (
+            r.returncode == 1
+            and r.stderr.decode() == "error: the prompt is empty: give some text (--prompt, or on stdin)\n"
+        )
     code = (
         "import sys, typer\nfrom dflash_mlx.cli.options import user_errors\n"
         "try:\n    with user_errors():\n"
