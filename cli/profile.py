@@ -46,9 +46,10 @@ def profile(
     given = [flag for flag, value in {**shape, "--cycles": cycles}.items() if value is not None]
     with user_errors():
         if given and (model is not None or draft_window is not None):
+            one = len(given) == 1
             raise UserError(
-                f"{', '.join(given)} {'shapes' if len(given) == 1 else 'shape'} the random pair: leave "
-                "it out with --model or --draft-window"
+                f"{', '.join(given)} {'is' if one else 'are'} for the random pair alone: leave "
+                f"{'it' if one else 'them'} out with --model or --draft-window"
             )
     if draft_window is not None:
         return _window(model or DEMO, draft, draft_window, as_json)
