@@ -13,6 +13,7 @@ import typer
 from mlx_lm import stream_generate as plain_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
+from dflash_mlx.bench import counted
 from dflash_mlx.chat import apply_chat_template
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load, load_pair, template_kwargs
@@ -160,10 +161,11 @@ def generate(
                 raise typer.Exit(130)
             return
         typer.echo()
-    stats = f"{len(tokens)} tokens"
+    stats = counted(len(tokens), "token")
     if len(tokens) > 1:  # a rate needs a second token (the first comes with the prompt)
         stats += f", {record['generation_tps']:.1f} tokens/s"
-    stats += f", prompt {record['prompt_tps']:.0f} tokens/s"
+    if last is not None:  # (nothing ran: --max-tokens 0)
+        stats += f", prompt {record['prompt_tps']:.0f} tokens/s"
     if tau is not None:
         stats += f", mean acceptance {tau:.2f} over {len(acc)} cycles ({mix_text(record['mix'])})"
     typer.secho(stats + (" · interrupted" if interrupted else ""), err=True, dim=True)

@@ -230,8 +230,10 @@ def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
         r = run(f"generate -m {root}/target {path} -p w5 --max-tokens 0 --json")
         assert r.exit_code == 0 and json.loads(r.stdout)["tokens"] == []  # as the drafted path does
         assert json.loads(r.stdout)["finish_reason"] == "length"  # as generate() says
+        r = run(f"generate -m {root}/target {path} -p w5 --max-tokens 0")
+        assert r.exit_code == 0 and r.stderr.strip() == "0 tokens"  # (no prompt rate: nothing ran)
     r = run(f"generate -m {root}/target -d {root}/draft -p w5 --max-tokens 1 --no-chat-template")
-    assert r.exit_code == 0 and "1 tokens, prompt" in r.stderr  # no rate from a single token
+    assert r.exit_code == 0 and "1 token, prompt" in r.stderr  # no rate from a single token
 
 
 def test_think_and_no_think_reach_the_chat_template(pair, tmp_path):
