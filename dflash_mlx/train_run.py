@@ -237,7 +237,10 @@ class PreparedRun:
             if asked is not None:
                 raise KeyboardInterrupt  # asked twice: at once, keeping the last checkpoint
             asked = signum
-            note("stopping after this step, with a checkpoint (Ctrl-C again stops at once)")
+            if reached + 1 >= self.cfg.steps:  # (the run ends with this step: it is finished, not stopped)
+                note("this is the last step: the run finishes with it (Ctrl-C again stops at once)")
+            else:
+                note("stopping after this step, with a checkpoint (Ctrl-C again stops at once)")
 
         def step_done(record: dict) -> None:
             nonlocal reached
