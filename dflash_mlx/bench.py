@@ -440,6 +440,8 @@ def run_concurrent(
     return {
         "machine": report()["facts"],
         "max_tokens": max_tokens,
+        "lookup": lookup,
+        "draft_window": draft_window,
         "concurrency": rows,
         "interrupted": interrupted,
     }
@@ -623,13 +625,19 @@ def _table(summaries: list[dict]) -> list[str]:
 
 def markdown_concurrent(results: dict, title: str) -> str:
     m, rows = results["machine"], results["concurrency"]
+    policy = "the adaptive policy" + "".join(
+        [
+            "" if results.get("lookup", True) else " without lookup",
+            f", a draft window of {results['draft_window']}" if results.get("draft_window") else "",
+        ]
+    )
     lines = [
         f"# {title}",
         "",
         f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
         f"BLAS: {m.get('blas preload')}. {counted(rows[0]['prompts'], 'prompt')} submitted together, up to "
         f"{results['max_tokens']} tokens each, temperature 0; mlx-lm's continuous batching (BatchGenerator) "
-        "against our engine with the adaptive policy, the same number of sequences at a time.",
+        f"against our engine with {policy}, the same number of sequences at a time.",
         "",
         "| sequences at a time | mlx-lm tok/s | ours tok/s | ratio | TTFT mlx-lm / ours (s) "
         "| cycles: dflash / lookup / plain | steps all plain | identical |",

@@ -676,6 +676,7 @@ def test_bench_concurrency_races_mlx_lms_continuous_batching_with_the_same_outpu
     assert r.exit_code == 0, r.output
     assert "lookup" in rows[1]["mix"]
     assert "lookup" not in json.loads((tmp_path / "e" / "results.json").read_text())["concurrency"][0]["mix"]
+    assert "our engine with the adaptive policy without lookup" in (tmp_path / "e" / "summary.md").read_text()
     for args in ("--temps 1", "--block-sizes 4", "--temps 0 --block-sizes adaptive"):
         r = run(f"bench -m {root}/target -d {root}/draft --concurrency 2 {args} -o {tmp_path}/d")
         assert r.exit_code == 1 and "--concurrency runs the adaptive policy at temperature 0" in r.stderr
