@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from dflash_mlx.bench import counted
 from dflash_mlx.chat import ChatSession
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
@@ -275,7 +276,7 @@ def command(session, console: Console, line: str) -> str | None:
                 else None
             )
             console.print(
-                f"[dim]{len(turns)} answer{'' if len(turns) == 1 else 's'}, {toks} tokens, mean tau "
+                f"[dim]{counted(len(turns), 'answer')}, {toks} tokens, mean tau "
                 f"{'-' if tau is None else f'{tau:.2f}'}, context {session.context_tokens()}"
                 f"/{session.max_context} tokens, temperature {session.settings.temperature}, "
                 f"{f'block {block}' if (block := session.settings.block_size) else 'adaptive'}, "

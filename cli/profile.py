@@ -42,8 +42,14 @@ def profile(
 ):
     """Time one speculative cycle against its two model passes (random float32 models), or measure a
     pair's cost model (--model)."""
-    shape = {"--hidden": hidden, "--layers": layers, "--vocab": vocab, "--block-size": block_size}
-    given = [flag for flag, value in {**shape, "--cycles": cycles}.items() if value is not None]
+    sizes = {
+        "--hidden": hidden,
+        "--layers": layers,
+        "--vocab": vocab,
+        "--block-size": block_size,
+        "--cycles": cycles,
+    }
+    given = [flag for flag, value in sizes.items() if value is not None]
     with user_errors():
         if given and (model is not None or draft_window is not None):
             one = len(given) == 1
@@ -58,9 +64,8 @@ def profile(
     with user_errors():
         if draft is not None:
             raise UserError("--draft goes with --model (or --draft-window): the random target has no drafter")
-    sizes = [RANDOM[f] if v is None else v for f, v in {**shape, "--cycles": cycles}.items()]
     with user_errors(), stderr().status("timing cycles, verify and draft passes ..."):
-        r = measure(*sizes)
+        r = measure(*(RANDOM[flag] if value is None else value for flag, value in sizes.items()))
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return

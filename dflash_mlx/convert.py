@@ -60,7 +60,7 @@ def export_draft(source: str, dest: str | Path, force: bool = False) -> Path:
     SGLang read, or the one it was published in (a Muse-Glimmer assistant stays one). Not transformers:
     z-lab's checkpoints load there through their own remote code (`auto_map`, dflash.py), which is not
     ours to ship, so `auto_map` is left out rather than pointing at a file that is not there."""
-    layout = drafter_format(read_config(resolve_draft(source)))  # exported in the layout it came in
+    layout = drafter_format(read_config(resolve_draft(source)), source)  # exported in the layout it came in
     draft = load_draft(source, dtype=None)
     if any(".scales" in k for k, _ in tree_flatten(draft.parameters())):
         raise UserError("cannot export a quantized drafter: export the float one it came from")

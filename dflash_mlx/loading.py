@@ -35,7 +35,7 @@ from .errors import NotFound, UserError
 from .files import atomic_folder
 from .gguf import convert_gguf
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
-from .models.formats import FORMATS, drafter_format
+from .models.formats import drafter_format
 from .pairing import prepare
 from .phrases import Phrases
 from .platform import backend, cache_home, warn_if_slow_blas
@@ -319,14 +319,7 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
     dtype = _dtype(dtype)
     path = resolve_draft(name)
     raw = read_config(path)
-    if not is_drafter_config(raw) and (raw.get("architectures") or [None])[0] not in FORMATS:
-        raise UserError(
-            f"{name} is a target (model type {raw['model_type']}), not a DFlash drafter: pass it as the "
-            "target (-m/--model)"
-            if "model_type" in raw
-            else f"{path / 'config.json'} describes no DFlash drafter: give a drafter's folder"
-        )
-    layout = drafter_format(raw)
+    layout = drafter_format(raw, name)
     try:  # (a field of the wrong type fails deep in the config reader or the model's constructor)
         config = layout.read_config(raw)
         model = layout.model_class(config)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UserError
-from .dflash import DFlashConfig, DFlashDraftModel
+from .dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .dflash2 import DFlash2Config, DFlash2DraftModel
 
 
@@ -67,8 +67,16 @@ FORMATS = {
 }
 
 
-def drafter_format(cfg: dict) -> DrafterFormat:
-    """The format of a drafter's config.json (one without `architectures` is a DFlash drafter)."""
+def drafter_format(cfg: dict, source: str) -> DrafterFormat:
+    """The format of the config.json of a drafter (`source`, as the user named it); one without
+    `architectures` is a DFlash drafter."""
+    if not is_drafter_config(cfg) and (cfg.get("architectures") or [None])[0] not in FORMATS:
+        raise UserError(
+            f"{source} is a target (model type {cfg['model_type']}), not a DFlash drafter: pass it as the "
+            "target (-m/--model)"
+            if "model_type" in cfg
+            else f"{source} holds no DFlash drafter (its config.json describes none): give a drafter's folder"
+        )
     architecture = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
     if architecture not in FORMATS and "dflash_config" in cfg:
         return FORMATS["DFlashDraftModel"]  # z-lab's layout under another class name
