@@ -26,6 +26,7 @@ from .errors import UserError
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
 from .pairing import prepare
+from .settings import GenerationSettings
 
 ABSORB_BATCH = 64
 # Prompt tokens a prefill pass takes at most. On a GPU, mlx-lm's default. MLX's CPU backend has no
@@ -60,7 +61,7 @@ class SpeculativeCache:
         `draft_window`: how many of the latest context positions the drafter keeps (None: all)."""
         self.target = target = prepare(model, draft)
         self.draft = draft
-        self.draft_window = draft_window
+        self.draft_window = draft_window = GenerationSettings(draft_window=draft_window).draft_window
         self.target_cache = target.make_cache()
         self._draft_cache = draft.make_cache(draft_window) if draft is not None else None
         self.unabsorbed: list[mx.array] = []  # committed positions' features the drafter has yet to take in
@@ -218,21 +219,27 @@ class SpeculativeCache:
         return other
 
     def truncate(self, n: int) -> bool:
-        """Keep only the first n committed tokens (what chat does before each turn). Recurrent state
-        cannot be trimmed, only put back as it was at the end of the last prefill; the tokens between
-        there and n are then prefilled again by the next call. Returns False (and changes nothing) when n
-        is before that point or before the draft window, or when an interrupted pass left the cache broken:
-        start a new cache then."""
+        """Keep only the first n committed tokens (what chat does before each turn). The n-th is left
+        pending, as an answer leaves its last, so that an empty prompt can go on from it. Recurrent
+        state cannot be trimmed, only put back as it was at the end of the last prefill; the tokens
+        between there and n are then prefilled again by the next call. Returns False (and changes
+        nothing) when n is before that point or before the draft window, or when an interrupted pass
+        left the cache broken: start a new cache then."""
         if self.broken:
             return False
-        if n >= self.processed:
+        goal = max(n - 1, 0)
+        if goal >= self.processed:
             del self.tokens[n:]
             self.index.truncate(n)
             return True
         if all(c.is_trimmable() for c in self.target_cache):
-            back, states = n, [None] * len(self.target_cache)
+            back, states = goal, [None] * len(self.target_cache)
         elif self.snapshot is not None and self.snapshot[0] <= n:
             back, states = self.snapshot
+        elif n == self.processed:  # (no state to go back to: the n-th token stays processed)
+            del self.tokens[n:]
+            self.index.truncate(n)
+            return True
         else:
             return False
         if not all(c.can_trim(self.processed - back) for c in self.draft_cache or []):

@@ -26,8 +26,8 @@ def apply_chat_template(
 ) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template, ready for a reply.
 
-    `messages` is a user message or a list of {"role", "content"} dicts; extra keyword arguments
-    reach the template (e.g. enable_thinking=False for Qwen3). A tokenizer without a chat template
+    `messages` is a user message's text, one {"role", "content"} dict or a list of them; extra keyword
+    arguments reach the template (e.g. enable_thinking=False for Qwen3). A tokenizer without a chat template
     gets the plain text of the messages.
     """
     text = chat_text(
@@ -47,6 +47,8 @@ def chat_text(
     """The conversation as the text `apply_chat_template` tokenizes (see there)."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
+    elif isinstance(messages, dict):  # (one message)
+        messages = [messages]
     if system is not None:
         messages = [{"role": "system", "content": system}, *messages]
     if getattr(tokenizer, "chat_template", None) is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -101,6 +102,15 @@ def template_kwargs(model: str, think: bool | None = None, tokenizer=None) -> di
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
+def _named(name, what: str) -> str:
+    """A model's name as a string (a path object too), or a clear error."""
+    if not isinstance(name, (str, os.PathLike)):
+        raise UserError(
+            f"name the {what} with a string (a registry name, a Hugging Face id or a path), got {name!r}"
+        )
+    return os.fspath(name)
+
+
 def _dtype(dtype) -> mx.Dtype | None:
     """`load`'s dtype: 'auto' (float32 on the CPU, where only float32 goes through BLAS and the others'
     matmuls are many times slower; elsewhere the checkpoint's own), None (the checkpoint's own), a name
@@ -111,6 +121,10 @@ def _dtype(dtype) -> mx.Dtype | None:
         if dtype not in DTYPES:
             raise UserError(f"dtype must be 'auto', None or one of {', '.join(DTYPES)}, got {dtype!r}")
         return DTYPES[dtype]
+    if dtype is not None and not isinstance(dtype, mx.Dtype):
+        raise UserError(
+            f"dtype must be 'auto', None, one of {', '.join(DTYPES)} or an mx.Dtype, got {dtype!r}"
+        )
     return dtype
 
 
@@ -281,6 +295,7 @@ def load(name: str, dtype="auto"):
     """Load a target with mlx-lm -> (model, tokenizer). dtype: 'auto' (float32 on the CPU), None (the
     checkpoint's own), a name ('bfloat16') or an mx.Dtype."""
     warn_if_slow_blas()
+    name = _named(name, "target")
     dtype = _dtype(dtype)
     path = resolve_target(name, dtype)
     config = read_config(path)  # mlx-lm's own error for a broken one names no file
@@ -316,6 +331,7 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
 
     dtype: as `load`'s ('auto': float32 on the CPU, the checkpoint's own dtype elsewhere).
     """
+    name = _named(name, "drafter")
     dtype = _dtype(dtype)
     path = resolve_draft(name)
     raw = read_config(path)
@@ -396,6 +412,9 @@ def draft_for(target: str, draft: str | None = None) -> str:
 
 def load_pair(target: str, draft: str | None = None, dtype="auto"):
     """-> (model, draft, tokenizer), checked to fit each other. Without `draft`, the registry's."""
+    target = _named(target, "target")
+    draft = None if draft is None else _named(draft, "drafter")
+    _dtype(dtype)  # (checked before anything is loaded)
     name = draft_for(target, draft)  # before loading (or downloading) anything
     if draft is None and (local := shipped(name)):
         name = str(local)  # the registry means the drafter shipped here, not a folder of that name here

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .errors import UserError
@@ -32,17 +33,24 @@ MIN_TOP_P = 1e-8
 
 
 def _check_types(settings) -> None:
-    """Each numeric field of a settings dataclass holds a number of its annotated kind (or None where the
-    annotation allows it): a string or None where a number goes is refused by name, not deep inside."""
+    """Each numeric or boolean field of a settings dataclass holds a value of its annotated kind (or None
+    where the annotation allows it): a string or None where a number goes is refused by name, not deep
+    inside. NumPy's numbers and booleans are taken, as the Python ones they stand for."""
     for f in fields(settings):
         value, kind = getattr(settings, f.name), str(f.type).split(" ")[0]
-        if kind not in ("int", "float") or (value is None and "None" in str(f.type)):
+        if kind not in ("int", "float", "bool") or (value is None and "None" in str(f.type)):
+            continue
+        if kind == "bool":
+            if not isinstance(value, (bool, np.bool_)):
+                raise UserError(f"{f.name} must be True or False, got {value!r}")
+            object.__setattr__(settings, f.name, bool(value))
             continue
         number = numbers.Integral if kind == "int" else numbers.Real
-        if not isinstance(value, number) or isinstance(value, bool):
+        if not isinstance(value, number) or isinstance(value, (bool, np.bool_)):
             raise UserError(
                 f"{f.name} must be {'a whole number' if kind == 'int' else 'a number'}, got {value!r}"
             )
+        object.__setattr__(settings, f.name, int(value) if kind == "int" else float(value))
 
 
 @dataclass(frozen=True)
@@ -191,8 +199,8 @@ def guarded(sampler: Callable) -> Callable:
                 f"a sampler must return an integer mx.array of one token id per row of its logits "
                 f"({rows}); it returned {got}"
             )
-        ids = ids.reshape(rows)
-        return mx.where((ids >= 0) & (ids < vocab), ids.astype(mx.int32), -1)
+        ids = ids.reshape(rows).astype(mx.int64)  # (a narrow type cannot be compared with the vocabulary)
+        return mx.where((ids >= 0) & (ids < vocab), ids, -1).astype(mx.int32)
 
     return draw
 

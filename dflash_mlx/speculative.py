@@ -208,7 +208,7 @@ def stream_generate(
     first piece keeps the space that joins them, which mlx-lm's detokenizers drop; an empty prompt
     with a `prompt_cache` goes on from the last answer, and always keeps it.
     `tokenizer=None` works on token ids alone: no text, no EOS. A stop string ends the text where it
-    starts; the tokens of the cycle that hit it stay in `tokens` and in `prompt_cache`. A prompt that
+    starts; `tokens` (and `prompt_cache`'s) end with the token that completes it. A prompt that
     fills the target's context is an error; the answer stops ("length") where the context ends.
     """
     settings = GenerationSettings(
@@ -224,6 +224,14 @@ def stream_generate(
         prefill_step_size=prefill_step_size,
         draft_window=draft_window,
     )
+    if sampler is not None and not callable(sampler):
+        raise UserError(
+            f"sampler must be a function of log-probabilities, e.g. mlx_lm.sample_utils.make_sampler(...), "
+            f"got {sampler!r}"
+        )
+    for name, value in (("compile", compile), ("continues", continues)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise UserError(f"{name} must be True or False, got {value!r}")
     if tokenizer is not None and not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if tokenizer is None and isinstance(prompt, str):
@@ -231,6 +239,14 @@ def stream_generate(
     if not isinstance(model, (nn.Module, Target)) or not (draft is None or isinstance(draft, nn.Module)):
         raise UserError("model and draft must be loaded models (load_pair, load, load_draft), draft or None")
     prompt_ids = encode_prompt(tokenizer, prompt)
+    if prompt_cache is not None and not isinstance(prompt_cache, SpeculativeCache):
+        raise UserError("prompt_cache must be a SpeculativeCache (SpeculativeCache(model, draft))")
+    if prompt_cache is not None and prompt_cache.broken:
+        raise UserError(
+            "this prompt_cache was left half-updated (by an interrupted call, or a stop string it "
+            "could not go back to): make a new "
+            "SpeculativeCache (the prompt then holds the whole conversation again)"
+        )
     if not prompt_ids and (prompt_cache is None or not prompt_cache.pending):
         raise UserError("the prompt is empty: give at least one token")
     target = prepare(model, draft)
@@ -244,8 +260,6 @@ def stream_generate(
         raise UserError(f"stop must be a string or a list of strings, got {stop!r}")
     if block_size is not None and block_size > 1 and draft is None:
         raise UserError("block_size drafts a block: give a drafter (draft), or leave block_size out")
-    if prompt_cache is not None and not isinstance(prompt_cache, SpeculativeCache):
-        raise UserError("prompt_cache must be a SpeculativeCache (SpeculativeCache(model, draft))")
     if prompt_cache is not None and (
         prompt_cache.target.model is not target.model or prompt_cache.draft is not draft
     ):
@@ -253,12 +267,6 @@ def stream_generate(
     if prompt_cache is not None and draft_window not in (None, prompt_cache.draft_window):
         raise UserError(
             f"prompt_cache keeps a draft window of {prompt_cache.draft_window}, not {draft_window}"
-        )
-    if prompt_cache is not None and prompt_cache.broken:
-        raise UserError(
-            "this prompt_cache was left half-updated (by an interrupted call, or a stop string it "
-            "could not go back to): make a new "
-            "SpeculativeCache (the prompt then holds the whole conversation again)"
         )
     kept = len(prompt_cache.tokens) if prompt_cache is not None else 0
     max_tokens = min(max_tokens, context_room(target, kept + len(prompt_ids), kept))
@@ -294,9 +302,10 @@ def stream_generate(
                 if seq.finish is None:
                     engine.launch()
                 response = answer.respond(r.tokens, r.accepted, seq.finish, r.source, r.proposed)
-                if response.finish_reason is not None and seq.finish is None:
-                    # a stop string ended it: the step under way is taken back, and the tokens
-                    # committed after the stop's, so that a kept cache goes on from it
+                if response.stop is not None:
+                    # a stop string ended it (perhaps in the step that also reached max_tokens or an
+                    # EOS): the step under way is taken back, and the tokens committed after the
+                    # stop's, so that a kept cache goes on from it
                     engine.remove(seq)
                     if not cache.truncate(len(cache.tokens) - len(r.tokens) + len(response.tokens)):
                         cache.broken = True  # (it cannot: the next call says to start a new cache)

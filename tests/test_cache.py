@@ -147,8 +147,8 @@ def test_truncate_takes_a_conversation_back(family):
     want = greedy_reference(model, prompt + first[:3] + more, 10)
     second = generate(model, draft, no_eos_tokenizer(want), more, max_tokens=10, prompt_cache=cache).tokens
     assert second == want
-    # Only what follows the point the caches went back to went through the target again.
-    assert cache.last_prefill == (3 if family == "qwen3_5" else 0) + len(more)
+    # Only the last kept token (left pending) and what follows went through the target again.
+    assert cache.last_prefill == (3 if family == "qwen3_5" else 1) + len(more)
     fresh = SpeculativeCache(model, draft)
     fresh.prefill(cache.tokens[: cache.processed])
     assert_same_caches(cache, fresh)
@@ -266,10 +266,16 @@ def test_prompts_prefilled_together_leave_each_cache_as_its_own_prefill_would(fa
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
-def test_after_a_stop_string_a_kept_cache_goes_on_from_the_stops_token(family):
+@pytest.mark.parametrize("step_ends_answer", [False, True])
+@pytest.mark.parametrize("goes_on_with", ["follow_up", "nothing"])
+def test_after_a_stop_string_a_kept_cache_goes_on_from_the_stops_token(
+    family, step_ends_answer, goes_on_with
+):
     """A step can commit tokens after the one that completes a stop string: the answer ends there, and
-    so does the conversation the cache goes on with (its next call as if the answer had ended there)."""
-    model, prompt, follow_up = make_target(family), prompt_of(10, seed=3), prompt_of(4, seed=8)
+    so does the conversation the cache goes on with (its next call as if the answer had ended there),
+    also where that step reached max_tokens too, and also with an empty prompt (going on from it)."""
+    model, prompt = make_target(family), prompt_of(10, seed=3)
+    follow_up = prompt_of(4, seed=8) if goes_on_with == "follow_up" else []
     ref = greedy_reference(model, prompt, 16)
     at = next(i for i in range(3, 7) if ref[i] not in ref[:i])  # a token whose text comes first there
     second_ref = greedy_reference(model, prompt + ref[: at + 1] + follow_up, 8)
@@ -277,7 +283,10 @@ def test_after_a_stop_string_a_kept_cache_goes_on_from_the_stops_token(family):
     draft = OracleDraft(draft_config(block_size=8), prompt + ref, [None])  # every block accepted whole
     cache = SpeculativeCache(model, draft)
     stop = [tok.decode([ref[at]])]
-    first = generate(model, draft, tok, prompt, max_tokens=16, prompt_cache=cache, block_size=8, stop=stop)
+    max_tokens = at + 2 if step_ends_answer else 16  # (the first step's tokens are ref[1:9])
+    first = generate(
+        model, draft, tok, prompt, max_tokens=max_tokens, prompt_cache=cache, block_size=8, stop=stop
+    )
     assert first.finish_reason == "stop" and first.tokens == ref[: at + 1]
     assert first.acceptance_lengths[0] == 8  # the step went past the stop
     assert cache.tokens == prompt + ref[: at + 1]

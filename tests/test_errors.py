@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tiny import _COMMON, make_draft, make_target, make_tokenizer, prompt_of
 
-from dflash_mlx import UserError, generate, stream_generate
+from dflash_mlx import SpeculativeCache, UserError, generate, stream_generate
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,6 @@ def test_a_mask_token_outside_the_vocabulary_is_refused(model):
 
 
 def test_a_string_prompt_without_a_tokenizer_and_a_cache_of_another_pair_are_refused(model):
-    from dflash_mlx import SpeculativeCache
-
     with pytest.raises(UserError, match="a string prompt needs a tokenizer"):
         generate(model, make_draft(), None, "w5 w6", max_tokens=4)
     other = SpeculativeCache(model, make_draft())
@@ -110,11 +108,54 @@ def test_arguments_of_the_wrong_shape_or_kind_are_refused_by_name(model):
         generate(model, draft, tok, [5, 6], prompt_cache=[])
     with pytest.raises(TypeError, match="^generate\\(\\) got an unexpected keyword argument 'max_token'"):
         generate(model, draft, tok, [5, 6], max_token=5)
+    with pytest.raises(UserError, match="sampler must be a function of log-probabilities"):
+        generate(model, draft, tok, [5, 6], sampler=5)
+    for name in ("lookup", "compile", "continues"):
+        with pytest.raises(UserError, match=f"{name} must be True or False, got 'no'"):
+            generate(model, draft, tok, [5, 6], **{name: "no"})
+    for window in (2.5, "x", 0):
+        with pytest.raises(UserError, match="draft_window must be"):
+            SpeculativeCache(model, draft, draft_window=window)
+
+
+def test_numpy_numbers_are_taken_as_the_numbers_they_are(model):
+    """A seed, top_k or block size from NumPy (a common source of them) gives what the Python number does."""
+    draft, tok = make_draft(), make_tokenizer()
+    python = dict(max_tokens=6, temperature=1.0, top_k=5, seed=2**63 + 5, lookup=False)
+    numpy = dict(
+        max_tokens=np.int64(6),
+        temperature=np.float32(1.0),
+        top_k=np.int64(5),
+        seed=np.uint64(2**63 + 5),
+        lookup=np.bool_(False),
+    )
+    want = generate(model, draft, tok, [5, 6], **python).tokens
+    assert generate(model, draft, tok, [5, 6], **numpy).tokens == want
+    fixed = generate(model, draft, tok, [5, 6], max_tokens=6, block_size=np.int32(4))
+    assert fixed.tokens == generate(model, draft, tok, [5, 6], max_tokens=6, block_size=4).tokens
+
+
+def test_a_samplers_narrow_integer_ids_are_read_as_ids():
+    """Ids in a type too narrow for the vocabulary's size are compared as ids, not in their own type."""
+    from dflash_mlx.sampling import guarded
+
+    draw = guarded(lambda logprobs: mx.argmax(logprobs, axis=-1).astype(mx.uint8))
+    logprobs = mx.where(mx.arange(300) == 7, 0.0, -10.0)[None]
+    assert draw(logprobs).tolist() == [7]
+
+
+def test_models_named_by_something_else_than_a_string_and_bad_dtypes_are_refused_before_loading():
+    from dflash_mlx import load, load_draft, load_pair
+
+    for call in (lambda: load(None), lambda: load_draft(5), lambda: load_pair(None)):
+        with pytest.raises(UserError, match="with a string \\(a registry name"):
+            call()
+    with pytest.raises(UserError, match="dtype must be 'auto', None, one of"):
+        load_pair("smollm2-135m-instruct", dtype=5)
 
 
 def test_a_sampler_failing_at_the_first_token_leaves_the_cache_refused(model):
     """Its prompt went in and its answer did not: going on with it would hold the prompt twice."""
-    from dflash_mlx import SpeculativeCache
 
     draft, tok = make_draft(), make_tokenizer()
     cache = SpeculativeCache(model, draft)
@@ -124,8 +165,9 @@ def test_a_sampler_failing_at_the_first_token_leaves_the_cache_refused(model):
 
     with pytest.raises(RuntimeError, match="a sampler bug"):
         generate(model, draft, tok, prompt_of(6), sampler=failing, prompt_cache=cache)
-    with pytest.raises(UserError, match="left half-updated"):
-        generate(model, draft, tok, prompt_of(6), prompt_cache=cache)
+    for prompt in (prompt_of(6), []):  # (an empty prompt too: it is the cache that is wrong)
+        with pytest.raises(UserError, match="left half-updated"):
+            generate(model, draft, tok, prompt, prompt_cache=cache)
 
 
 @pytest.mark.parametrize("first_bad", [0, 5])
@@ -133,7 +175,6 @@ def test_a_sampler_failing_at_the_first_token_leaves_the_cache_refused(model):
 def test_a_sampler_drawing_outside_the_vocabulary_is_refused_not_read(model, first_bad, bad):
     """An id past the embedding table would be read from whatever memory lies there (or crash the
     process) by a pass that starts before the host sees it: it is refused, and the cache with it."""
-    from dflash_mlx import SpeculativeCache
 
     draft, tok = make_draft(), make_tokenizer()
     cache, calls = SpeculativeCache(model, draft), []
