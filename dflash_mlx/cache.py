@@ -219,27 +219,21 @@ class SpeculativeCache:
         return other
 
     def truncate(self, n: int) -> bool:
-        """Keep only the first n committed tokens (what chat does before each turn). The n-th is left
-        pending, as an answer leaves its last, so that an empty prompt can go on from it. Recurrent
-        state cannot be trimmed, only put back as it was at the end of the last prefill; the tokens
-        between there and n are then prefilled again by the next call. Returns False (and changes
-        nothing) when n is before that point or before the draft window, or when an interrupted pass
-        left the cache broken: start a new cache then."""
+        """Keep only the first n committed tokens (what chat does before each turn). Recurrent state
+        cannot be trimmed, only put back as it was at the end of the last prefill; the tokens between
+        there and n are then prefilled again by the next call. Returns False (and changes nothing) when n
+        is before that point or before the draft window, or when an interrupted pass left the cache broken:
+        start a new cache then."""
         if self.broken:
             return False
-        goal = max(n - 1, 0)
-        if goal >= self.processed:
+        if n >= self.processed:
             del self.tokens[n:]
             self.index.truncate(n)
             return True
         if all(c.is_trimmable() for c in self.target_cache):
-            back, states = goal, [None] * len(self.target_cache)
+            back, states = n, [None] * len(self.target_cache)
         elif self.snapshot is not None and self.snapshot[0] <= n:
             back, states = self.snapshot
-        elif n == self.processed:  # (no state to go back to: the n-th token stays processed)
-            del self.tokens[n:]
-            self.index.truncate(n)
-            return True
         else:
             return False
         if not all(c.can_trim(self.processed - back) for c in self.draft_cache or []):

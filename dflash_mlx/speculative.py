@@ -307,7 +307,13 @@ def stream_generate(
                     # EOS): the step under way is taken back, and the tokens committed after the
                     # stop's, so that a kept cache goes on from it
                     engine.remove(seq)
-                    if not cache.truncate(len(cache.tokens) - len(r.tokens) + len(response.tokens)):
+                    # (the stop's token is left pending, as an answer leaves its last, so that an
+                    # empty prompt can go on from it)
+                    end = len(cache.tokens) - len(r.tokens) + len(response.tokens)
+                    last = cache.tokens[end - 1]
+                    if cache.truncate(end - 1):
+                        cache.add([last])
+                    else:
                         cache.broken = True  # (it cannot: the next call says to start a new cache)
             yield response
             if response.finish_reason is not None:
