@@ -2,7 +2,7 @@
 
 The run folder holds train.py's `checkpoint/` and `log.jsonl`, one record per step and each step once:
 a resumed run goes on from its checkpoint with the recipe and architecture it started with (options
-given again that differ are named in a note, not used), and steps a crashed process logged after its
+given again that differ are refused, not ignored), and steps a crashed process logged after its
 last checkpoint are done again. While it trains, SIGINT or SIGTERM asks for a stop after the step
 under way, with a checkpoint; a second one stops at once.
 
@@ -59,10 +59,11 @@ def flag(key: str) -> str:
     return "--layers" if key == "num_layers" else "--" + key.replace("_", "-")
 
 
-def resume_notes(run: dict, given: dict) -> list[str]:
-    """A resumed run keeps its recipe and architecture, so that its curve continues: one note for each
-    option given on the new command (TrainConfig names; None: not given) that differs from the run's."""
-    notes = []
+def check_resume(out: Path, run: dict, given: dict, init: str | None) -> None:
+    """A resumed run keeps its recipe and architecture, so that its curve continues: an option given on
+    the new command (TrainConfig names; None: not given) that differs from the run's is refused, as is
+    --init, rather than ignored."""
+    differ = []
     for key, mine in given.items():
         if mine is None:
             continue
@@ -72,13 +73,31 @@ def resume_notes(run: dict, given: dict) -> list[str]:
             else run["train_config"].get(key, getattr(TrainConfig, key, None))
         )
         if mine != theirs:
-            why = (
-                "a run's architecture is fixed"
-                if key in ARCHITECTURE
-                else "to change it, export the run and start a new one from it with --init"
-            )
-            notes.append(f"{flag(key)} {mine} is not used: the run keeps its {theirs} ({why})")
-    return notes
+            differ.append(f"{flag(key)} {mine} (the run's: {theirs})")
+    if init:
+        differ.append("--init (the run goes on from its own checkpoint)")
+    if differ:
+        raise UserError(
+            f"{out} is a run at step {run['step']}, which keeps its recipe and architecture: "
+            f"{'; '.join(differ)}. Leave them out to resume it, or give --out a new folder (to start from "
+            "this run, export it and pass it to --init)"
+        )
+
+
+RUN_FILES = ("checkpoint", "log.jsonl")  # what a run folder holds (and hidden files of a checkpoint swap)
+
+
+def check_run_folder(out: Path) -> None:
+    """--out is a run folder, or new or empty: a data or model folder given by mistake is refused before
+    a run is written into it."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file: give --out a folder for the run")
+    others = sorted(p.name for p in out.glob("*") if p.name not in RUN_FILES and not p.name.startswith("."))
+    if others:
+        raise UserError(
+            f"{out} holds other files than a training run's ({', '.join(others[:3])}): give --out a new "
+            "or empty folder"
+        )
 
 
 def trim_log(path: Path, step: int) -> None:
@@ -315,6 +334,8 @@ def prepare_run(
     from. `eval_prompts`: held-out ShareGPT prompts for the real acceptance length. `note(text)` gets
     what the user should know before training starts.
     """
+    out = Path(out).expanduser()
+    check_run_folder(out)
     if export_to:
         check_export_folder(export_to, out)  # before hours of training, not after
     if eval_prompts < 0:
@@ -330,7 +351,6 @@ def prepare_run(
             raise UserError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")
         seqs += found
         folders.append((folder, found))
-    out = Path(out).expanduser()
     run = saved_run(out)
     control = {
         "steps": steps,
@@ -344,9 +364,8 @@ def prepare_run(
             k: v if v is not None else run["train_config"].get(k, getattr(TrainConfig, k))
             for k, v in control.items()
         }
-        notes = [f"resuming {out} at step {run['step']} of {control['steps']}"] + resume_notes(run, recipe)
-        if init:
-            notes.append("--init is not used: the run goes on from its own checkpoint")
+        check_resume(out, run, recipe, init)
+        notes = [f"resuming {out} at step {run['step']} of {control['steps']}"]
         # Before loading the target (train() checks again, for callers from Python).
         check_same_data(run, data_fingerprint(usable_sequences(seqs, TrainConfig(**run["train_config"]))))
         if run["step"] >= control["steps"]:

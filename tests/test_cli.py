@@ -885,6 +885,17 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert r.exit_code == 1 and "none holds no training sequences" in r.stderr
     r = run(f"train run --data {tmp_path}/data --data {tmp_path}/typo -o {tmp_path}/run -m {root}/target")
     assert r.exit_code == 1 and f"no folder {tmp_path}/typo" in r.stderr
+    # --out given the data folder, a model folder or a file: refused before anything is written there
+    (tmp_path / "a-file").write_text("notes")
+    for out, line in (
+        (f"{tmp_path}/data", "holds other files than a training run's (shard-00000.npz"),
+        (f"{root}/target", "holds other files than a training run's (config.json"),
+        (f"{tmp_path}/a-file", "a-file is a file: give --out a folder for the run"),
+    ):
+        before = sorted(p.name for p in Path(out).parent.rglob("*"))
+        r = run(f"train run --data {tmp_path}/data -o {out} -m {root}/target --steps 1 --eval-prompts 0")
+        assert r.exit_code == 1 and line in r.stderr, r.output
+        assert sorted(p.name for p in Path(out).parent.rglob("*")) == before
     # The README's three steps end to end: data (above), a short run exported, its tau measured.
     data = f"--data {tmp_path}/data " * 5  # 20 sequences: 16 held out, 4 to train on
     for flags, line in (
@@ -945,17 +956,19 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert "tau check failed" not in r.output and "tau" in json.loads(
         (tmp_path / "short-run" / "log.jsonl").read_text().splitlines()[-1]
     )
-    # Resuming keeps the run's recipe and says which given option it overrides; options not given are
-    # the run's own (its --lr and --steps too), and --steps / --eval-every on the new command apply.
+    # Resuming keeps the run's recipe and refuses a given option that differs from it (and --init)
+    # rather than ignore it; options not given are the run's own (its --lr and --steps too), and
+    # --steps / --eval-every on the new command apply.
     first = f"train run {data} -o {tmp_path}/resumed -m {root}/target --eval-prompts 0"
     r = run(f"{first} --layers 1 --block-size 4 --mask-token-id 94 --lr 1e-3 --warmup 2 --steps 3")
     assert r.exit_code == 0, r.output
-    r = run(f"{first} --steps 5 --eval-every 1 --lr 0.01 --layers 2 --init {tmp_path}/exported")
+    r = run(f"{first} --steps 5 --lr 0.01 --layers 2 --vocab bogus --warmup 2 --init {tmp_path}/exported")
+    assert r.exit_code == 1 and "keeps its recipe and architecture: --lr 0.01 (the run's: 0.001)" in r.stderr
+    assert "--vocab bogus (the run's: full); --layers 2 (the run's: 1); --init (the run goes on" in r.stderr
+    assert "--warmup" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = run(f"{first} --steps 5 --eval-every 1 --warmup 2 --block-size 4")
     assert r.exit_code == 0, r.output
     assert f"resuming {tmp_path / 'resumed'} at step 3 of 5" in r.stderr
-    assert "--lr 0.01 is not used: the run keeps its 0.001" in r.stderr
-    assert "--layers 2 is not used: the run keeps its 1 (a run's architecture is fixed)" in r.stderr
-    assert "--init is not used" in r.stderr and "--warmup" not in r.stderr and "--block-size" not in r.stderr
     log = [json.loads(line) for line in (tmp_path / "resumed" / "log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log] == [1, 2, 3, 4, 5] and all("offline_tau" in x for x in log[3:])
     from dflash_mlx.train import TrainConfig, schedule
