@@ -218,7 +218,10 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
         console.print(f"\n[yellow]{e}[/yellow]")
         return
     except KeyboardInterrupt:
-        pieces.close()  # if it came between two cycles, the answer so far is kept as after one Ctrl-C
+        try:
+            pieces.close()  # if it came between two cycles, the answer so far is kept as after one Ctrl-C
+        except KeyboardInterrupt:  # (another, while it cleaned up: what it kept stays kept)
+            pass
         stop = True
         if len(session.messages) == messages:
             console.print(

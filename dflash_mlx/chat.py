@@ -146,8 +146,11 @@ class ChatSession:
         conversation again)."""
         self.messages.append({"role": "user", "content": text})
         answer, accepted, tokens, drafted, last, mix = [], [], 0, 0, None, Counter()
+        recorded = False
 
         def record(stopped: bool) -> None:
+            nonlocal recorded
+            recorded = True
             self.messages.append({"role": "assistant", "content": "".join(answer)})
             self.turns.append(
                 {
@@ -174,30 +177,37 @@ class ChatSession:
             keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
             if not self.cache.truncate(keep):
                 self.cache, keep = self.new_cache(), 0
-            for last in stream_generate(
+            stream = stream_generate(
                 self.target,
                 self.draft,
                 self.tokenizer,
                 ids[keep:],
                 prompt_cache=self.cache,
                 **asdict(self.settings),
-            ):
-                answer.append(last.text)
-                tokens += len(last.tokens)
-                if last.accepted is not None:
-                    accepted.append(last.accepted)
-                    drafted += min(last.accepted - 1, len(last.tokens))  # a cut at EOS/max drops drafted ones
-                    mix[last.source] += 1
-                try:
-                    yield last
-                except GeneratorExit:  # the caller stopped reading, between two cycles: a clean stop
-                    record(stopped=True)
-                    raise
-                if should_stop():
-                    record(stopped=True)
-                    return
-        except (Exception, KeyboardInterrupt):  # no answer: the message goes, and so does a cache
-            self.messages.pop()  # that an interrupted pass left half-updated
+            )
+            try:
+                for last in stream:
+                    answer.append(last.text)
+                    tokens += len(last.tokens)
+                    if last.accepted is not None:
+                        accepted.append(last.accepted)
+                        drafted += min(last.accepted - 1, len(last.tokens))  # a cut at EOS/max drops drafted
+                        mix[last.source] += 1
+                    try:
+                        yield last
+                    except GeneratorExit:  # the caller stopped reading, between two cycles: a clean stop
+                        record(stopped=True)
+                        raise
+                    if should_stop():
+                        record(stopped=True)
+                        return
+            finally:
+                # Its clean-up (the step under way taken back, what the policy learnt saved) runs now, not
+                # whenever it is collected, so that a Ctrl-C during it reaches the caller.
+                stream.close()
+        except (Exception, KeyboardInterrupt):  # no answer (unless it stopped cleanly first): the message
+            if not recorded:  # goes, and so does a cache that an interrupted pass left half-updated
+                self.messages.pop()
             if self.cache.broken:
                 self.cache = self.new_cache()
             raise

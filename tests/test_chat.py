@@ -265,3 +265,33 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
+
+
+def test_a_second_ctrl_c_while_a_stopped_answer_cleans_up_reaches_the_chat_and_keeps_the_answer(
+    smollm2, monkeypatch
+):
+    """After a clean stop the answer's stream cleans up (what the policy learnt is saved): a Ctrl-C then
+    comes out of `reply` at once (it was left to the garbage collector, which printed a traceback), the
+    partial answer stays, and the next turn answers as a fresh run."""
+    import dflash_mlx.engine as engine
+
+    model, tokenizer, _ = smollm2
+    draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
+    session = ChatSession(model, draft, tokenizer, max_tokens=12)
+    keep_learnt = engine.keep_learnt
+
+    def interrupted(policy):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "keep_learnt", interrupted)
+    texts = []
+    pieces = session.reply("Write a long poem about the sea.", should_stop=lambda: len(texts) == 3)
+    with pytest.raises(KeyboardInterrupt):
+        for piece in pieces:
+            texts.append(piece.text)
+    monkeypatch.setattr(engine, "keep_learnt", keep_learnt)
+    assert session.messages[-1] == {"role": "assistant", "content": "".join(texts)}
+    assert session.turns[-1]["interrupted"] and not session.cache.broken
+    second = "".join(p.text for p in session.reply("Thanks."))
+    full = apply_chat_template(tokenizer, session.messages[:-1])
+    assert second == generate(model, draft, tokenizer, full, max_tokens=12).text
