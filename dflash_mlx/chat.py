@@ -169,9 +169,13 @@ class ChatSession:
         try:
             ids = apply_chat_template(self.tokenizer, self.conversation(), **self.template_kwargs)
             if len(ids) + self.settings.max_tokens > self.max_context:
-                raise ContextFull(
-                    len(ids), self.max_context, self.settings.max_tokens, fresh=len(self.messages) == 1
-                )
+                alone = None
+                if len(self.messages) > 1:  # (would /reset make room for it?)
+                    first = ([{"role": "system", "content": self.system}] if self.system else []) + [
+                        self.messages[-1]
+                    ]
+                    alone = len(apply_chat_template(self.tokenizer, first, **self.template_kwargs))
+                raise ContextFull(len(ids), self.max_context, self.settings.max_tokens, alone)
             # At least one token goes in: after a message dropped between two cycles, the cache can hold the
             # whole of `ids` (the message and a partial answer), and an empty prompt would be refused.
             keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
@@ -222,13 +226,15 @@ class ChatSession:
 
 
 class ContextFull(UserError):
-    def __init__(self, used: int, limit: int, room: int, fresh: bool = False):
-        what = "this message" if fresh else "the conversation"
+    def __init__(self, used: int, limit: int, room: int, alone: int | None = None):
+        """`alone`: the tokens the message would take in a new conversation (None: it is the first)."""
+        what = "this message" if alone is None else "the conversation"
+        own = used if alone is None else alone
         fix = (
             "/reset to start a new conversation"
-            if not fresh
+            if own + room <= limit
             else "a shorter message"
-            if used >= limit
+            if own >= limit
             else "a shorter message or a lower --max-tokens"
         )
         super().__init__(

@@ -52,6 +52,11 @@ def test_a_full_context_is_refused_politely(smollm2, capfd, caplog):
     with pytest.raises(ContextFull, match="/reset"):
         list(session.reply("word " * 20))
     assert session.messages == kept
+    # where the message would not fit a new conversation either, /reset is not what to do
+    with pytest.raises(ContextFull) as e:
+        list(session.reply("word " * 40))
+    assert str(e.value).startswith("the conversation needs") and str(e.value).endswith("lower --max-tokens")
+    assert session.messages == kept
     session.reset()
     assert session.messages == session.turns == []  # /stats starts again with the conversation
     with pytest.raises(UserError, match="max tokens must be between 1 and 79"):
