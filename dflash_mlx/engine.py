@@ -159,12 +159,13 @@ class Sequence:
         if self.keyed:
             scaled, seed = self.settings.scaled(logits), self.settings.seed
             depths = range(scaled.shape[0]) if depths is None else depths
-            return mx.concatenate(
-                [
-                    mx.random.categorical(scaled[j : j + 1], key=_position_key(seed, position + d))
-                    for j, d in enumerate(depths)
-                ]
+            noise = mx.stack(
+                [mx.random.gumbel(scaled.shape[-1:], key=_position_key(seed, position + d)) for d in depths]
             )
+            # The Gumbel-max draw (exact) moves only where two tokens' perturbed logits tie within the
+            # logits' float noise, so a batched pass's noise (about 1e-5) leaves it as alone.
+            # mx.random.categorical's draw with the same key moved at about 1 position in 70 under it.
+            return mx.argmax(scaled + noise, axis=-1)
         if self.sampler is not None and logits.shape[0] > 1:  # (a sampler may draw once per call)
             return mx.concatenate([self.pick(logits[j : j + 1]) for j in range(logits.shape[0])])
         return self.pick(logits)

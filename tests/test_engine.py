@@ -1,6 +1,8 @@
 """The engine: many sequences in one step, each getting exactly what it gets alone, whatever its
 neighbours choose, whenever they join, end or are stopped."""
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from test_cache import assert_same_caches
 from test_policy import SCRIPT, OracleIndex, ScriptedPolicy
@@ -237,3 +239,22 @@ def test_a_batch_that_drafts_together_stays_lossless(monkeypatch):
     out = drive(Engine(target, draft), {0: list(zip(seqs, prompts))})
     for seq, prompt in zip(seqs, prompts):
         assert out[seq] == greedy_reference(model, prompt, 40)
+
+
+def test_a_seeded_draw_does_not_move_with_the_float_noise_of_a_batched_pass():
+    """A seeded answer is the same whatever runs beside it: a pass over a batch computes the logits with
+    other rounding (about 1e-5 apart), which must not change a keyed draw except at a true tie. A wide,
+    flat-tailed vocabulary is where mx.random.categorical's keyed draw moved (6 of 400 positions here)."""
+    rng = np.random.default_rng(0)
+    vocab = 49152
+    seq = Sequence(
+        SpeculativeCache(make_target("llama"), None),
+        GenerationSettings(temperature=1.0, seed=7, max_tokens=8),
+        8,
+        keyed=True,
+    )
+    logits = (rng.standard_normal((400, vocab)) * 3).astype(np.float32)
+    noisy = logits + rng.normal(0, 1e-5, logits.shape).astype(np.float32)
+    alone = seq.pick_at(mx.array(logits), 100).tolist()
+    assert seq.pick_at(mx.array(noisy), 100).tolist() == alone
+    assert len(set(alone)) > 300  # (draws, not the most likely token every time)
