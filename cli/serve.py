@@ -128,4 +128,13 @@ def serve(
     # A second Ctrl-C skips the app's shutdown: the worker is still stopped before the process ends, as
     # MLX aborts a process that ends with model work running.
     atexit.register(app.state.scheduler.stop)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    scheduler = app.state.scheduler
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # Ctrl-C: the requests still queued end now (uvicorn would hold them for its grace period,
+            # then cut their connections); the active ones go on within it.
+            scheduler.close_queue()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)).run()

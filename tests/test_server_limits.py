@@ -10,6 +10,7 @@ import http.client
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -755,3 +756,73 @@ def test_an_answer_waits_for_a_slow_reader_and_gives_up_its_slot_to_others_when_
     assert metrics.cancelled._value.get() == 1
     assert after.text() == slow.text() == whole
     assert slow.most_behind in (MAX_BACKLOG, MAX_BACKLOG + 1)  # behind, and never run ahead of
+
+
+def test_at_shutdown_the_queued_requests_end_at_once_with_a_503_and_new_ones_get_one(tiny, monkeypatch):  # noqa: F811
+    """What `serve` does at Ctrl-C (`close_queue`): uvicorn held queued requests for its grace period and
+    then cut their connections; they now end at once in their API's error shape, the active one goes on."""
+
+    class Slow(scheduler_module.Engine):
+        def collect(self):
+            time.sleep(0.05)
+            return super().collect()
+
+    monkeypatch.setattr(scheduler_module, "Engine", Slow)
+    app = create_app(*tiny, config(max_active=1, max_waiting=4))
+    messages = [{"role": "user", "content": words(111)}]
+    with serving(app) as url, ThreadPoolExecutor(2) as pool:
+        body = {"model": "tiny", "messages": messages, "max_tokens": 8}
+        anthropic_body = dict(body, stream=True)
+        long = dict(body, max_tokens=300, stream=True)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=long, timeout=60) as active:
+            lines = active.iter_lines()
+            next(lines)  # (it has started)
+            queued = [
+                pool.submit(httpx.post, f"{url}/v1/chat/completions", json=body, timeout=60),
+                pool.submit(lambda: httpx.post(f"{url}/v1/messages", json=anthropic_body, timeout=60).text),
+            ]
+            deadline = time.monotonic() + 60
+            while len(app.state.scheduler.waiting) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            app.state.scheduler.close_queue()
+            openai_reply, anthropic_events = queued[0].result(), queued[1].result()
+            late = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            assert any('"finish_reason": null' in line for line in lines)  # the active one goes on
+    for reply in (openai_reply, late):
+        assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
+        assert "shutting down" in reply.json()["error"]["message"]
+    assert 'event: error\ndata: {"type": "error", "error": {"type": "api_error"' in anthropic_events
+    assert "shutting down" in anthropic_events
+
+
+def test_queued_requests_whose_clients_leave_are_counted_and_leave_the_queue_at_once(tiny, monkeypatch):  # noqa: F811
+    """While another request answers, the queue's length drops as its clients leave, and they count as
+    cancelled (the gauge stayed up until the next request came, and only active ones were counted)."""
+
+    class Slow(scheduler_module.Engine):
+        def collect(self):
+            time.sleep(0.05)
+            return super().collect()
+
+    monkeypatch.setattr(scheduler_module, "Engine", Slow)
+    app = create_app(*tiny, config(max_active=1, max_waiting=4))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": words(111)}], "stream": True}
+    with serving(app) as url:
+        path = f"{url}/v1/chat/completions"
+        with httpx.stream("POST", path, json=dict(body, max_tokens=300), timeout=60) as active:
+            lines = active.iter_lines()
+            next(lines)  # (it has started)
+            before = metric(url, "dflash_mlx_cancelled_requests_total")
+            for _ in range(2):
+                with httpx.stream("POST", path, json=dict(body, max_tokens=8), timeout=60):
+                    deadline = time.monotonic() + 60
+                    while metric(url, "dflash_mlx_queue_length") != 1:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.02)
+            deadline = time.monotonic() + 60
+            while metric(url, "dflash_mlx_queue_length") != 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert metric(url, "dflash_mlx_cancelled_requests_total") == before + 2
+            assert any('"finish_reason": null' in line for line in lines)  # (still answering)

@@ -458,6 +458,8 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
 
 
 def _stream_error(path: str, e: Exception) -> dict:
+    if isinstance(e, ApiError):
+        return error_body(path, e.status, e.message, e.param, e.code)
     if isinstance(e, UserError):
         return error_body(path, 400, str(e))
     log.error("generation failed on %s", path, exc_info=e)

@@ -21,6 +21,7 @@ _ANTHROPIC_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
+    503: "api_error",
 }
 
 

@@ -47,7 +47,7 @@ class Metrics:
         )
         self.cancelled = Counter(
             "dflash_mlx_cancelled_requests",
-            "Requests stopped because their client went away (or stopped reading)",
+            "Requests stopped because their client went away (or stopped reading), waiting or answering",
             registry=r,
         )
         self.cache_lookups = Counter(

@@ -39,6 +39,7 @@ from ..errors import UserError
 from ..pairing import context_room
 from ..settings import GenerationSettings
 from ..speculative import Answer, GenerationResponse
+from .errors import ApiError
 from .metrics import Metrics
 from .pool import PromptCachePool
 
@@ -58,6 +59,9 @@ SHORT, RETRY_SHORT = 256, 16
 
 class Busy(Exception):
     """Every slot is taken and the queue is full."""
+
+
+SHUTTING_DOWN = "the server is shutting down: send the request again once it is back"
 
 
 @dataclass
@@ -125,6 +129,7 @@ class Scheduler:
         self.launched = 0.0  # when the step under way was launched
         self.returning: list[_Job] = []  # ended while their step was under way: their caches come back
         self.stopping = False
+        self.closing = False  # the server is shutting down: nothing more joins the queue
         self.lock = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="dflash-mlx-generation", daemon=True)
 
@@ -139,17 +144,36 @@ class Scheduler:
         if self.thread.is_alive():
             self.thread.join()
 
+    def close_queue(self) -> None:
+        """The server is shutting down: requests waiting for their turn end now with a 503 (the active
+        ones go on while the server lets them), not when its grace period has run out; new ones get it
+        too."""
+        with self.lock:
+            self.closing = True
+            while self.waiting:
+                self.waiting.popleft().emit(Finished(ApiError(503, SHUTTING_DOWN)))
+                self.admitted -= 1
+            self.metrics.waiting.set(0)
+
     def admit(self) -> None:
         """Take a place for a request about to be made (before its prompt is): Busy when there is none.
         `submit` or `withdraw` follows."""
         with self.lock:
-            for gone in [r for r in self.waiting if r.cancelled.is_set()]:  # their clients left
-                self.waiting.remove(gone)
-                self.admitted -= 1
-                gone.emit(Finished())
+            if self.closing:
+                raise ApiError(503, SHUTTING_DOWN)
+            self._let_go_of_the_gone()
             if self.admitted >= self.max_active + self.max_waiting:
                 raise Busy
             self.admitted += 1
+
+    def _let_go_of_the_gone(self) -> None:
+        """Requests waiting whose clients left give their places back (with the lock held)."""
+        for gone in [r for r in self.waiting if r.cancelled.is_set()]:
+            self.waiting.remove(gone)
+            self.admitted -= 1
+            self.metrics.cancelled.inc()
+            gone.emit(Finished())
+        self.metrics.waiting.set(len(self.waiting))
 
     def withdraw(self) -> None:
         """Give back the place of an admitted request that will not be submitted."""
@@ -158,6 +182,10 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         """Queue an admitted request."""
         with self.lock:
+            if self.closing:  # (admitted just before the queue closed)
+                self.admitted -= 1
+                request.emit(Finished(ApiError(503, SHUTTING_DOWN)))
+                return
             self.waiting.append(request)
             self.metrics.waiting.set(len(self.waiting))
             self.lock.notify()
@@ -169,6 +197,7 @@ class Scheduler:
                     self.lock.wait()
                 if self.stopping:
                     break
+                self._let_go_of_the_gone()  # (each turn: the queue's length is right while others answer)
                 joining = []
                 while self.waiting and len(self.active) + len(joining) < self.max_active:
                     joining.append(self.waiting.popleft())
@@ -277,6 +306,7 @@ class Scheduler:
 
     def _start(self, request: Request, level: float) -> None:
         if request.cancelled.is_set():
+            self.metrics.cancelled.inc()
             self._release()
             request.emit(Finished())
             return
