@@ -137,4 +137,12 @@ def serve(
             scheduler.close_queue()
             super().handle_exit(sig, frame)
 
-    Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)).run()
+    server = Server(
+        uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    )
+    try:  # (as uvicorn.run: the Ctrl-C it stopped on comes back once it has shut down)
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        raise UserError("the server did not start (its log above says why)")
