@@ -33,6 +33,8 @@ from .options import (
     warm,
 )
 
+GRACE = 5  # seconds uvicorn gives open requests at Ctrl-C
+
 
 def _check_port(host: str, port: int) -> None:
     if not 1 <= port <= 65535:
@@ -132,13 +134,13 @@ def serve(
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            # Ctrl-C: the requests still queued end now (uvicorn would hold them for its grace period,
-            # then cut their connections); the active ones go on within it.
-            scheduler.close_queue()
+            # Ctrl-C: the requests still queued end now, the answers under way a second before uvicorn's
+            # grace period is over (it would hold them all to its end, then cut their connections).
+            scheduler.close_queue(grace=GRACE - 1)
             super().handle_exit(sig, frame)
 
     server = Server(
-        uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE)
     )
     try:  # (as uvicorn.run: the Ctrl-C it stopped on comes back once it has shut down)
         server.run()

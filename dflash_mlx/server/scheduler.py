@@ -144,10 +144,13 @@ class Scheduler:
         if self.thread.is_alive():
             self.thread.join()
 
-    def close_queue(self) -> None:
-        """The server is shutting down: requests waiting for their turn end now with a 503 (the active
-        ones go on while the server lets them), not when its grace period has run out; new ones get it
-        too."""
+    def close_queue(self, grace: float) -> None:
+        """The server is shutting down: requests waiting for their turn end now with a 503, not when its
+        grace period has run out, and new ones get it too; the answers under way end within `grace`
+        seconds, as at max_tokens (their connections would be cut)."""
+        end = time.monotonic() + grace
+        for job in list(self.active):
+            job.request.deadline = min(job.request.deadline or end, end)
         with self.lock:
             self.closing = True
             while self.waiting:
