@@ -129,7 +129,7 @@ class Scheduler:
         self.launched = 0.0  # when the step under way was launched
         self.returning: list[_Job] = []  # ended while their step was under way: their caches come back
         self.stopping = False
-        self.closing = False  # the server is shutting down: nothing more joins the queue
+        self.closing: float | None = None  # shutting down: nothing more joins; answers end by then
         self.lock = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="dflash-mlx-generation", daemon=True)
 
@@ -148,11 +148,8 @@ class Scheduler:
         """The server is shutting down: requests waiting for their turn end now with a 503, not when its
         grace period has run out, and new ones get it too; the answers under way end within `grace`
         seconds, as at max_tokens (their connections would be cut)."""
-        end = time.monotonic() + grace
-        for job in list(self.active):
-            job.request.deadline = min(job.request.deadline or end, end)
         with self.lock:
-            self.closing = True
+            self.closing = time.monotonic() + grace
             while self.waiting:
                 self.waiting.popleft().emit(Finished(ApiError(503, SHUTTING_DOWN)))
                 self.admitted -= 1
@@ -162,7 +159,7 @@ class Scheduler:
         """Take a place for a request about to be made (before its prompt is): Busy when there is none.
         `submit` or `withdraw` follows."""
         with self.lock:
-            if self.closing:
+            if self.closing is not None:
                 raise ApiError(503, SHUTTING_DOWN)
             self._let_go_of_the_gone()
             if self.admitted >= self.max_active + self.max_waiting:
@@ -185,7 +182,7 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         """Queue an admitted request."""
         with self.lock:
-            if self.closing:  # (admitted just before the queue closed)
+            if self.closing is not None:  # (admitted just before the queue closed)
                 self.admitted -= 1
                 request.emit(Finished(ApiError(503, SHUTTING_DOWN)))
                 return
@@ -285,7 +282,7 @@ class Scheduler:
         if request.cancelled.is_set():
             self.metrics.cancelled.inc()
             self._end(job, None)
-        elif request.deadline is not None and time.monotonic() > request.deadline:
+        elif any(d is not None and time.monotonic() > d for d in (request.deadline, self.closing)):
             self.metrics.timed_out.inc()
             self._cut(job)
         elif job.seq is not None:
