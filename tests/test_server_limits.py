@@ -758,10 +758,9 @@ def test_an_answer_waits_for_a_slow_reader_and_gives_up_its_slot_to_others_when_
     assert slow.most_behind in (MAX_BACKLOG, MAX_BACKLOG + 1)  # behind, and never run ahead of
 
 
-def test_at_shutdown_the_queued_requests_end_at_once_with_a_503_and_new_ones_get_one(tiny, monkeypatch):  # noqa: F811
-    """What `serve` does at Ctrl-C (`close_queue`): uvicorn held queued requests for its grace period and
-    then cut their connections; they now end at once in their API's error shape, and the answer under
-    way ends within the grace it is given, as at max_tokens."""
+def one_slot_slow_app(tiny, monkeypatch):  # noqa: F811
+    """An app answering one request at a time (four may wait), at 0.05 s or more a step, so that
+    others wait while it answers."""
 
     class Slow(scheduler_module.Engine):
         def collect(self):
@@ -769,7 +768,15 @@ def test_at_shutdown_the_queued_requests_end_at_once_with_a_503_and_new_ones_get
             return super().collect()
 
     monkeypatch.setattr(scheduler_module, "Engine", Slow)
-    app = create_app(*tiny, config(max_active=1, max_waiting=4))
+    return create_app(*tiny, config(max_active=1, max_waiting=4))
+
+
+def test_at_shutdown_the_queued_requests_end_at_once_with_a_503_and_new_ones_get_one(tiny, monkeypatch):  # noqa: F811
+    """What `serve` does at Ctrl-C (`close_queue`): uvicorn held queued requests for its grace period and
+    then cut their connections; they now end at once in their API's error shape, and the answer under
+    way ends within the grace it is given, as at max_tokens."""
+
+    app = one_slot_slow_app(tiny, monkeypatch)
     messages = [{"role": "user", "content": words(111)}]
     with serving(app) as url, ThreadPoolExecutor(2) as pool:
         body = {"model": "tiny", "messages": messages, "max_tokens": 8}
@@ -804,13 +811,7 @@ def test_queued_requests_whose_clients_leave_are_counted_and_leave_the_queue_at_
     """While another request answers, the queue's length drops as its clients leave, and they count as
     cancelled (the gauge stayed up until the next request came, and only active ones were counted)."""
 
-    class Slow(scheduler_module.Engine):
-        def collect(self):
-            time.sleep(0.05)
-            return super().collect()
-
-    monkeypatch.setattr(scheduler_module, "Engine", Slow)
-    app = create_app(*tiny, config(max_active=1, max_waiting=4))
+    app = one_slot_slow_app(tiny, monkeypatch)
     body = {"model": "tiny", "messages": [{"role": "user", "content": words(111)}], "stream": True}
     with serving(app) as url:
         path = f"{url}/v1/chat/completions"
