@@ -156,7 +156,6 @@ def test_models_named_by_something_else_than_a_string_and_bad_dtypes_are_refused
 
 def test_a_sampler_failing_at_the_first_token_leaves_the_cache_refused(model):
     """Its prompt went in and its answer did not: going on with it would hold the prompt twice."""
-
     draft, tok = make_draft(), make_tokenizer()
     cache = SpeculativeCache(model, draft)
 
@@ -175,7 +174,6 @@ def test_a_sampler_failing_at_the_first_token_leaves_the_cache_refused(model):
 def test_a_sampler_drawing_outside_the_vocabulary_is_refused_not_read(model, first_bad, bad):
     """An id past the embedding table would be read from whatever memory lies there (or crash the
     process) by a pass that starts before the host sees it: it is refused, and the cache with it."""
-
     draft, tok = make_draft(), make_tokenizer()
     cache, calls = SpeculativeCache(model, draft), []
 
