@@ -122,8 +122,10 @@ class ChatSession:
         self.messages, self.turns = [], []
         self.cache = self.new_cache()
 
-    def conversation(self) -> list[dict]:
-        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+    def conversation(self, messages: list[dict] | None = None) -> list[dict]:
+        """The system message (if any) and `messages` (by default the whole conversation's)."""
+        messages = self.messages if messages is None else messages
+        return ([{"role": "system", "content": self.system}] if self.system else []) + messages
 
     def context_tokens(self) -> int:
         """Tokens the conversation takes: the cache's, or after a dropped cache, the rendered conversation's
@@ -171,9 +173,7 @@ class ChatSession:
             if len(ids) + self.settings.max_tokens > self.max_context:
                 alone = None
                 if len(self.messages) > 1:  # (would /reset make room for it?)
-                    first = ([{"role": "system", "content": self.system}] if self.system else []) + [
-                        self.messages[-1]
-                    ]
+                    first = self.conversation(self.messages[-1:])
                     alone = len(apply_chat_template(self.tokenizer, first, **self.template_kwargs))
                 raise ContextFull(len(ids), self.max_context, self.settings.max_tokens, alone)
             # At least one token goes in: after a message dropped between two cycles, the cache can hold the
