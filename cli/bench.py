@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import typer
@@ -20,6 +19,7 @@ from dflash_mlx.bench import (
     write,
 )
 from dflash_mlx.errors import UserError
+from dflash_mlx.files import check_writable
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
 
 from .options import (
@@ -102,16 +102,9 @@ def bench(
             raise UserError(f"--concurrency takes numbers of answers of 1 or more, got {concurrency!r}")
         grid = settings_grid(bs, ts, max_tokens, lookup=not no_lookup, draft_window=draft_window)
         folder = Path(out).expanduser()
-        if folder.exists() and not folder.is_dir():
-            raise UserError(f"--out {out} is a file: give a folder for the results")
+        check_writable(folder, "--out")  # now, not after hours of benchmarking
         made = not folder.exists()
-        try:  # the folder must take files now, not after hours of benchmarking
-            folder.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=folder).close()
-        except OSError as e:
-            raise OSError(
-                f"cannot write the results to --out {out} ({e.strerror or e}): give another folder"
-            ) from None
+        folder.mkdir(parents=True, exist_ok=True)
         try:
             ps = first_prompts(prompts, limit)
             target, drafter, tokenizer = load_pair(model, draft)

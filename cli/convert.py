@@ -9,7 +9,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dflash_mlx.convert import convert_draft, convert_target, export_draft, is_drafter
 from dflash_mlx.errors import AlreadyExists, UserError
-from dflash_mlx.loading import DTYPES, find_pair, is_gguf, resolve_draft, resolve_target
+from dflash_mlx.loading import DTYPES, find_pair, is_gguf, resolve_draft, resolve_target, target_name
 
 from .options import stderr, user_errors
 
@@ -74,8 +74,8 @@ def convert(
                 step("exporting drafter")
                 out = export_draft(source, output, force)
                 kind = "drafter (z-lab layout)"
-            elif is_gguf(Path(source).expanduser()):
-                out = convert_target(source, output, dtype, quantize, q_bits, q_group_size, force, step)
+            elif is_gguf(Path(gguf := target_name(source)).expanduser()):  # (or a registry name for one)
+                out = convert_target(gguf, output, dtype, quantize, q_bits, q_group_size, force, step)
                 kind = "target from GGUF"
             else:
                 step("fetching")

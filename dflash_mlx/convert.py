@@ -18,7 +18,16 @@ from mlx_lm.convert import convert as mlx_lm_convert
 from .errors import NotFound, UserError
 from .files import atomic_folder
 from .gguf import convert_gguf
-from .loading import DTYPES, check_model_type, is_gguf, load_draft, read_config, resolve, resolve_draft
+from .loading import (
+    DTYPES,
+    check_model_type,
+    gguf_folder,
+    is_gguf,
+    load_draft,
+    read_config,
+    resolve,
+    resolve_draft,
+)
 from .models.dflash import is_drafter_config
 from .models.formats import drafter_format
 
@@ -89,12 +98,19 @@ def convert_target(
 ) -> Path:
     """A target (HF id, folder or .gguf file) -> MLX folder that mlx_lm.load and our load read."""
     src = Path(source).expanduser()
+    if is_gguf(src) and quantize:  # quantized again from its weights in float (as loading caches them)
+        if dtype is None:
+            raise UserError(
+                "a GGUF target keeps its own quantization: leave out -q, or add --dtype float32 to "
+                "quantize its weights again from float32"
+            )
+        if not src.exists():
+            raise NotFound(f"no GGUF file at {source}")
+        source = str(gguf_folder(src, DTYPES[dtype]))
     with atomic_folder(dest, force) as tmp:
-        if is_gguf(src):
+        if is_gguf(src) and not quantize:
             if not src.exists():
                 raise NotFound(f"no GGUF file at {source}")
-            if quantize:
-                raise UserError("a GGUF target keeps its own quantization; use --dtype to dequantize it")
             convert_gguf(src, tmp, DTYPES[dtype] if dtype else None, progress)
         else:
             folder = resolve(source)

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .benchsets import SETS, bench_set, parsed_stdlib
 from .chat import apply_chat_template
 from .errors import NotFound, UserError
+from .files import check_writable
 from .platform import backend, device_memory
 
 SHAREGPT_HELDOUT = 100  # the last 100 usable ShareGPT conversations are kept for evaluation
@@ -564,6 +565,7 @@ def check_data_options(
         raise UserError(f"temperature must be between 0 and 100, got {temperature}")
     if Path(folder).exists() and not Path(folder).is_dir():
         raise UserError(f"{folder} is a file: give a folder for the answers' shards")
+    check_writable(folder)
     others = sorted(p.name for p in Path(folder).glob("*") if not p.name.startswith("shard-"))
     if others:  # (a model folder given by mistake, say)
         raise UserError(

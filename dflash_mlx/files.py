@@ -82,3 +82,22 @@ def atomic_file(dest: str | Path):
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_writable(folder: str | Path, flag: str = "") -> None:
+    """Fail now, in one line, where `folder` (given as `flag`) cannot be made or written (a read-only or
+    mistyped place), rather than after a model loaded or hours of work; what this makes it removes again."""
+    folder = Path(folder).expanduser()
+    named = f"{flag} {folder}".strip()
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{named} is a file: give a folder")
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise UserError(f"cannot write to {named} ({e.strerror or e}): give another folder") from None
+    finally:
+        for p in missing:  # (deepest first)
+            with contextlib.suppress(OSError):
+                p.rmdir()

@@ -211,12 +211,17 @@ def resolve(name: str) -> Path:
         ) from None
 
 
-def resolve_target(name: str, dtype: mx.Dtype | None = None) -> Path:
+def target_name(name: str) -> str:
+    """What a target's name stands for: a registry pair's name its target's (a path to its GGUF file for
+    the demo pair), any other name itself."""
     pair = find_pair(name)
     if pair is not None and name.lower() == pair.name.lower() and not Path(name).expanduser().exists():
-        if pair.target == "smollm2-135m-instruct":
-            return gguf_folder(smollm2_gguf(), dtype)
-        name = pair.target
+        return str(smollm2_gguf()) if pair.target == "smollm2-135m-instruct" else pair.target
+    return name
+
+
+def resolve_target(name: str, dtype: mx.Dtype | None = None) -> Path:
+    name = target_name(name)
     path = Path(name).expanduser()
     if is_gguf(path):
         check_name(name)

@@ -28,6 +28,7 @@ from .chat import apply_chat_template
 from .convert import export_draft, is_drafter
 from .data import check_data_tokenizer, load_shards, sharegpt_prompts
 from .errors import AlreadyExists, UserError
+from .files import check_writable
 from .loading import load, load_draft, template_kwargs
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
@@ -59,6 +60,11 @@ def flag(key: str) -> str:
     return "--layers" if key == "num_layers" else "--" + key.replace("_", "-")
 
 
+def _shown(value) -> str:
+    """An option's value as it is typed (a list of layer ids as 1,2,3)."""
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
 def check_resume(out: Path, run: dict, given: dict, init: str | None) -> None:
     """A resumed run keeps its recipe and architecture, so that its curve continues: an option given on
     the new command (TrainConfig names; None: not given) that differs from the run's is refused, as is
@@ -73,7 +79,7 @@ def check_resume(out: Path, run: dict, given: dict, init: str | None) -> None:
             else run["train_config"].get(key, getattr(TrainConfig, key, None))
         )
         if mine != theirs:
-            differ.append(f"{flag(key)} {mine} (the run's: {theirs})")
+            differ.append(f"{flag(key)} {_shown(mine)} (the run's: {_shown(theirs)})")
     if init:
         differ.append("--init (the run goes on from its own checkpoint)")
     if differ:
@@ -98,6 +104,7 @@ def check_run_folder(out: Path) -> None:
             f"{out} holds other files than a training run's ({', '.join(others[:3])}): give --out a new "
             "or empty folder"
         )
+    check_writable(out, "--out")
 
 
 def trim_log(path: Path, step: int) -> None:

@@ -474,7 +474,7 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
             (f"-o {tmp_path}/afile", "--out"),
             ("--temps nan", "temperature must be a number from 0 to 10000, got nan"),
             ("--max-tokens 0", "max_tokens must be >= 1, got 0"),
-            (f"-o {tmp_path}/afile/sub", f"cannot write the results to --out {tmp_path}"),
+            (f"-o {tmp_path}/afile/sub", f"cannot write to --out {tmp_path}/afile/sub"),
         ):
             r = run(f"bench -m {root}/target -d {root}/draft {args}")
             assert r.exit_code == 1 and message in r.stderr, (args, r.output)
@@ -854,6 +854,7 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     for flags, line in (
         (f"-o {tmp_path}/a-file", "is a file: give a folder"),
         (f"-o {root}/draft", "holds other files than data shards (config.json, model.safetensors)"),
+        (f"-o {tmp_path}/a-file/data", f"cannot write to {tmp_path}/a-file/data (Not a directory)"),
         ("--batch-size 0", "at least 1"),
     ):
         r = run(f"train data -m {tmp_path}/nowhere --source {root}/prompts.jsonl -o {tmp_path}/d3 {flags}")
@@ -891,6 +892,7 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
         (f"{tmp_path}/data", "holds other files than a training run's (shard-00000.npz"),
         (f"{root}/target", "holds other files than a training run's (config.json"),
         (f"{tmp_path}/a-file", "a-file is a file: give --out a folder for the run"),
+        (f"{tmp_path}/a-file/run", "cannot write to --out"),
     ):
         before = sorted(p.name for p in Path(out).parent.rglob("*"))
         r = run(f"train run --data {tmp_path}/data -o {out} -m {root}/target --steps 1 --eval-prompts 0")
@@ -962,9 +964,16 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     first = f"train run {data} -o {tmp_path}/resumed -m {root}/target --eval-prompts 0"
     r = run(f"{first} --layers 1 --block-size 4 --mask-token-id 94 --lr 1e-3 --warmup 2 --steps 3")
     assert r.exit_code == 0, r.output
-    r = run(f"{first} --steps 5 --lr 0.01 --layers 2 --vocab bogus --warmup 2 --init {tmp_path}/exported")
+    r = run(
+        f"{first} --steps 5 --lr 0.01 --layers 2 --vocab bogus --warmup 2 --target-layer-ids 0,1 "
+        f"--init {tmp_path}/exported"
+    )
     assert r.exit_code == 1 and "keeps its recipe and architecture: --lr 0.01 (the run's: 0.001)" in r.stderr
-    assert "--vocab bogus (the run's: full); --layers 2 (the run's: 1); --init (the run goes on" in r.stderr
+    assert (
+        "--vocab bogus (the run's: full); --layers 2 (the run's: 1); --target-layer-ids 0,1 (the run's: 2);"
+        in (r.stderr)
+    )  # (layer ids as typed, not as a Python list)
+    assert "; --init (the run goes on" in r.stderr
     assert "--warmup" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run(f"{first} --steps 5 --eval-every 1 --warmup 2 --block-size 4")
     assert r.exit_code == 0, r.output

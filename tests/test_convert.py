@@ -322,6 +322,29 @@ def test_a_gguf_loaded_by_path_is_converted_once_and_again_only_when_the_file_ch
     assert sorted(p.name for p in (tmp_path / "home" / "gguf").iterdir()) == [again.name]
 
 
+def test_a_gguf_target_is_quantized_again_only_from_a_float_dtype(tmp_path, monkeypatch):
+    """-q on a GGUF (a file, or the registry name of one) is refused before anything is converted unless
+    --dtype says which float weights to quantize again; with it, the folder holds MLX's quantization."""
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path / "home"))
+    model = write_gguf(tmp_path / "tiny.gguf", "llama")
+    for source in (tmp_path / "tiny.gguf", "smollm2-135m-instruct"):
+        r = cli("convert", source, tmp_path / "q", "-q")
+        assert (
+            r.exit_code == 1
+            and "keeps its own quantization: leave out -q, or add --dtype float32" in r.output
+        )
+        assert not (tmp_path / "q").exists() and not (tmp_path / "home" / "gguf").exists(), r.output
+    r = cli("convert", tmp_path / "tiny.gguf", tmp_path / "q", "-q", "--dtype", "float32", "--q-bits", "8")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]["bits"] == 8
+    converted, _ = mlx_lm_load(str(tmp_path / "q"))
+    ids = mx.array([[5, 70, 100, 33, 250, 7]])
+    ours, theirs = np.array(converted(ids)), np.array(model(ids))
+    assert np.linalg.norm(ours - theirs) < 0.05 * np.linalg.norm(
+        theirs
+    )  # (8-bit rounding, not other weights)
+
+
 def test_gguf_bos_is_added_to_raw_text_when_the_file_asks(tmp_path):
     """`tokenizer.ggml.add_bos_token` (Llama 3 sets it): a raw prompt starts with BOS, as the original
     tokenizer's post-processor does; a chat template's text is not given a second one."""
