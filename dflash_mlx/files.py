@@ -24,6 +24,8 @@ def atomic_folder(dest: str | Path, force: bool = False):
         raise UserError(f"{dest} is the current folder or holds it: give the name of a new folder")
     if dest.exists() and not force:
         raise AlreadyExists(f"{dest} already exists (pass --force to replace it)")
+    if dest.exists() and not (dest.is_dir() or dest.is_file()):  # (/dev/null, a pipe: never replaced)
+        raise UserError(f"cannot write {dest}: it is not a regular file or folder")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))

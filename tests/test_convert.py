@@ -513,6 +513,10 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     (tmp_path / "a-file").write_text("not a model")  # --force over a file leaves nothing of it beside
     assert cli("convert", zlab, tmp_path / "a-file", "--force").exit_code == 0
     assert (tmp_path / "a-file" / "config.json").exists() and not (tmp_path / ".a-file.old").exists()
+    os.mkfifo(tmp_path / "pipe")  # ... but never what is not a file or a folder (/dev/null, a pipe)
+    r = cli("convert", zlab, tmp_path / "pipe", "--force")
+    assert r.exit_code == 1 and "pipe: it is not a regular file or folder" in r.output, r.output
+    assert (tmp_path / "pipe").is_fifo() and sorted(p.name for p in tmp_path.glob(".pipe*")) == []
 
 
 def test_a_failed_replace_keeps_the_old_folder(tmp_path, monkeypatch):
