@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -57,10 +58,10 @@ def convert(
             raise UserError(f"{output} is inside {source}: write to a folder outside it")
         if out_path.exists() and not force:  # before any download
             raise AlreadyExists(f"{output} already exists (pass --force to replace it)")
-        if out_path.is_dir() and any(out_path.iterdir()) and not (out_path / "config.json").is_file():
+        if out_path.is_dir() and any(out_path.iterdir()) and not _model_folder(out_path):
             raise UserError(  # (a mistyped path with --force would wipe whatever it names)
-                f"{output} holds files but no model (no config.json): --force replaces a model folder "
-                "only; give another folder"
+                f"{output} holds files but no model (a config.json with a model_type, and weights): "
+                "--force replaces a model folder only; give another folder"
             )
         with Progress(
             SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=stderr()
@@ -88,9 +89,7 @@ def convert(
                 )
                 if is_drafter(folder):
                     step("converting drafter")
-                    out = convert_draft(
-                        str(folder), output, dtype or "bfloat16", quantize, q_bits, q_group_size, force
-                    )
+                    out = convert_draft(str(folder), output, dtype, quantize, q_bits, q_group_size, force)
                     kind = "drafter"
                 else:
                     step("converting target with mlx-lm")
@@ -99,3 +98,16 @@ def convert(
             bar.update(task, description=f"{source}: done")
     size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
     typer.echo(f"wrote {kind} to {out} ({size / 1e6:.1f} MB)")
+
+
+def _model_folder(path: Path) -> bool:
+    """A model's folder (which --force may replace): a model's config and weights, not merely a file
+    named config.json, which many other folders hold."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    named = isinstance(config, dict) and (
+        "model_type" in config or "model_type" in config.get("text_config", {})
+    )
+    return named and any(path.glob("*.safetensors"))

@@ -20,11 +20,12 @@ from .files import atomic_folder
 from .gguf import convert_gguf
 from .loading import (
     DTYPES,
-    check_model_type,
+    check_target_folder,
     gguf_folder,
     is_gguf,
     load_draft,
     read_config,
+    reading_target,
     resolve,
     resolve_draft,
 )
@@ -40,18 +41,31 @@ def is_drafter(path: Path) -> bool:
 def convert_draft(
     source: str,
     dest: str | Path,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     quantize: bool = False,
     q_bits: int = 4,
     q_group_size: int = 64,
     force: bool = False,
 ) -> Path:
-    """A z-lab drafter (HF id or folder) -> MLX folder in `dtype`, optionally quantized."""
-    draft = load_draft(source, dtype=DTYPES[dtype])
+    """A z-lab drafter (HF id or folder) -> MLX folder in `dtype` (default bfloat16), optionally
+    quantized."""
+    draft = load_draft(source, dtype=DTYPES[dtype or "bfloat16"])
+    quantized = any(k.endswith(".scales") for k, _ in tree_flatten(draft.parameters()))
+    if quantized and (quantize or dtype is not None):
+        raise UserError(
+            f"{source} is already quantized: {_from_float(quantize)} the float drafter it came from"
+        )
+    dtype = dtype or "bfloat16"
     config = dict(draft.config.to_dict(), torch_dtype=dtype)  # (the source's may name another)
-    if quantize and any(k.endswith(".scales") for k, _ in tree_flatten(draft.parameters())):
-        raise UserError(f"{source} is already quantized: quantize the float drafter it came from")
     if quantize:
+        widths = {
+            w.shape[-1] for k, w in tree_flatten(draft.parameters()) if k.endswith(".weight") and w.ndim == 2
+        }
+        if any(w % q_group_size for w in widths):  # (nn.quantize raises, naming a matrix's shape)
+            raise UserError(
+                f"--q-group-size {q_group_size} does not divide the drafter's widths "
+                f"({', '.join(map(str, sorted(widths)))}): give a group size that does, such as 32"
+            )
         nn.quantize(draft, group_size=q_group_size, bits=q_bits)
         config["quantization"] = {"group_size": q_group_size, "bits": q_bits}
     with atomic_folder(dest, force) as tmp:
@@ -115,19 +129,27 @@ def convert_target(
         else:
             folder = resolve(source)
             config = read_config(folder)
-            check_model_type(folder, config)
-            if quantize and "quantization" in config:
+            check_target_folder(folder, config)
+            if (quantize or dtype is not None) and "quantization" in config:  # (mlx-lm keeps its weights)
                 raise UserError(
                     f"{source} is already quantized ({config['quantization'].get('bits')}-bit): "
-                    "quantize the float model it came from (for a GGUF-based target, add --dtype float32)"
+                    f"{_from_float(quantize)} the float model it came from (a .gguf file or a registry "
+                    "name: `-q --dtype float32` on that)"
                 )
             tmp.rmdir()  # mlx-lm's convert insists on creating the folder itself
-            mlx_lm_convert(
-                str(folder),
-                str(tmp),
-                quantize=quantize,
-                q_group_size=q_group_size,
-                q_bits=q_bits,
-                dtype=dtype,
-            )
+            with reading_target(folder):
+                mlx_lm_convert(
+                    str(folder),
+                    str(tmp),
+                    quantize=quantize,
+                    q_group_size=q_group_size,
+                    q_bits=q_bits,
+                    dtype=dtype,
+                )
     return Path(dest)
+
+
+def _from_float(quantize: bool) -> str:
+    """What to do instead, for -q (mlx quantizes a quantized layer again into a folder that does not
+    load) or --dtype (which leaves quantized weights as they are) on a quantized model."""
+    return "quantize" if quantize else "--dtype does not make floats of it again; convert"

@@ -8,6 +8,7 @@ file half-overwritten.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -46,9 +47,24 @@ def atomic_folder(dest: str | Path, force: bool = False):
             _remove(old)
         else:
             tmp.rename(dest)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_write_error(e):
+            raise _no_room(dest, e) from None
         raise
+
+
+def is_write_error(e: BaseException) -> bool:
+    """A write that failed for want of room: the system's error, or MLX's (a RuntimeError "[write] ...",
+    as its save functions raise)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return isinstance(e, RuntimeError) and str(e).startswith("[write]")
+
+
+def _no_room(dest: Path, e: BaseException) -> UserError:
+    reason = e.strerror if isinstance(e, OSError) else str(e).strip().rstrip(".")
+    return UserError(f"cannot write {dest} ({reason}): is the disk full? Nothing was written")
 
 
 def _remove(path: Path) -> None:
@@ -81,8 +97,10 @@ def atomic_file(dest: str | Path):
         yield Path(tmp)
         os.chmod(tmp, mode)
         os.replace(tmp, dest)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if is_write_error(e):
+            raise _no_room(dest, e) from None
         raise
 
 

@@ -8,6 +8,7 @@ downloaded are kept, and a dropped connection resumes within the run).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import json
@@ -33,7 +34,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer a
 
 from .data import tokenizer_fingerprint
 from .errors import NotFound, UserError
-from .files import atomic_folder
+from .files import atomic_folder, is_write_error
 from .gguf import convert_gguf
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .models.formats import drafter_format
@@ -296,6 +297,32 @@ def check_model_type(path: Path, config: dict) -> None:
         raise UserError(f"{path / 'config.json'} has no model_type: not a Hugging Face or MLX model folder")
 
 
+def check_target_folder(path: Path, config: dict) -> None:
+    """What mlx-lm needs of a target's folder, said in one line where it would raise or crash on it."""
+    check_model_type(path, config)
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise NotFound(
+            f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): copy "
+            "the tokenizer files of the model it came from into it"
+        )
+
+
+@contextlib.contextmanager
+def reading_target(path: Path):
+    """MLX's and mlx-lm's errors reading the target at `path`, as one line that names it (a failed write,
+    as a conversion's, is left to the writer)."""
+    try:
+        yield
+    except RuntimeError as e:  # mlx's terse "[load_safetensors] ..." for a truncated or corrupt file
+        if is_write_error(e):
+            raise
+        raise UserError(
+            f"cannot load the target at {path}: {str(e).strip()} (truncated or corrupt weights?)"
+        ) from None
+    except ValueError as e:  # mlx-lm's: a model type it does not know, weights that do not fit the config
+        raise UserError(f"mlx-lm cannot load the target at {path}: {e}") from None
+
+
 def load(name: str, dtype="auto"):
     """Load a target with mlx-lm -> (model, tokenizer). dtype: 'auto' (float32 on the CPU), None (the
     checkpoint's own), a name ('bfloat16') or an mx.Dtype."""
@@ -306,20 +333,9 @@ def load(name: str, dtype="auto"):
     config = read_config(path)  # mlx-lm's own error for a broken one names no file
     if is_drafter_config(config):
         raise UserError(f"{path} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
-    check_model_type(path, config)
-    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
-        raise NotFound(
-            f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): copy "
-            "the tokenizer files of the model it came from into it"
-        )
-    try:
+    check_target_folder(path, config)
+    with reading_target(path):
         model, tokenizer = mlx_lm_load(str(path))
-    except RuntimeError as e:  # mlx's terse "[load_safetensors] ..." for a truncated or corrupt file
-        raise UserError(
-            f"cannot load the target at {path}: {str(e).strip()} (truncated or corrupt weights?)"
-        ) from None
-    except ValueError as e:  # mlx-lm's: a model type it does not know, weights that do not fit the config
-        raise UserError(f"mlx-lm cannot load the target at {path}: {e}") from None
     args = getattr(model, "language_model", model).args
     context = config.get(
         "max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings")

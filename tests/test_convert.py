@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import struct
 
 import mlx.core as mx
@@ -84,7 +85,15 @@ def test_a_quantized_drafter_is_not_quantized_again(zlab, tmp_path):
     assert cli("convert", zlab, tmp_path / "q4", "-q").exit_code == 0
     r = cli("convert", tmp_path / "q4", tmp_path / "q8", "-q", "--q-bits", "8")
     assert r.exit_code == 1 and "already quantized: quantize the float drafter" in r.output
+    r = cli("convert", tmp_path / "q4", tmp_path / "q8", "--dtype", "float32")  # (would keep 4 bits)
+    assert (
+        r.exit_code == 1 and "--dtype does not make floats of it again; convert the float drafter" in r.output
+    )
     assert not (tmp_path / "q8").exists()
+    r = cli("convert", zlab, tmp_path / "q8", "-q", "--q-group-size", "128")  # (nn.quantize's own error)
+    assert r.exit_code == 1 and "--q-group-size 128 does not divide the drafter's widths" in r.output, (
+        r.output
+    )
 
 
 def test_a_drafter_with_its_dflash_keys_at_the_top_level_converts_as_a_drafter(zlab, tmp_path):
@@ -181,7 +190,26 @@ def test_a_quantized_target_is_not_quantized_again(tmp_path):
     assert json.loads((tmp_path / "q4" / "config.json").read_text())["quantization"]["bits"] == 4
     r = cli("convert", tmp_path / "q4", tmp_path / "q8", "-q", "--q-bits", "8", "--q-group-size", "32")
     assert r.exit_code == 1 and "is already quantized (4-bit): quantize the float model" in r.output
+    r = cli("convert", tmp_path / "q4", tmp_path / "q8", "--dtype", "float32")  # (mlx-lm kept 4 bits)
+    assert r.exit_code == 1 and "--dtype does not make floats of it again" in r.output, r.output
     assert not (tmp_path / "q8").exists()
+    # A damaged folder: mlx-lm's and MLX's own errors as one line that names it, no traceback.
+    for damage, line in (
+        (lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 64), "cannot load the target at"),
+        (lambda d: _set_config(d, model_type="foobar"), "mlx-lm cannot load the target at"),
+        (lambda d: [p.unlink() for p in d.glob("tokenizer*")], "has no tokenizer"),
+    ):
+        shutil.rmtree(tmp_path / "d", ignore_errors=True)
+        shutil.copytree(tmp_path / "t", tmp_path / "d")
+        damage(tmp_path / "d")
+        r = cli("convert", tmp_path / "d", tmp_path / "out")
+        assert r.exit_code == 1 and line in r.output and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "out").exists()
+
+
+def _set_config(folder, **values):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, **values)))
 
 
 # ---- GGUF targets, built here from tiny mlx-lm models ------------------------------------------
@@ -506,7 +534,10 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     (tmp_path / "notes" / "sub").mkdir(parents=True)  # --force replaces a model folder, not any folder
     (tmp_path / "notes" / "todo.txt").write_text("important")
     r = cli("convert", zlab, tmp_path / "notes", "--force")
-    assert r.exit_code == 1 and "holds files but no model (no config.json)" in r.output, r.output
+    assert r.exit_code == 1 and "holds files but no model (a config.json with a model_type" in r.output
+    (tmp_path / "notes" / "config.json").write_text('{"name": "my app"}')  # (not a model's config)
+    r = cli("convert", zlab, tmp_path / "notes", "--force")
+    assert r.exit_code == 1 and "holds files but no model" in r.output, r.output
     assert (tmp_path / "notes" / "todo.txt").read_text() == "important" and (
         tmp_path / "notes" / "sub"
     ).is_dir()
@@ -540,3 +571,18 @@ def test_a_failed_replace_keeps_the_old_folder(tmp_path, monkeypatch):
             (tmp / "weights").write_text("new")
     assert (dest / "weights").read_text() == "good"
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary or .old folder left
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(zlab, tmp_path, monkeypatch):
+    """MLX reports a failed write as a RuntimeError "[write] ..." (a full disk, a quota)."""
+    from pathlib import Path
+
+    def full(path, *args, **kwargs):
+        Path(path).write_bytes(b"\0" * 100)  # (part of the file, as a full disk leaves it)
+        raise RuntimeError("[write] Unable to write 90238 bytes to file.")
+
+    monkeypatch.setattr(mx, "save_safetensors", full)
+    (tmp_path / "disk").mkdir()
+    r = cli("convert", zlab, tmp_path / "disk" / "out")
+    assert r.exit_code == 1 and "Unable to write 90238 bytes to file): is the disk full?" in r.output
+    assert list((tmp_path / "disk").iterdir()) == []
