@@ -96,6 +96,7 @@ def generate(
         if (system is not None or think is not None) and not chat_template:
             raise UserError("--system and --think/--no-think need the chat template: drop --no-chat-template")
         check_utf8(prompt, "the prompt")
+        check_utf8(system or "", "--system")
         if not prompt.strip():
             raise UserError("the prompt is empty: give some text (--prompt, or on stdin)")
         if no_draft:

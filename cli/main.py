@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import signal
+import sys
 from importlib.metadata import version as installed
 
 import typer
@@ -19,6 +22,18 @@ app = typer.Typer(
 @app.callback()
 def main():
     """DFlash block-diffusion speculative decoding for MLX."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
+    # Bytes on stdin that are not UTF-8 arrive as lone surrogates, which the commands name in one line
+    # (check_utf8), in every locale: most UTF-8 locales would raise on them instead, the C one does not.
+    if isinstance(sys.stdin, io.TextIOWrapper) and sys.stdin.encoding.lower().replace("-", "") == "utf8":
+        sys.stdin.reconfigure(errors="surrogateescape")
+
+
+def _terminated(signum, frame):
+    """SIGTERM (`kill`, `timeout`, a closing terminal) unwinds as Ctrl-C does, so that what was being
+    written is removed rather than left as a hidden partial folder the size of a model."""
+    raise SystemExit(128 + signum)
 
 
 def version():

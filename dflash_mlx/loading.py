@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -143,14 +144,18 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
     """An MLX folder for a GGUF file, converted on first use (float32 on the CPU, else quantized)."""
     st = path.stat()
     tag = str(dtype).split(".")[-1] if dtype is not None else "gguf-quant"
-    dest = cache_home() / "gguf" / f"{path.stem}-{tag}-{st.st_size}-{int(st.st_mtime)}"
+    # Named by where the file is and what it is (size, time, inode: a copy kept its time is another
+    # file), so that two files of one name never share a conversion and each keeps its own.
+    where = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+    state = hashlib.sha1(f"{st.st_size}-{st.st_mtime_ns}-{st.st_ino}".encode()).hexdigest()[:8]
+    dest = cache_home() / "gguf" / f"{path.stem}-{tag}-{where}-{state}"
     if not (dest / "config.json").exists():
         print(f"converting {path.name} to an MLX folder in {dest} (once)", file=sys.stderr)
         with atomic_folder(dest, force=True) as tmp:
             convert_gguf(path, tmp, dtype)
-        # Conversions of an earlier file of that name (replaced, or touched: another size or time) are
-        # not read again; each is as large as the model.
-        for old in dest.parent.glob(f"{glob.escape(path.stem)}-{tag}-*"):
+        # Conversions of that file before it changed (replaced, or touched) are not read again; each is
+        # as large as the model.
+        for old in dest.parent.glob(f"{glob.escape(path.stem)}-{tag}-{where}-*"):
             if old != dest and (old / "config.json").exists():
                 shutil.rmtree(old, ignore_errors=True)
     return dest

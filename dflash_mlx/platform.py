@@ -58,7 +58,8 @@ GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 def cache_home() -> Path:
     """Where converted models, measured costs, what the adaptive policy learnt and compiled GPU kernels
     live: $DFLASH_MLX_HOME, else ~/.cache/dflash-mlx."""
-    return Path(os.environ.get("DFLASH_MLX_HOME", Path.home() / ".cache" / "dflash-mlx"))
+    home = os.environ.get("DFLASH_MLX_HOME", "").strip()  # (set empty: as if unset, not the current folder)
+    return Path(home).expanduser().absolute() if home else Path.home() / ".cache" / "dflash-mlx"
 
 
 def backend_library(path: list[str] | None = None) -> tuple[str | None, list[str]]:

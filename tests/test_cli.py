@@ -331,9 +331,13 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     root, _ = pair
     cli = [sys.executable, "-m", "dflash_mlx.cli.main"]
     cmd = cli + shlex.split(f"generate -m {root}/target -d {root}/draft --no-chat-template")
-    r = subprocess.run(cmd, input=b"caf\xe9 w5", capture_output=True, timeout=120)
-    assert r.returncode == 1 and r.stderr.decode().startswith("error: the prompt is not UTF-8 text")
-    assert r.stderr.count(b"\n") == 1
+    strict = dict(os.environ, PYTHONIOENCODING="utf-8:strict")  # (as most UTF-8 locales read stdin)
+    for env in (None, strict):
+        r = subprocess.run(cmd, input=b"caf\xe9 w5", capture_output=True, timeout=120, env=env)
+        assert r.returncode == 1 and r.stderr.decode().startswith("error: the prompt is not UTF-8 text")
+        assert r.stderr.count(b"\n") == 1
+    r = subprocess.run([*cmd[:-1], "--system", b"caf\xe9", "-p", "w5"], capture_output=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.decode().startswith("error: --system is not UTF-8 text"), r.stderr
     for given in (["-p", ""], ["-p", " \n"], []):  # (nothing on stdin either)
         r = subprocess.run(cmd[:-1] + given, input=b"", capture_output=True, timeout=120)
         assert (

@@ -348,6 +348,18 @@ def test_a_gguf_loaded_by_path_is_converted_once_and_again_only_when_the_file_ch
     assert again != first and (again / "config.json").exists()
     assert not first.exists()  # the copy of the earlier file is not kept beside the new one
     assert sorted(p.name for p in (tmp_path / "home" / "gguf").iterdir()) == [again.name]
+    # Another file of the same name, size and time (a copy that kept its time, another model's weights
+    # of one shape) is another conversion, and neither replaces the other.
+    (tmp_path / "b").mkdir()
+    other = write_gguf(tmp_path / "b" / "tiny.gguf", "llama")
+    os.utime(tmp_path / "b" / "tiny.gguf", (1, 1))
+    assert (tmp_path / "b" / "tiny.gguf").stat().st_size == (tmp_path / "tiny.gguf").stat().st_size
+    b = gguf_folder(tmp_path / "b" / "tiny.gguf", mx.float32)
+    assert b != again and again.exists() and gguf_folder(tmp_path / "tiny.gguf", mx.float32) == again
+    ids = mx.array([[5, 70, 100]])
+    np.testing.assert_allclose(
+        np.array(mlx_lm_load(str(b))[0](ids)), np.array(other(ids)), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_a_gguf_target_is_quantized_again_only_from_a_float_dtype(tmp_path, monkeypatch):
@@ -586,3 +598,28 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(zlab, tmp_path, monkeypatch)
     r = cli("convert", zlab, tmp_path / "disk" / "out")
     assert r.exit_code == 1 and "Unable to write 90238 bytes to file): is the disk full?" in r.output
     assert list((tmp_path / "disk").iterdir()) == []
+
+
+def test_sigterm_during_a_conversion_leaves_no_partial_folder(tmp_path):
+    """`kill`, `timeout` or a closed terminal stop a conversion as Ctrl-C does: its partial folder (as
+    large as the model) goes with it."""
+    import signal
+    import subprocess
+    import sys
+
+    write_gguf(tmp_path / "tiny.gguf", "llama")
+    code = (
+        "import sys, time, dflash_mlx.convert as c\n"
+        "def slow(src, dest, *args):\n"
+        "    (dest / 'model.safetensors').write_bytes(b'0' * 1000)\n"
+        "    print('writing', flush=True)\n"
+        "    time.sleep(60)\n"
+        "c.convert_gguf = slow\n"
+        "from dflash_mlx.cli.main import app\napp()\n"
+    )
+    cmd = [sys.executable, "-c", code, "convert", str(tmp_path / "tiny.gguf"), str(tmp_path / "out")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "writing\n"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM and "Traceback" not in p.stderr.read()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]

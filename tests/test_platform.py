@@ -158,3 +158,20 @@ def test_doctor_names_the_known_problems_on_cuda_only(monkeypatch):
     (line,) = known_problems("cuda")
     assert f"CUDA graphs are on ({GRAPHS_ENV}='1')" in line and f"set {GRAPHS_ENV}=0" in line
     assert known_problems("cpu") == known_problems("metal") == []
+
+
+def test_the_home_folder_set_empty_is_the_default_and_a_relative_one_is_made_absolute(monkeypatch, tmp_path):
+    """`export DFLASH_MLX_HOME=` made every folder the user stood in a home of 540 MB conversions."""
+    from pathlib import Path
+
+    from dflash_mlx.platform import cache_home
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for empty in ("", "  "):
+        monkeypatch.setenv("DFLASH_MLX_HOME", empty)
+        assert cache_home() == tmp_path / ".cache" / "dflash-mlx"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DFLASH_MLX_HOME", "here")
+    assert cache_home() == tmp_path / "here" and cache_home().is_absolute()
+    monkeypatch.setenv("DFLASH_MLX_HOME", "~/h")
+    assert cache_home() == Path(tmp_path, "h")
