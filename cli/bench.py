@@ -107,6 +107,11 @@ def bench(
         folder.mkdir(parents=True, exist_ok=True)
         try:
             ps = first_prompts(prompts, limit)
+            if levels is not None and max(levels) > len(ps):  # (each level's batches are priced first)
+                raise UserError(
+                    f"--concurrency {max(levels)} runs more answers at once than there are prompts "
+                    f"({len(ps)}): give more prompts (--limit) or fewer answers at once"
+                )
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
             if not has_matplotlib() and levels is None:

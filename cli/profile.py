@@ -10,6 +10,7 @@ from rich.table import Table
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import load_pair
 from dflash_mlx.pairing import context_length
+from dflash_mlx.platform import cache_home
 from dflash_mlx.profile import draft_window_profile, profile_pair
 from dflash_mlx.profile import profile as measure
 from dflash_mlx.settings import GenerationSettings
@@ -114,7 +115,10 @@ def _pair(model: str, draft: str | None, as_json: bool) -> None:
     typer.echo(
         f"policy: {1e6 * r['policy_s']:.0f} us a cycle ({r['policy_share_of_a_step']:.2%} of a plain step)"
     )
-    typer.echo(f"kept in {r['costs_file']}")
+    if r["costs_file"]:
+        typer.echo(f"kept in {r['costs_file']}")
+    else:
+        typer.echo(f"not kept: {cache_home()} cannot be written (DFLASH_MLX_HOME)", err=True)
 
 
 def _window(model: str, draft: str | None, window: int, as_json: bool) -> None:

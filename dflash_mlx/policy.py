@@ -39,6 +39,7 @@ from mlx.utils import tree_flatten
 from .batching import batchable, merge
 from .cache import SpeculativeCache
 from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS, PHRASES, DFlashDrafter, draft_block, from_logits
+from .errors import UserError
 from .files import atomic_file
 from .models.dflash import DraftCache
 from .pairing import context_length, prepare
@@ -915,7 +916,7 @@ def costs_for(target, draft, refresh: bool = False, batches=()) -> CostModel:
     if not refresh and path.exists():
         try:
             costs = CostModel(**json.loads(path.read_text()))
-        except (ValueError, TypeError, KeyError):
+        except (OSError, ValueError, TypeError, KeyError):
             pass  # unreadable or not a cost model: measure again
     if costs is None:
         costs = measure_costs(target, draft)
@@ -926,13 +927,15 @@ def costs_for(target, draft, refresh: bool = False, batches=()) -> CostModel:
     return batched
 
 
-def keep_costs(path: Path, costs: CostModel) -> None:
+def keep_costs(path: Path, costs: CostModel) -> bool:
+    """-> whether they were kept."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(path) as tmp:
             tmp.write_text(json.dumps(costs.to_dict()))
-    except OSError:
-        pass  # a home that cannot be written: the costs serve this run, and are measured again next time
+    except (OSError, UserError):  # (atomic_file's: a folder or a device there)
+        return False  # a home that cannot be written: the costs serve this run, and are measured next time
+    return True
 
 
 # The adaptive policy last made in this process for each pair, lookup setting, draft window and kind of
@@ -972,7 +975,7 @@ def keep_learnt(policy) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(path) as tmp:
             tmp.write_text(json.dumps(policy.learnt()))
-    except OSError:
+    except (OSError, UserError):  # (atomic_file's: a folder or a device there)
         pass  # a home that cannot be written: the next process learns again
 
 

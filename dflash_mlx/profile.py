@@ -29,7 +29,16 @@ from .errors import UserError
 from .models.dflash import DFlashConfig, DFlashDraftModel
 from .pairing import prepare
 from .platform import DISABLE_ENV, blas, device_memory
-from .policy import DFLASH, PLAIN, AdaptivePolicy, CostModel, costs_for, costs_path, fastest_seconds
+from .policy import (
+    DFLASH,
+    PLAIN,
+    AdaptivePolicy,
+    CostModel,
+    costs_path,
+    fastest_seconds,
+    keep_costs,
+    measure_costs,
+)
 from .speculative import stream_generate
 
 
@@ -202,13 +211,14 @@ def profile_pair(model, draft) -> dict:
     """Measure this pair's cost model again (and keep it for the adaptive policy), and the policy's own
     overhead against the cheapest cycle, a plain step."""
     target = prepare(model, draft)
-    costs = costs_for(target, draft, refresh=True)
+    costs, path = measure_costs(target, draft), costs_path(target, draft)
+    kept = keep_costs(path, costs)
     context = costs.contexts[0]
     overhead = policy_overhead_s(costs, draft.block_size - 1 if draft is not None else 0, context)
     step = costs.target_time(1, context)
     return {
         "costs": costs.to_dict(),
-        "costs_file": str(costs_path(target, draft)),
+        "costs_file": str(path) if kept else None,  # (None: the home folder cannot be written)
         "policy_s": overhead,
         "plain_step_s": step,
         "policy_share_of_a_step": overhead / step,

@@ -40,8 +40,11 @@ class GenerationSettings(SamplingParams):
             raise UserError("give a tree or a block size, not both: a tree's pass is as wide as its block")
         if self.prefill_step_size is not None and self.prefill_step_size < 1:
             raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
-        if self.draft_window is not None and self.draft_window < 1:
-            raise UserError(f"draft_window must be >= 1, got {self.draft_window}")
+        if self.draft_window is not None and not 1 <= self.draft_window <= 2**30:  # (positions are int32)
+            raise UserError(
+                f"draft_window must be from 1 to 2**30 (leave it out for the whole context), "
+                f"got {self.draft_window}"
+            )
         if self.seed is not None:
             object.__setattr__(self, "seed", self.seed % 2**64)
 

@@ -202,9 +202,13 @@ def test_generate_and_profile_take_a_draft_window(pair):
     r = run(f"profile -m {root}/target -d {root}/draft --draft-window 64 --json")
     assert r.exit_code == 0, r.output
     assert [row["context"] for row in json.loads(r.stdout)] == [500, 2000]  # 8000 is past the context
-    for bad in ("generate -p w5 --draft-window 0", "profile --draft-window 0"):
+    for bad in (
+        "generate -p w5 --draft-window 0",
+        "profile --draft-window 0",
+        "profile --draft-window 99999999999",
+    ):
         r = run(f"{bad} -m {root}/target -d {root}/draft")
-        assert r.exit_code == 1 and "draft_window must be >= 1, got 0" in r.stderr, r.output
+        assert r.exit_code == 1 and "draft_window must be from 1 to 2**30" in r.stderr, r.output
     for shaping in ("--hidden 64", "--cycles 3 --layers 2"):  # (they shape the random pair alone)
         for other in ("", "--draft-window 64"):
             r = run(f"profile -m {root}/target -d {root}/draft {other} {shaping}")
@@ -672,6 +676,14 @@ def test_bench_concurrency_races_mlx_lms_continuous_batching_with_the_same_outpu
     assert sorted(map(int, batches)) == [2, 3]
     r = run(f"bench -m {root}/target -d {root}/draft --concurrency 0,2 -o {tmp_path}/d")
     assert r.exit_code == 1 and "--concurrency takes numbers of answers of 1 or more" in r.stderr
+    r = run(
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --concurrency 1,5 "
+        f"-o {tmp_path}/d"
+    )
+    assert (
+        r.exit_code == 1
+        and "--concurrency 5 runs more answers at once than there are prompts (4)" in r.stderr
+    )
     # the flags it takes are used; the others are refused, and a bad entry names its flag
     r = run(
         f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --concurrency 3 "
