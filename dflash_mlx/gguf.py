@@ -373,10 +373,16 @@ def convert_gguf(
     say = progress or (lambda _: None)
     say("reading GGUF")
     tensors, meta = read_gguf(path)
-    config = gguf_config(meta, tensors)
-    tokenizer, tokenizer_config = gguf_tokenizer(meta)
-    say("mapping weights")
-    weights, quantization = gguf_weights(tensors, config, dtype)
+    try:  # (what is checked is said on its own; a key missing or of another kind reaches here)
+        config = gguf_config(meta, tensors)
+        tokenizer, tokenizer_config = gguf_tokenizer(meta)
+        say("mapping weights")
+        weights, quantization = gguf_weights(tensors, config, dtype)
+    except (KeyError, TypeError, IndexError, ZeroDivisionError, AttributeError) as e:
+        raise UserError(
+            f"{path} lacks what a llama.cpp GGUF of its architecture holds ({type(e).__name__}: {e}): "
+            "convert the model it came from again"
+        ) from None
     if quantization:
         config["quantization"] = quantization
     say("writing weights")

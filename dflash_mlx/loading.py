@@ -335,12 +335,19 @@ def load(name: str, dtype="auto"):
     name = _named(name, "target")
     dtype = _dtype(dtype)
     path = resolve_target(name, dtype)
-    config = read_config(path)  # mlx-lm's own error for a broken one names no file
-    if is_drafter_config(config):
-        raise UserError(f"{path} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
-    check_target_folder(path, config)
-    with reading_target(path):
-        model, tokenizer = mlx_lm_load(str(path))
+    try:
+        config = read_config(path)  # mlx-lm's own error for a broken one names no file
+        if is_drafter_config(config):
+            raise UserError(f"{path} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
+        check_target_folder(path, config)
+        with reading_target(path):
+            model, tokenizer = mlx_lm_load(str(path))
+    except UserError as e:
+        if path.parent == cache_home() / "gguf":  # (the advice for a model's own folder does not fit)
+            raise UserError(
+                f"{e}. It is a GGUF file's conversion: delete {path}, and it is made again"
+            ) from None
+        raise
     args = getattr(model, "language_model", model).args
     context = config.get(
         "max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings")

@@ -360,6 +360,11 @@ def test_a_gguf_loaded_by_path_is_converted_once_and_again_only_when_the_file_ch
     np.testing.assert_allclose(
         np.array(mlx_lm_load(str(b))[0](ids)), np.array(other(ids)), rtol=1e-5, atol=1e-5
     )
+    (b / "config.json").write_text('{"model_type": ')  # a damaged conversion: what to do about it
+    from dflash_mlx.loading import load
+
+    with pytest.raises(UserError, match=f"It is a GGUF file's conversion: delete {b}, and it is made again"):
+        load(str(tmp_path / "b" / "tiny.gguf"))
 
 
 def test_a_gguf_target_is_quantized_again_only_from_a_float_dtype(tmp_path, monkeypatch):
@@ -408,6 +413,21 @@ def test_an_unknown_gguf_pre_tokenizer_is_refused(tmp_path):
     r = cli("convert", tmp_path / "nemo.gguf", tmp_path / "out")
     assert r.exit_code == 1 and "pre-tokenizer 'tekken' is not supported" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nemo.gguf"]
+
+
+def test_a_gguf_without_what_its_architecture_needs_is_one_line(tmp_path):
+    for i, meta in enumerate(
+        (
+            {"llama.attention.head_count": mx.array(0, dtype=mx.uint32)},
+            {"tokenizer.ggml.eos_token_id": mx.array(10**6, dtype=mx.uint32)},
+        )
+    ):
+        write_gguf(tmp_path / f"{i}.gguf", "llama", meta=meta)
+        r = cli("convert", tmp_path / f"{i}.gguf", tmp_path / "out")
+        assert r.exit_code == 1 and "lacks what a llama.cpp GGUF of its architecture holds" in r.output, (
+            r.output
+        )
+        assert not (tmp_path / "out").exists()
 
 
 def test_llama3_rope_scaling_survives_the_gguf(tmp_path):
