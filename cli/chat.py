@@ -72,7 +72,7 @@ def chat(
         with console.status(f"loading {model} ..."):
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
-        warm(target, drafter, console)
+        warm(target, drafter, console, adaptive=block_size is None)
         session = ChatSession(
             target,
             drafter,

@@ -103,7 +103,7 @@ def generate(
             (target, tokenizer), drafter = load(model), None
         else:
             target, drafter, tokenizer = load_pair(model, draft)
-            warm(target, drafter, stderr())
+            warm(target, drafter, stderr(), adaptive=block_size is None and tree is None)
         ids = (
             apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think, tokenizer))
             if chat_template

@@ -14,8 +14,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dflash_mlx.data import prompt_source
 from dflash_mlx.errors import UserError
+from dflash_mlx.pairing import prepare
 from dflash_mlx.platform import backend
-from dflash_mlx.policy import warm_up
+from dflash_mlx.policy import costs_for, costs_path, warm_up
 
 DEMO = "smollm2-135m-instruct"
 
@@ -84,12 +85,17 @@ def progress_bar(label: str, *, detail: bool = False, disable: bool = False) -> 
     return Progress(*columns, TimeRemainingColumn(), console=stderr(), disable=disable)
 
 
-def warm(target, drafter, console: Console) -> None:
+def warm(target, drafter, console: Console, adaptive: bool = True) -> None:
     """On a GPU, where MLX compiles kernels on first use, run each pass shape the policy may choose once
-    before the first answer (`warm_up`; the compiled kernels are kept for the next process too)."""
+    before the first answer (`warm_up`; the compiled kernels are kept for the next process too). Else,
+    for the `adaptive` policy, measure the pair's costs if this machine has not yet, saying so, rather
+    than in the first answer's time without a word."""
     if backend() != "cpu":
         with console.status("warming up: each pass shape once (compiled kernels are kept for next time) ..."):
             warm_up(target, drafter)
+    elif adaptive and not costs_path(pair := prepare(target, drafter), drafter).exists():
+        with console.status("measuring this machine's costs for the pair (once, about half a minute) ..."):
+            costs_for(pair, drafter)
 
 
 @contextmanager

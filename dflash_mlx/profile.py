@@ -27,7 +27,7 @@ from .cache import SpeculativeCache
 from .drafters import NgramIndex
 from .errors import UserError
 from .models.dflash import DFlashConfig, DFlashDraftModel
-from .pairing import prepare
+from .pairing import MAX_BLOCK_SIZE, prepare
 from .platform import DISABLE_ENV, blas, device_memory
 from .policy import (
     DFLASH,
@@ -104,7 +104,7 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
     for name, value, least, most in (
         ("layers", layers, 1, 256),
         ("vocab", vocab, 2, 1 << 20),
-        ("block size", block_size, 2, 1024),
+        ("block size", block_size, 2, MAX_BLOCK_SIZE),
         ("cycles", cycles, 1, 10_000),
     ):
         if not least <= value <= most:

@@ -70,8 +70,8 @@ class SamplingParams:
             raise UserError(
                 f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, got {self.temperature}"
             )
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_p <= 1:  # (0, as OpenAI's API takes it: the most likely token alone)
+            raise UserError(f"top_p must be from 0 to 1, got {self.top_p}")
         if self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "top_p", max(self.top_p, MIN_TOP_P))

@@ -232,12 +232,18 @@ def stream_generate(
     for name, value in (("compile", compile), ("continues", continues)):
         if not isinstance(value, (bool, np.bool_)):
             raise UserError(f"{name} must be True or False, got {value!r}")
+    if isinstance(tokenizer, (str, bytes, int, list, dict)):
+        raise UserError(
+            f"tokenizer must be the target's tokenizer (load_pair's third), got {type(tokenizer).__name__}"
+        )
     if tokenizer is not None and not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if tokenizer is None and isinstance(prompt, str):
         raise UserError("a string prompt needs a tokenizer")
     if not isinstance(model, (nn.Module, Target)) or not (draft is None or isinstance(draft, nn.Module)):
         raise UserError("model and draft must be loaded models (load_pair, load, load_draft), draft or None")
+    if isinstance(model, DFlashDraftModel) or not (draft is None or isinstance(draft, DFlashDraftModel)):
+        raise UserError("give the target first and its DFlash drafter second (as load_pair returns them)")
     prompt_ids = encode_prompt(tokenizer, prompt)
     if prompt_cache is not None and not isinstance(prompt_cache, SpeculativeCache):
         raise UserError("prompt_cache must be a SpeculativeCache (SpeculativeCache(model, draft))")

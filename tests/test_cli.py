@@ -164,7 +164,7 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     r = run(f"{gen} --temp -1")
     assert r.exit_code == 1 and "temperature must be a number from 0 to 10000" in r.stderr
     r = run(f"{gen} --top-p 2")
-    assert r.exit_code == 1 and "top_p must be in (0, 1]" in r.stderr
+    assert r.exit_code == 1 and "top_p must be from 0 to 1, got 2" in r.stderr
     r = run(f"{gen} --max-tokens -1")  # mlx-lm reads -1 as "no limit"
     assert r.exit_code == 1 and "max_tokens must be >= 0" in r.stderr
     r = run(f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --limit -1")
@@ -815,6 +815,9 @@ def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
     assert r.exit_code == 0, r.output
     assert set(widths) == {130}
     passes = len(widths)
+    for size in (1, 257):  # the range a drafter's block has everywhere else
+        r = run(f"profile --hidden 64 --layers 1 --vocab 256 --cycles 2 --block-size {size}")
+        assert r.exit_code == 1 and f"block size must be from 2 to 256, got {size}" in r.stderr, r.output
     r = run("profile -d /no/such/drafter --cycles 2")  # (it would time the random pair and say nothing)
     assert r.exit_code == 1 and "--draft goes with --model" in r.stderr and len(widths) == passes, r.output
 

@@ -29,7 +29,6 @@ from starlette.exceptions import HTTPException
 
 from ..errors import UserError
 from ..pairing import context_length, context_room
-from ..sampling import MIN_TOP_P
 from ..settings import GenerationSettings
 from ..speculative import GenerationResponse
 from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_reasoning
@@ -313,7 +312,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         d = config.defaults
         return GenerationSettings(
             temperature=d.temperature if body.temperature is None else body.temperature,
-            top_p=d.top_p if body.top_p is None else max(body.top_p, MIN_TOP_P),
+            top_p=d.top_p if body.top_p is None else body.top_p,
             top_k=d.top_k if body.top_k is None else body.top_k,
             min_p=d.min_p if getattr(body, "min_p", None) is None else body.min_p,
             max_tokens=max_tokens or d.max_tokens,
