@@ -14,10 +14,10 @@ from mlx_lm import stream_generate as plain_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from dflash_mlx.bench import counted
-from dflash_mlx.chat import apply_chat_template
+from dflash_mlx.chat import apply_chat_template, most_chars
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load, load_pair, template_kwargs
-from dflash_mlx.pairing import context_room
+from dflash_mlx.pairing import context_length, context_room
 from dflash_mlx.settings import GenerationSettings
 from dflash_mlx.speculative import stream_generate
 
@@ -104,6 +104,12 @@ def generate(
         else:
             target, drafter, tokenizer = load_pair(model, draft)
             warm(target, drafter, stderr(), adaptive=block_size is None and tree is None)
+        most = most_chars(tokenizer, context_length(target))
+        if most is not None and len(prompt) + len(system or "") > most:
+            raise UserError(
+                f"the prompt is {len(prompt)} characters, more than the model's context of "
+                f"{context_length(target)} tokens can hold: shorten the prompt"
+            )
         ids = (
             apply_chat_template(tokenizer, prompt, system=system, **template_kwargs(model, think, tokenizer))
             if chat_template

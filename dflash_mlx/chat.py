@@ -16,6 +16,12 @@ from .settings import GenerationSettings
 from .speculative import GenerationResponse, stream_generate
 
 
+def most_chars(tokenizer, context: int | None) -> int | None:
+    """The longest text that could fit in `context` tokens: no token holds more characters than the
+    longest vocabulary entry, so a longer text is refused before minutes of tokenizing (megabytes)."""
+    return None if context is None else context * max(max(map(len, tokenizer.get_vocab()), default=1), 1)
+
+
 def apply_chat_template(
     tokenizer,
     messages: str | list[dict],

@@ -335,6 +335,12 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     root, _ = pair
     cli = [sys.executable, "-m", "dflash_mlx.cli.main"]
     cmd = cli + shlex.split(f"generate -m {root}/target -d {root}/draft --no-chat-template")
+    # a text longer than any the context could hold is refused before it is tokenized (megabytes took
+    # a minute and gigabytes of memory to be refused after)
+    r = subprocess.run(cmd, input=b"w5 " * 10**6, capture_output=True, timeout=120)
+    assert r.returncode == 1 and "the prompt is 3000000 characters, more than the model's context" in (
+        r.stderr.decode()
+    )
     strict = dict(os.environ, PYTHONIOENCODING="utf-8:strict")  # (as most UTF-8 locales read stdin)
     for env in (None, strict):
         r = subprocess.run(cmd, input=b"caf\xe9 w5", capture_output=True, timeout=120, env=env)

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 
 from jinja2 import TemplateError
 
-from ..chat import chat_text, encode_chat_text
+from ..chat import chat_text, encode_chat_text, most_chars
 from ..speculative import encode_prompt
 from .errors import ApiError
 
@@ -48,11 +48,7 @@ class Prompts:
         # templates; those wait for the sandbox (one at a time) at most TEMPLATE_SECONDS, then get a 429.
         self.rendering = ThreadPoolExecutor(8, thread_name_prefix="dflash-mlx-templates")
         self.reserved = _call_arguments(tokenizer)
-        # No token holds more characters than the longest vocabulary entry, so a text longer than the
-        # context times that cannot fit: refused before minutes of tokenizing (a body of megabytes).
-        self.context = context
-        longest = max(map(len, tokenizer.get_vocab()), default=1)
-        self.most_chars = None if context is None else context * max(longest, 1)
+        self.context, self.most_chars = context, most_chars(tokenizer, context)
 
     def close(self) -> None:
         self.threads.shutdown(wait=False, cancel_futures=True)
