@@ -536,13 +536,18 @@ def test_the_next_process_starts_from_what_the_last_one_learnt(as_priced):
     # A folder where the files go (the costs', the policy's): neither read nor written, and answers whole.
     from dflash_mlx.policy import costs_path
 
-    for path in (learnt_path(last.key), costs_path(target, draft)):
-        path.unlink(missing_ok=True)
-        path.mkdir(parents=True)
-    _LEARNT.clear()
-    assert generate(model, draft, no_eos_tokenizer(prompt), prompt, max_tokens=48).tokens == out.tokens
-    _LEARNT.clear()  # (a new process: nothing was kept)
-    assert policy().learnt() == priors
+    folders = [learnt_path(last.key), costs_path(target, draft)]
+    try:
+        for path in folders:
+            path.unlink(missing_ok=True)
+            path.mkdir(parents=True)
+        _LEARNT.clear()
+        assert generate(model, draft, no_eos_tokenizer(prompt), prompt, max_tokens=48).tokens == out.tokens
+        _LEARNT.clear()  # (a new process: nothing was kept)
+        assert policy().learnt() == priors
+    finally:  # (the home is the session's: other tests read these pairs' costs)
+        for path in folders:
+            path.rmdir()
 
 
 def test_what_cycles_timed_another_way_learnt_is_not_read(monkeypatch):
