@@ -93,16 +93,26 @@ def bench(
         levels = None if concurrency is None else _listed("--concurrency", concurrency, int, "1,2,4,8")
         if rounds < 1 or (rounds > 1 and concurrency is not None):
             raise UserError(f"--rounds takes a number of 1 or more, without --concurrency; got {rounds}")
-        if fresh is not None and (fresh < 1 or rounds > 1 or levels is not None or set(ts) != {0.0}):
-            raise UserError(
-                f"--fresh takes a number of answers of 1 or more, at temperature 0, without --rounds or "
-                f"--concurrency; got --fresh {fresh}"
+        if fresh is not None and fresh < 1:
+            raise UserError(f"--fresh takes a number of answers of 1 or more, got {fresh}")
+        if fresh is not None and (rounds > 1 or levels is not None or set(ts) != {0.0}):
+            raise UserError(  # (each fresh process answers greedily, once)
+                "--fresh runs at temperature 0 without --rounds or --concurrency: leave out "
+                + " and ".join(
+                    f
+                    for f, v in (
+                        ("--temps", set(ts) != {0.0}),
+                        ("--rounds", rounds > 1),
+                        ("--concurrency", levels),
+                    )
+                    if v
+                )
             )
         if levels is not None and (not levels or min(levels) < 1):
             raise UserError(f"--concurrency takes numbers of answers of 1 or more, got {concurrency!r}")
         grid = settings_grid(bs, ts, max_tokens, lookup=not no_lookup, draft_window=draft_window)
+        check_writable(out, "--out")  # now, not after hours of benchmarking
         folder = Path(out).expanduser()
-        check_writable(folder, "--out")  # now, not after hours of benchmarking
         made = not folder.exists()
         folder.mkdir(parents=True, exist_ok=True)
         try:

@@ -265,7 +265,9 @@ def command(session, console: Console, line: str) -> str | None:
             session.settings = replace(session.settings, temperature=_number(arg, float, "/temp X"))
             console.print(f"[dim]temperature {session.settings.temperature}[/dim]")
         elif name == "/block":
-            session.settings = replace(session.settings, block_size=_number(arg, int, "/block N") or None)
+            if (block := _number(arg, int, "/block N")) < 0:
+                raise UserError("/block takes a block size of 1 to 256, or 0 to choose each cycle")
+            session.settings = replace(session.settings, block_size=block or None)
             block = session.settings.block_size
             console.print(f"[dim]{f'block size {block}' if block else 'each cycle chooses'}[/dim]")
         elif name == "/stats":

@@ -16,11 +16,22 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # (every command's, as they inherit it)
 )
 
 
+def _version(asked: bool) -> None:
+    if asked:
+        version()
+        raise typer.Exit()
+
+
 @app.callback()
-def main():
+def main(
+    _: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True, help="Print the installed version."
+    ),
+):
     """DFlash block-diffusion speculative decoding for MLX."""
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _terminated)

@@ -79,7 +79,7 @@ def data(
         settings = data_settings(max_new_tokens, temp, seed, template_kwargs(model, think))
         done, consumed = resume_point(folder, source, max(shard_size, 1), prompts, settings)
         if consumed >= len(prompts) or (limit is not None and done >= limit):
-            typer.echo(f"{done} sequences in {out}: nothing left to generate")
+            typer.echo(f"{_sequences(done)} in {out}: nothing left to generate")
             return
         target, tokenizer = load(model)
         Target(target)  # a family `train run` cannot use is refused before hours of generation
@@ -92,7 +92,7 @@ def data(
             seqs = load_shards(folder)
             tokens = _answer_tokens(seqs) - before
             speed = tokens / (time.perf_counter() - tic)
-            return f"{len(seqs)} sequences in {out} ({tokens} new answer tokens, {speed:.0f} tokens/s)"
+            return f"{_sequences(len(seqs))} in {out} ({tokens} new answer tokens, {speed:.0f} tokens/s)"
 
         with progress_bar("generating answers") as bar:
             task = bar.add_task("", total=total, completed=done)
@@ -164,6 +164,10 @@ def phrases(
     size = path.stat().st_size / 1e6
     answer = _answer_tokens(seqs)
     typer.echo(f"{len(table)} phrases from {len(seqs)} answers ({answer} tokens) in {path} ({size:.1f} MB)")
+
+
+def _sequences(n: int) -> str:
+    return f"{n} sequence{'' if n == 1 else 's'}"
 
 
 def _answer_tokens(seqs: list[tuple[list[int], int]]) -> int:

@@ -1,6 +1,6 @@
 """dflash-mlx: DFlash block-diffusion speculative decoding for MLX."""
 
-import importlib
+from importlib import import_module as _import_module
 
 # The Linux CPU fast path has to run before anything imports mlx.core (see platform.py).
 from .platform import preload_blas
@@ -32,10 +32,10 @@ __all__ = sorted(_HOMES)
 def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module 'dflash_mlx' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    value = getattr(_import_module(f".{_HOMES[name]}", __name__), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})

@@ -6,7 +6,9 @@ interrupted run never leaves a half folder that would later load.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,7 +85,15 @@ def export_draft(source: str, dest: str | Path, force: bool = False) -> Path:
     SGLang read, or the one it was published in (a Muse-Glimmer assistant stays one). Not transformers:
     z-lab's checkpoints load there through their own remote code (`auto_map`, dflash.py), which is not
     ours to ship, so `auto_map` is left out rather than pointing at a file that is not there."""
-    layout = drafter_format(read_config(resolve_draft(source)), source)  # exported in the layout it came in
+    config = read_config(resolve_draft(source))
+    try:
+        layout = drafter_format(config, source)  # exported in the layout it came in
+    except UserError:
+        if "model_type" in config:  # (its advice is the generating commands': -m)
+            raise UserError(
+                f"{source} is a target: --export writes drafters; convert it without --export"
+            ) from None
+        raise
     draft = load_draft(source, dtype=None)
     if any(".scales" in k for k, _ in tree_flatten(draft.parameters())):
         raise UserError("cannot export a quantized drafter: export the float one it came from")
@@ -137,7 +147,8 @@ def convert_target(
                     "name: `-q --dtype float32` on that)"
                 )
             tmp.rmdir()  # mlx-lm's convert insists on creating the folder itself
-            with reading_target(folder):
+            # (mlx-lm prints its progress, "[INFO] Loading", ...: to stderr, as ours goes, not into stdout)
+            with reading_target(folder), contextlib.redirect_stdout(sys.stderr):
                 mlx_lm_convert(
                     str(folder),
                     str(tmp),

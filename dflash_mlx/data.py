@@ -258,6 +258,8 @@ def prompt_source(source: str) -> list[list[dict]]:
     if Path(source).suffix == ".jsonl" or Path(source).exists():
         if not Path(source).exists():
             raise NotFound(f"no prompt file at {source}")
+        if Path(source).is_dir():
+            raise UserError(f"{source} is a folder: give a .jsonl file of prompts")
         return jsonl_prompts(source)
     raise UserError(
         f"unknown prompt source {source!r}: use sharegpt, sharegpt-followup, sharegpt-heldout, humaneval, "

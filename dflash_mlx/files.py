@@ -107,6 +107,8 @@ def atomic_file(dest: str | Path):
 def check_writable(folder: str | Path, flag: str = "") -> None:
     """Fail now, in one line, where `folder` (given as `flag`) cannot be made or written (a read-only or
     mistyped place), rather than after a model loaded or hours of work; what this makes it removes again."""
+    if not str(folder).strip():  # ("" is the current folder; blanks, a folder named by mistake)
+        raise UserError(f"{flag or 'the folder'} needs a folder's name")
     folder = Path(folder).expanduser()
     named = f"{flag} {folder}".strip()
     if folder.exists() and not folder.is_dir():

@@ -229,6 +229,11 @@ def stream_generate(
             f"sampler must be a function of log-probabilities, e.g. mlx_lm.sample_utils.make_sampler(...), "
             f"got {sampler!r}"
         )
+    if sampler is not None and (temperature, top_p, top_k, min_p) != (0.0, 1.0, 0, 0.0):
+        raise UserError(  # (they would be ignored)
+            "a sampler replaces temperature, top_p, top_k and min_p: give the sampler those settings "
+            "(mlx_lm.sample_utils.make_sampler) and leave them out here"
+        )
     for name, value in (("compile", compile), ("continues", continues)):
         if not isinstance(value, (bool, np.bool_)):
             raise UserError(f"{name} must be True or False, got {value!r}")

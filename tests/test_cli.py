@@ -368,12 +368,15 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     assert p.wait(timeout=120) == 141 and p.stderr.read() == b""
     # the chat says so and goes on (its piped input arrives the same way)
     chat = cli + shlex.split(f"chat -m {root}/target -d {root}/draft --max-tokens 4")
-    r = subprocess.run(chat, input=b"caf\xe9 w5\n/block 300\n/stats\n", capture_output=True, timeout=120)
+    r = subprocess.run(
+        chat, input=b"caf\xe9 w5\n/block 300\n/block -1\n/stats\n", capture_output=True, timeout=120
+    )
     out = r.stdout.decode()
     assert r.returncode == 0 and "the message is not UTF-8 text (a stray byte at character 3)" in out, (
         r.stderr
     )
     assert "block size must be between 1 and 256, got 300" in out and "0 answers" in out
+    assert "/block takes a block size of 1 to 256, or 0 to choose each cycle" in out
 
 
 def test_a_prompt_that_fills_the_context_is_refused_and_answers_stop_at_its_end(pair):
@@ -489,6 +492,8 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
             ("--temps nan", "temperature must be a number from 0 to 10000, got nan"),
             ("--max-tokens 0", "max_tokens must be >= 1, got 0"),
             (f"-o {tmp_path}/afile/sub", f"cannot write to --out {tmp_path}/afile/sub"),
+            ("-o '  '", "--out needs a folder's name"),
+            (f"--prompts {tmp_path}", f"{tmp_path} is a folder: give a .jsonl file of prompts"),
         ):
             r = run(f"bench -m {root}/target -d {root}/draft {args}")
             assert r.exit_code == 1 and message in r.stderr, (args, r.output)
@@ -637,9 +642,17 @@ def test_bench_fresh_answers_each_prompt_in_new_processes(pair, tmp_path, monkey
     assert (
         "## The first answer in a fresh process" in summary and "## Answer 2 in the same process" in summary
     )
-    for args in ("--fresh 0", "--fresh 2 --rounds 2", "--fresh 2 --temps 1", "--fresh 2 --concurrency 2"):
+    for args, line in (
+        ("--fresh 0", "--fresh takes a number of answers of 1 or more, got 0"),
+        (
+            "--fresh 2 --rounds 2",
+            "--fresh runs at temperature 0 without --rounds or --concurrency: leave out --rounds",
+        ),
+        ("--fresh 2 --temps 1", "leave out --temps"),
+        ("--fresh 2 --concurrency 2", "leave out --concurrency"),
+    ):
         r = run(f"bench -m {root}/target -d {root}/draft {args} -o {tmp_path}/g")
-        assert r.exit_code == 1 and "--fresh takes a number of answers of 1 or more" in r.stderr, args
+        assert r.exit_code == 1 and line in r.stderr, (args, r.stderr)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -849,8 +862,10 @@ def test_version_is_the_projects():
     from dflash_mlx.loading import tomllib  # tomli before Python 3.11
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
-    r = run("version")
-    assert r.exit_code == 0 and r.stdout.strip() == f"dflash-mlx {project['version']}"
+    for args in ("version", "--version", "-V"):
+        r = run(args)
+        assert r.exit_code == 0 and r.stdout.strip() == f"dflash-mlx {project['version']}"
+    assert run("train run -h").stdout == run("train run --help").stdout  # (-h everywhere)
 
 
 def test_train_commands_on_the_tiny_pair(pair, tmp_path):

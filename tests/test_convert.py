@@ -192,6 +192,8 @@ def test_a_quantized_target_is_not_quantized_again(tmp_path):
     assert r.exit_code == 1 and "is already quantized (4-bit): quantize the float model" in r.output
     r = cli("convert", tmp_path / "q4", tmp_path / "q8", "--dtype", "float32")  # (mlx-lm kept 4 bits)
     assert r.exit_code == 1 and "--dtype does not make floats of it again" in r.output, r.output
+    r = cli("convert", tmp_path / "t", tmp_path / "q8", "--export")
+    assert r.exit_code == 1 and "is a target: --export writes drafters; convert it without" in r.output
     assert not (tmp_path / "q8").exists()
     # A damaged folder: mlx-lm's and MLX's own errors as one line that names it, no traceback.
     for damage, line in (

@@ -113,6 +113,8 @@ def test_arguments_of_the_wrong_shape_or_kind_are_refused_by_name(model):
     for name in ("lookup", "compile", "continues"):
         with pytest.raises(UserError, match=f"{name} must be True or False, got 'no'"):
             generate(model, draft, tok, [5, 6], **{name: "no"})
+    with pytest.raises(UserError, match="a sampler replaces temperature, top_p, top_k and min_p"):
+        generate(model, draft, tok, [5, 6], sampler=lambda logprobs: mx.argmax(logprobs, -1), temperature=0.7)
     with pytest.raises(UserError, match="give the target first and its DFlash drafter second"):
         generate(draft, model, tok, [5, 6])
     with pytest.raises(UserError, match="tokenizer must be the target's tokenizer"):
