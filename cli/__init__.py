@@ -1,5 +1,6 @@
 """The `dflash-mlx` command (main.py); `run` is its entry point."""
 
+import os
 import signal
 import sys
 
@@ -24,4 +25,13 @@ def run() -> None:
         raise
     finally:
         signal.signal(signal.SIGINT, previous)
-    app()
+    from dflash_mlx.files import is_write_error
+
+    try:
+        app()
+    except OSError as e:  # the output could not be written (a full disk; > /dev/full): not a bug
+        if not is_write_error(e):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nothing left to flush at exit)
+        print(f"error: cannot write the output: {e.strerror}", file=sys.stderr)
+        sys.exit(1)

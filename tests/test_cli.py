@@ -1214,3 +1214,17 @@ def test_ctrl_c_while_the_command_starts_ends_it_quietly():
         preexec_fn=_signals_as_in_a_terminal,
     )
     assert (r.returncode, r.stdout, r.stderr) == (130, "", "")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_output_onto_a_full_disk_is_one_line():
+    for args in (["doctor"], ["models", "--json"], ["version"]):
+        with open("/dev/full", "w") as full:
+            r = subprocess.run(
+                [sys.executable, "-c", "from dflash_mlx.cli import run; run()", *args],
+                stdout=full,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=120,
+            )
+        assert r.returncode == 1 and r.stderr == "error: cannot write the output: No space left on device\n"
