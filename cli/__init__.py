@@ -4,6 +4,8 @@ import os
 import signal
 import sys
 
+from dflash_mlx.files import is_write_error  # (the standard library alone: no MLX yet)
+
 
 def run() -> None:
     # Ctrl-C while MLX and mlx-lm load (a second or two): nothing had started, so no traceback. The
@@ -25,8 +27,6 @@ def run() -> None:
         raise
     finally:
         signal.signal(signal.SIGINT, previous)
-    from dflash_mlx.files import is_write_error
-
     try:
         app()
     except OSError as e:  # the output could not be written (a full disk; > /dev/full): not a bug

@@ -107,7 +107,8 @@ def _model_folder(path: Path) -> bool:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    named = isinstance(config, dict) and (
-        "model_type" in config or "model_type" in config.get("text_config", {})
-    )
+    if not isinstance(config, dict):
+        return False
+    text = config.get("text_config")
+    named = "model_type" in config or (isinstance(text, dict) and "model_type" in text)
     return named and any(path.glob("*.safetensors"))

@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -153,10 +154,12 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
         print(f"converting {path.name} to an MLX folder in {dest} (once)", file=sys.stderr)
         with atomic_folder(dest, force=True) as tmp:
             convert_gguf(path, tmp, dtype)
-        # Conversions of that file before it changed (replaced, or touched) are not read again; each is
-        # as large as the model.
-        for old in dest.parent.glob(f"{glob.escape(path.stem)}-{tag}-{where}-*"):
-            if old != dest and (old / "config.json").exists():
+        # Conversions of that file before it changed (replaced, or touched) are not read again, nor those
+        # named as before (<size>-<time>: any file of that name); each is as large as the model.
+        for old in dest.parent.glob(f"{glob.escape(path.stem)}-{tag}-*"):
+            suffix = old.name[len(f"{path.stem}-{tag}-") :]
+            earlier = suffix.startswith(f"{where}-") or re.fullmatch(r"\d+-\d+", suffix)
+            if old != dest and earlier and (old / "config.json").exists():
                 shutil.rmtree(old, ignore_errors=True)
     return dest
 

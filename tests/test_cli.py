@@ -430,16 +430,16 @@ def test_wrong_folders_and_missing_drafters_are_named_before_any_loading(pair, t
     r = run(f"generate -m {root}/draft -d {root}/draft -p w5")  # drafter given as the target
     assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.stderr
     assert f"{root / 'draft'} is a DFlash drafter, not a target: pass it as the drafter" in r.stderr
-    for command in (
-        f"generate -m {root}/target -d {root}/target -p w5",
-        f"convert {root}/target {tmp_path}/x --export",
+    for command, line in (
+        (
+            f"generate -m {root}/target -d {root}/target -p w5",
+            "is a target (model type llama), not a DFlash drafter: pass it as the target (-m/--model)",
+        ),
+        (f"convert {root}/target {tmp_path}/x --export", "is a target: --export writes drafters"),
     ):
         r = run(command)  # ... and the other way round
         assert r.exit_code == 1 and "wrong type" not in r.stderr, r.stderr
-        assert (
-            f"{root}/target is a target (model type llama), not a DFlash drafter: pass it as the target"
-            in r.stderr
-        )
+        assert f"{root}/target {line}" in r.stderr
     shutil.copytree(root / "target", tmp_path / "untokenized")
     for f in (tmp_path / "untokenized").glob("tokenizer*"):
         f.unlink()

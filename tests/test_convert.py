@@ -343,7 +343,11 @@ def test_a_gguf_loaded_by_path_is_converted_once_and_again_only_when_the_file_ch
 
     monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path / "home"))
     write_gguf(tmp_path / "tiny.gguf", "llama")
+    named_as_before = tmp_path / "home" / "gguf" / "tiny-float32-123456-1700000000"  # (<size>-<time>)
+    named_as_before.mkdir(parents=True)
+    (named_as_before / "config.json").write_text("{}")
     first = gguf_folder(tmp_path / "tiny.gguf", mx.float32)
+    assert not named_as_before.exists()  # (a conversion no later version reads: 540 MB for the demo's)
     assert gguf_folder(tmp_path / "tiny.gguf", mx.float32) == first
     os.utime(tmp_path / "tiny.gguf", (1, 1))  # (a reinstalled wheel's file: another time)
     again = gguf_folder(tmp_path / "tiny.gguf", mx.float32)
