@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import signal
 import sys
@@ -52,6 +53,14 @@ def version():
     typer.echo(f"dflash-mlx {installed('dflash-mlx')}")
 
 
+def _unwrapped(command):
+    """The command with its docstring's lines joined within paragraphs: typer's rich help keeps a
+    docstring's line breaks, which then break sentences wherever the source wrapped them."""
+    paragraphs = inspect.cleandoc(command.__doc__ or "").split("\n\n")
+    command.__doc__ = "\n\n".join(p.replace("\n", " ") for p in paragraphs)
+    return command
+
+
 for command in (
     convert.convert,
     generate.generate,
@@ -63,7 +72,9 @@ for command in (
     profile.profile,
     serve.serve,
 ):
-    app.command()(command)
+    app.command()(_unwrapped(command))
+for info in train.app.registered_commands:
+    _unwrapped(info.callback)
 app.add_typer(train.app, name="train")
 
 if __name__ == "__main__":
