@@ -202,10 +202,10 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
             raise KeyboardInterrupt
         stop = True
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
     thinking = ThinkingFilter()
     messages = len(session.messages)
     pieces = session.reply(text, should_stop=lambda: stop)
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         console.print("[bold blue]model>[/bold blue] ", end="")
         for piece in pieces:

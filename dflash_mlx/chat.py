@@ -152,7 +152,7 @@ class ChatSession:
         the conversation. On an error or a KeyboardInterrupt the message is dropped; if that came inside
         a model pass, the caches it left half-updated are dropped too (the next message prefills the
         conversation again)."""
-        self.messages.append({"role": "user", "content": text})
+        message = {"role": "user", "content": text}
         answer, accepted, tokens, drafted, last, mix = [], [], 0, 0, None, Counter()
         recorded = False
 
@@ -174,7 +174,8 @@ class ChatSession:
                 }
             )
 
-        try:
+        try:  # (from the message's arrival on: a Ctrl-C right after it must take it away again)
+            self.messages.append(message)
             ids = apply_chat_template(self.tokenizer, self.conversation(), **self.template_kwargs)
             if len(ids) + self.settings.max_tokens > self.max_context:
                 alone = None
@@ -216,8 +217,8 @@ class ChatSession:
                 # whenever it is collected, so that a Ctrl-C during it reaches the caller.
                 stream.close()
         except (Exception, KeyboardInterrupt):  # no answer (unless it stopped cleanly first): the message
-            if not recorded:  # goes, and so does a cache that an interrupted pass left half-updated
-                self.messages.pop()
+            if not recorded and self.messages and self.messages[-1] is message:  # goes, and so does a
+                self.messages.pop()  # cache that an interrupted pass left half-updated
             if self.cache.broken:
                 self.cache = self.new_cache()
             raise

@@ -90,6 +90,18 @@ def test_an_interrupt_inside_a_model_pass_drops_the_message_and_a_clean_stop_kee
         list(session.reply("And of Italy?"))
     monkeypatch.setattr(DFlashDraftModel, "absorb", absorb)
     assert session.messages == first and len(session.turns) == 1  # the message is gone, the rest kept
+
+    class ArrivingAsCtrlC(list):  # Ctrl-C the moment the message is in (it stayed, or the chat then
+        def append(self, item):  # took the answer before it away instead, or crashed after a /reset)
+            super().append(item)
+            raise KeyboardInterrupt
+
+    for held in (first, []):
+        session.messages = ArrivingAsCtrlC(held)
+        with pytest.raises(KeyboardInterrupt):
+            list(session.reply("And of Spain?"))
+        assert session.messages == held
+    session.messages = list(first)
     # /stats's context is the conversation's, not the new empty cache's 0
     assert session.context_tokens() == len(apply_chat_template(tokenizer, first, add_generation_prompt=False))
     second = "".join(p.text for p in session.reply("And of Italy?"))
