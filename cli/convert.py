@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -10,7 +9,16 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dflash_mlx.convert import convert_draft, convert_target, export_draft, is_drafter
 from dflash_mlx.errors import AlreadyExists, UserError
-from dflash_mlx.loading import DTYPES, find_pair, is_gguf, resolve_draft, resolve_target, target_name
+from dflash_mlx.loading import (
+    DTYPES,
+    check_model_type,
+    find_pair,
+    is_gguf,
+    read_config,
+    resolve_draft,
+    resolve_target,
+    target_name,
+)
 
 from .options import stderr, user_errors
 
@@ -104,11 +112,7 @@ def _model_folder(path: Path) -> bool:
     """A model's folder (which --force may replace): a model's config and weights, not merely a file
     named config.json, which many other folders hold."""
     try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+        check_model_type(path, read_config(path))
+    except (UserError, OSError):
         return False
-    if not isinstance(config, dict):
-        return False
-    text = config.get("text_config")
-    named = "model_type" in config or (isinstance(text, dict) and "model_type" in text)
-    return named and any(path.glob("*.safetensors"))
+    return any(path.glob("*.safetensors"))

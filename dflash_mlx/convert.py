@@ -122,19 +122,18 @@ def convert_target(
 ) -> Path:
     """A target (HF id, folder or .gguf file) -> MLX folder that mlx_lm.load and our load read."""
     src = Path(source).expanduser()
-    if is_gguf(src) and quantize:  # quantized again from its weights in float (as loading caches them)
-        if dtype is None:
-            raise UserError(
-                "a GGUF target keeps its own quantization: leave out -q, or add --dtype float32 to "
-                "quantize its weights again from float32"
-            )
-        if not src.exists():
-            raise NotFound(f"no GGUF file at {source}")
+    gguf = is_gguf(src)
+    if gguf and quantize and dtype is None:
+        raise UserError(
+            "a GGUF target keeps its own quantization: leave out -q, or add --dtype float32 to "
+            "quantize its weights again from float32"
+        )
+    if gguf and not src.exists():
+        raise NotFound(f"no GGUF file at {source}")
+    if gguf and quantize:  # quantized again from its weights in float (as loading caches them)
         source = str(gguf_folder(src, DTYPES[dtype]))
     with atomic_folder(dest, force) as tmp:
-        if is_gguf(src) and not quantize:
-            if not src.exists():
-                raise NotFound(f"no GGUF file at {source}")
+        if gguf and not quantize:
             convert_gguf(src, tmp, DTYPES[dtype] if dtype else None, progress)
         else:
             folder = resolve(source)

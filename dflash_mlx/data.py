@@ -565,9 +565,7 @@ def check_data_options(
         raise UserError(f"limit cannot be negative, got {limit}")
     if not 0 <= temperature <= 100:
         raise UserError(f"temperature must be between 0 and 100, got {temperature}")
-    if Path(folder).exists() and not Path(folder).is_dir():
-        raise UserError(f"{folder} is a file: give a folder for the answers' shards")
-    check_writable(folder)
+    check_writable(folder)  # (a file, or a place where no folder can be made)
     others = sorted(p.name for p in Path(folder).glob("*") if not p.name.startswith("shard-"))
     if others:  # (a model folder given by mistake, say)
         raise UserError(

@@ -908,12 +908,12 @@ def costs_path(target, draft) -> Path:
     return cache_home() / "costs" / f"{cost_key(target, draft)}.json"
 
 
-def costs_for(target, draft, refresh: bool = False, batches=()) -> CostModel:
+def costs_for(target, draft, batches=()) -> CostModel:
     """This pair's costs on this machine: measured at first use (a few seconds), then read from disk;
     `batches`: the batch sizes whose passes must be priced too (measured where they are not yet)."""
     path = costs_path(target, draft)
     costs = None
-    if not refresh and path.exists():
+    if path.exists():
         try:
             costs = CostModel(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError, KeyError):

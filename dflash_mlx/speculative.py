@@ -237,7 +237,7 @@ def stream_generate(
     for name, value in (("compile", compile), ("continues", continues)):
         if not isinstance(value, (bool, np.bool_)):
             raise UserError(f"{name} must be True or False, got {value!r}")
-    if isinstance(tokenizer, (str, bytes, int, list, dict)):
+    if tokenizer is not None and not hasattr(tokenizer, "decode"):
         raise UserError(
             f"tokenizer must be the target's tokenizer (load_pair's third), got {type(tokenizer).__name__}"
         )
