@@ -26,6 +26,7 @@ from .options import (
     MaxTokens,
     Model,
     NoLookup,
+    RepetitionPenalty,
     Temp,
     Think,
     check_utf8,
@@ -52,6 +53,7 @@ def chat(
     draft: Draft = None,
     system: str | None = typer.Option(None, "--system", help="System prompt."),
     temp: Temp = 0.0,
+    repetition_penalty: RepetitionPenalty = None,
     block_size: BlockSize = None,
     no_lookup: NoLookup = False,
     draft_window: DraftWindow = None,
@@ -64,6 +66,7 @@ def chat(
     with user_errors():
         GenerationSettings(
             temperature=temp,
+            repetition_penalty=repetition_penalty,
             block_size=block_size,
             lookup=not no_lookup,
             max_tokens=max_tokens,
@@ -79,6 +82,7 @@ def chat(
             tokenizer,
             system=system,
             temperature=temp,
+            repetition_penalty=repetition_penalty,
             block_size=block_size,
             lookup=not no_lookup,
             max_tokens=max_tokens,

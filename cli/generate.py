@@ -31,6 +31,7 @@ from .options import (
     MinP,
     Model,
     NoLookup,
+    RepetitionPenalty,
     Seed,
     Temp,
     Think,
@@ -54,6 +55,7 @@ def generate(
     top_p: TopP = 1.0,
     top_k: TopK = 0,
     min_p: MinP = 0.0,
+    repetition_penalty: RepetitionPenalty = None,
     seed: Seed = None,
     block_size: BlockSize = None,
     tree: Tree = None,
@@ -81,6 +83,7 @@ def generate(
             top_p=top_p,
             top_k=top_k,
             min_p=min_p,
+            repetition_penalty=repetition_penalty,
             max_tokens=max_tokens,
             block_size=block_size,
             tree=tree,
@@ -189,4 +192,6 @@ def _plain(model, tokenizer, ids, settings: GenerationSettings):
     if s.seed is not None:
         mx.random.seed(s.seed)
     sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0, min_p=s.min_p, top_k=s.top_k)
-    yield from plain_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler)
+    yield from plain_stream_generate(
+        model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, logits_processors=s.processors()
+    )

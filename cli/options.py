@@ -30,6 +30,13 @@ TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold
 TopK = Annotated[int, typer.Option("--top-k", help="Sample from the k most likely tokens (0 = off).")]
 MinP = Annotated[float, typer.Option("--min-p", help="Min-p sampling threshold (0 = off).")]
 Seed = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
+RepetitionPenalty = Annotated[
+    float | None,
+    typer.Option(
+        "--repetition-penalty",
+        help="Make the latest 20 tokens less likely by this factor, as mlx-lm's does (1 = off).",
+    ),
+]
 BlockSize = Annotated[
     int | None,
     typer.Option(

@@ -94,6 +94,7 @@ class ChatSession:
         *,
         system: str | None = None,
         temperature: float = 0.0,
+        repetition_penalty: float | None = None,
         block_size: int | None = None,
         lookup: bool = True,
         max_tokens: int = 1024,
@@ -103,6 +104,7 @@ class ChatSession:
     ):
         self.settings = GenerationSettings(
             temperature=temperature,
+            repetition_penalty=repetition_penalty,
             block_size=block_size,
             lookup=lookup,
             max_tokens=max_tokens,

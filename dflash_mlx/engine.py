@@ -67,6 +67,7 @@ class Sequence:
     sampler: Callable | None = None
     compile: bool = True
     keyed: bool = False  # a seeded answer's draws keyed by their positions (see __post_init__)
+    processors: list = field(default_factory=list)  # mlx-lm logits processors, after the settings' own
     produced: int = 0
     finish: str | None = None  # "stop" or "length" once it has ended
     removed: bool = False  # taken out of the engine (it may be added again)
@@ -78,6 +79,12 @@ class Sequence:
         with a custom sampler): the answer then depends on the seed alone, not on what was proposed,
         so not on what runs beside it in a batch either."""
         s, cache = self.settings, self.cache
+        self.processors = s.processors() + list(self.processors)
+        vocab = cache.target.vocab_size
+        if s.logit_bias and max(s.logit_bias) >= vocab:
+            raise UserError(
+                f"logit_bias token id {max(s.logit_bias)} is past the vocabulary (0..{vocab - 1})"
+            )
         if self.sampler is not None:
             self.sampler = guarded(self.sampler)
         self.keyed = self.keyed and s.seed is not None and not s.greedy and self.sampler is None
@@ -128,7 +135,7 @@ class Sequence:
     def begin(self, logits: mx.array) -> list[int]:
         """`start` once the prompt is prefilled (`logits`: the target's after it, as `prefill` gives)."""
         try:
-            first = int(self.pick_at(logits, len(self.cache.tokens)).item())
+            first = int(self.pick_at(self.processed(logits, [[]]), len(self.cache.tokens)).item())
             if first < 0:
                 raise out_of_vocabulary()
         except BaseException:  # (a failing sampler, Ctrl-C): the prompt is in, its answer is not
@@ -152,6 +159,22 @@ class Sequence:
                 self.finish = "length"
         self.produced += len(new)
         return new
+
+    def processed(self, logits: mx.array, paths: list) -> mx.array:
+        """Logits rows with the logits processors applied, row j's seeing the sequence's tokens and then
+        paths[j] (the proposals before its position: a list or an array of ids), as plain decoding's
+        see every token before theirs. Each row is processed alone (a processor takes one history)."""
+        if not self.processors:
+            return logits
+        history = mx.array(self.cache.tokens, dtype=mx.int32)
+        rows = []
+        for j, path in enumerate(paths):
+            seen = mx.concatenate([history, mx.array(path, dtype=mx.int32)]) if len(path) else history
+            row = logits[j : j + 1]
+            for processor in self.processors:
+                row = processor(seen, row)
+            rows.append(row)
+        return mx.concatenate(rows)
 
     def pick_at(self, logits: mx.array, position: int, depths: list[int] | None = None) -> mx.array:
         """The target's token(s) for logits rows predicting positions `position`, `position` + 1, ...
@@ -286,10 +309,13 @@ class Engine:
         for b, (s, choice, (x, q, confidence, tree, values)) in enumerate(zip(rows, choices, proposals)):
             accepted = None
             if x.size:
-                row = self.solo[b][1][0] if b in self.solo else logits[b]
-                n, nxt, accepted = s.accept_at(x, q, row[: blocks[b].size], contexts[b], tree)
+                row = (self.solo[b][1][0] if b in self.solo else logits[b])[: blocks[b].size]
+                if s.processors:
+                    paths = tree.paths() if tree is not None else [x[:j] for j in range(x.size + 1)]
+                    row = s.processed(row, paths)
+                n, nxt, accepted = s.accept_at(x, q, row, contexts[b], tree)
             else:
-                n, nxt = mx.array(0), s.pick_at(logits[b, :1], contexts[b])[0]
+                n, nxt = mx.array(0), s.pick_at(s.processed(logits[b, :1], [[]]), contexts[b])[0]
             mx.async_eval(n, nxt)
             s.cycle = Cycle(choice, x, confidence, founds[b], b, n, nxt, tree, values, accepted)
         self.step_rows = rows
@@ -460,11 +486,14 @@ class Engine:
         if self.batch is None:
             (s,) = rows
             logits, features = s.cache.verify(tokens.reshape(1, 1), unrun=True)
-            return features, [s.pick_at(logits[0], len(s.cache.tokens) + 1)[0]]
+            return features, [s.pick_at(s.processed(logits[0], [tokens]), len(s.cache.tokens) + 1)[0]]
         for s in rows:
             s.cache.broken = True
         logits, features, self.undo = self.target.verify(tokens.reshape(-1, 1), self.batch, unrun=True)
-        return features, [s.pick_at(logits[b], len(s.cache.tokens) + 1)[0] for b, s in enumerate(rows)]
+        return features, [
+            s.pick_at(s.processed(logits[b], [tokens[b : b + 1]]), len(s.cache.tokens) + 1)[0]
+            for b, s in enumerate(rows)
+        ]
 
     def _launch_built(self, features, nxt: list[mx.array]) -> None:
         if self.batch is None:

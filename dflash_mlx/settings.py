@@ -7,7 +7,11 @@ loaded, with an error that names the setting.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+
+from mlx_lm.sample_utils import make_logits_processors
 
 from .errors import UserError
 from .pairing import check_block_size
@@ -27,6 +31,16 @@ class GenerationSettings(SamplingParams):
     seed: int | None = None  # any integer, taken modulo 2**64 (MLX's seeds are unsigned 64-bit)
     prefill_step_size: int | None = None  # prompt tokens a prefill pass takes (None: cache.prefill_step)
     draft_window: int | None = None  # the drafter keeps only this many latest context positions
+    # mlx-lm's logits processors (`make_logits_processors`), applied to the target's logits at every
+    # position it verifies, each seeing the tokens before that position: the answer is the one plain
+    # decoding with them gives. The penalties look at the latest *_context_size tokens (prompt included).
+    repetition_penalty: float | None = None  # recent tokens' logits moved towards less likely by this factor
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0  # subtracted from the logits of recent tokens
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0  # ... times how often each occurs among them
+    frequency_context_size: int = 20
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def __post_init__(self):
         super().__post_init__()
@@ -47,6 +61,41 @@ class GenerationSettings(SamplingParams):
             )
         if self.seed is not None:
             object.__setattr__(self, "seed", self.seed % 2**64)
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty < math.inf:
+            raise UserError(
+                f"repetition_penalty must be a number above 0 (1: none), got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise UserError(f"{name} must be a finite number (0: none), got {getattr(self, name)}")
+        for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+            if (size := getattr(self, name)) < 1:
+                raise UserError(f"{name} must be >= 1 (the latest tokens looked at), got {size}")
+        bias = self.logit_bias
+        if bias is not None:
+            ok = isinstance(bias, dict) and all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in bias
+            )
+            if not ok or not all(isinstance(v, numbers.Real) and math.isfinite(v) for v in bias.values()):
+                raise UserError(
+                    f"logit_bias must map token ids (whole numbers >= 0) to finite numbers, got {bias!r}"
+                )
+            object.__setattr__(self, "logit_bias", {int(t): float(v) for t, v in bias.items()} or None)
+
+    def processors(self) -> list:
+        """mlx-lm's logits processors for these settings (none when they ask for nothing)."""
+        return make_logits_processors(
+            self.logit_bias,
+            None if self.repetition_penalty == 1 else self.repetition_penalty,
+            self.repetition_context_size,
+            self.presence_penalty,
+            self.presence_context_size,
+            self.frequency_penalty,
+            self.frequency_context_size,
+        )
 
     def answering(self) -> GenerationSettings:
         """These settings where the answer is the point (a chat turn, a benchmark, an acceptance

@@ -186,6 +186,14 @@ def stream_generate(
     prompt_cache: SpeculativeCache | None = None,
     prefill_step_size: int | None = None,
     draft_window: int | None = None,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    presence_penalty: float = 0.0,
+    presence_context_size: int = 20,
+    frequency_penalty: float = 0.0,
+    frequency_context_size: int = 20,
+    logit_bias: dict[int, float] | None = None,
+    logits_processors: abc.Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
     compile: bool = True,
     continues: bool = False,
 ) -> Iterator[GenerationResponse]:
@@ -204,6 +212,10 @@ def stream_generate(
     in a pass of N every cycle (see trees.py; the adaptive policy builds trees where they pay).
     `draft_window=N` keeps only the drafter's latest N context positions, so its pass stops growing
     with the context (a `prompt_cache` keeps its own).
+    The penalties and `logit_bias` are mlx-lm's (`make_logits_processors`), and `logits_processors`
+    takes more of its kind ((tokens, logits) -> logits): applied to the target's logits at every
+    position, each seeing the tokens before that position (the prompt's too), so the answer is the one
+    plain decoding with them gives; the drafter's proposals are only accepted less often.
     `continues=True` says the answer's text goes on from the prompt's (a completion of raw text): its
     first piece keeps the space that joins them, which mlx-lm's detokenizers drop; an empty prompt
     with a `prompt_cache` goes on from the last answer, and always keeps it.
@@ -223,7 +235,21 @@ def stream_generate(
         seed=seed,
         prefill_step_size=prefill_step_size,
         draft_window=draft_window,
+        repetition_penalty=repetition_penalty,
+        repetition_context_size=repetition_context_size,
+        presence_penalty=presence_penalty,
+        presence_context_size=presence_context_size,
+        frequency_penalty=frequency_penalty,
+        frequency_context_size=frequency_context_size,
+        logit_bias=logit_bias,
     )
+    processors = [] if logits_processors is None else logits_processors
+    processors = list(processors) if isinstance(processors, abc.Iterable) else [processors]
+    if not all(callable(p) for p in processors):
+        raise UserError(
+            "logits_processors must be a list of functions (tokens, logits) -> logits, "
+            f"e.g. mlx_lm.sample_utils.make_logits_processors(...), got {logits_processors!r}"
+        )
     if sampler is not None and not callable(sampler):
         raise UserError(
             f"sampler must be a function of log-probabilities, e.g. mlx_lm.sample_utils.make_sampler(...), "
@@ -293,7 +319,7 @@ def stream_generate(
             mx.random.seed(settings.seed)
         cache = prompt_cache or SpeculativeCache(target, draft, draft_window)
         eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
-        seq = Sequence(cache, settings, max_tokens, eos, sampler, compile)
+        seq = Sequence(cache, settings, max_tokens, eos, sampler, compile, processors=processors)
         tic = time.perf_counter()
         first = seq.start(prompt_ids)
         answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)  # with a kept cache's pending

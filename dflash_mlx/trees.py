@@ -57,6 +57,14 @@ class Tree:
         ranks = None if self.ranks is None else self.ranks[:n]
         return Tree(self.tokens[:n], self.parents[:n], self.depths[:n], ranks)
 
+    def paths(self) -> list[list[int]]:
+        """Each block index's path: the nodes' tokens from the root to it (none for the pending token),
+        what the target has seen after the context where it predicts that index's child."""
+        paths = [[]]
+        for token, parent in zip(self.tokens, self.parents):
+            paths.append(paths[parent] + [token])
+        return paths
+
     def ancestors(self) -> mx.array:
         """(W, W) bool, W = size + 1: block index i sees block index j (j is i or one of its ancestors)."""
         rows = [[True]]

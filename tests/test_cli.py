@@ -15,6 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import save_config, save_model
 from test_drafter import write_zlab_checkpoint
 from tiny import CONFIGS, greedy_reference, make_draft, make_target, make_tokenizer
@@ -64,6 +66,24 @@ def test_generate_prints_the_text_and_keeps_stats_off_stdout(pair):
     ref = greedy_reference(model, [5, 6, 7], 12, eos={95})
     assert r.stdout.split() == [f"w{t}" for t in ref if t != 95]
     assert "tokens/s" in r.stderr and "tokens/s" not in r.stdout
+
+
+def test_generate_takes_mlx_lms_repetition_penalty_with_the_drafter_and_without(pair):
+    root, model = pair
+    processors = make_logits_processors(repetition_penalty=1.8)
+    ref = []
+    for t, _ in generate_step(mx.array([5, 6, 7]), model, max_tokens=12, logits_processors=processors):
+        ref.append(int(t))
+        if ref[-1] == 95:  # (the tiny tokenizer's EOS)
+            break
+    assert ref != greedy_reference(model, [5, 6, 7], 12, eos={95})
+    command = f"generate -m {root}/target -p 'w5 w6 w7' --max-tokens 12 --no-chat-template "
+    command += "--repetition-penalty 1.8"
+    for r in (run(f"{command} -d {root}/draft"), run(f"{command} --no-draft")):
+        assert r.exit_code == 0, r.output
+        assert r.stdout.split() == [f"w{t}" for t in ref if t != 95]
+    r = run(f"generate -m {root}/target -d {root}/draft -p w5 --repetition-penalty 0")
+    assert r.exit_code == 1 and "repetition_penalty must be a number above 0 (1: none), got 0" in r.stderr
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

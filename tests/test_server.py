@@ -86,6 +86,51 @@ def test_openai_chat_streamed_and_not_gives_the_text_of_generate(tiny, server):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == want.prompt_tokens - 1
 
 
+def test_penalties_and_biases_give_the_answer_generate_gives_with_them(tiny, server):
+    url, _ = server
+    client, _ = clients(url)
+    target, draft, tok = tiny
+    messages = [{"role": "user", "content": words(4)}]
+    biased = {tok.encode(" w9", add_special_tokens=False)[0]: 5.0}
+    settings = dict(presence_penalty=0.8, frequency_penalty=0.5, logit_bias=biased, repetition_penalty=1.6)
+    want = expected(tiny, messages, **settings, repetition_context_size=7)
+    assert want.text != expected(tiny, messages).text
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        presence_penalty=0.8,
+        frequency_penalty=0.5,
+        logit_bias={str(t): b for t, b in biased.items()},
+        extra_body={"repetition_penalty": 1.6, "repetition_context_size": 7},  # (mlx-lm's server's)
+    )
+    assert r.choices[0].message.content == want.text
+    want = generate(target, draft, tok, words(5), max_tokens=10, frequency_penalty=-1.5).tokens
+    assert want != generate(target, draft, tok, words(5), max_tokens=10).tokens
+    r = client.completions.create(model="tiny", prompt=words(5), max_tokens=10, frequency_penalty=-1.5)
+    assert words(5) + r.choices[0].text == tok.decode(tok.encode(words(5)) + want)
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("presence_penalty", 2.5, "should be less than or equal to 2"),
+        ("frequency_penalty", -3, "should be greater than or equal to -2"),
+        ("repetition_penalty", 0, "should be greater than 0"),
+        ("repetition_context_size", 0, "should be greater than or equal to 1"),
+        ("logit_bias", {"w5": 1}, "should be a valid integer"),
+        ("logit_bias", {"5": 101}, "should be less than or equal to 100"),
+        ("logit_bias", {"96": 1}, "token ids must be in 0..95"),
+        ("logit_bias", {"-1": 1}, "token ids must be in 0..95"),
+    ],
+)
+def test_penalties_and_biases_out_of_range_are_a_400_that_names_them(server, field, value, says):
+    url, _ = server
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], field: value}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
+    assert says in r.json()["error"]["message"], r.text
+
+
 def test_completions_and_models(tiny, server):
     url, _ = server
     client, _ = clients(url)

@@ -38,7 +38,7 @@ from .pool import PromptCachePool
 from .prompts import Prompts
 from .scheduler import Busy, Finished, Scheduler, Started
 from .scheduler import Request as Job
-from .schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest, TokenCountRequest
+from .schemas import PROCESSORS, ChatCompletionRequest, CompletionRequest, MessagesRequest, TokenCountRequest
 
 log = logging.getLogger("dflash_mlx.server")
 
@@ -310,6 +310,13 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
 
     def settings_for(body, max_tokens: int | None) -> GenerationSettings:
         d = config.defaults
+        bias = getattr(body, "logit_bias", None)
+        if bias and not 0 <= min(bias) <= max(bias) < target.args.vocab_size:
+            raise ApiError(
+                400, f"logit_bias: token ids must be in 0..{target.args.vocab_size - 1}", param="logit_bias"
+            )
+        # (OpenAI's APIs take them; a field left out or null keeps its default)
+        processors = {name: value for name in PROCESSORS if (value := getattr(body, name, None)) is not None}
         return GenerationSettings(
             temperature=d.temperature if body.temperature is None else body.temperature,
             top_p=d.top_p if body.top_p is None else body.top_p,
@@ -320,6 +327,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             lookup=d.lookup,
             seed=body.seed,
             draft_window=d.draft_window,
+            **processors,
         )
 
     @asynccontextmanager

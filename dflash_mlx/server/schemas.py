@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
@@ -72,13 +72,9 @@ NOT_GIVEN = {
     "echo": "the prompt echoed back",
     "suffix": "insertions (a suffix)",
     "best_of": "the best of several answers",
-    "logit_bias": "token biases",
-    "presence_penalty": "presence penalties",
-    "frequency_penalty": "frequency penalties",
-    "repetition_penalty": "repetition penalties",
     "audio": "answers in audio",
 }
-NEUTRAL = {"best_of": 1, "repetition_penalty": 1}  # values of those fields that ask for nothing
+NEUTRAL = {"best_of": 1}  # values of those fields that ask for nothing
 FORCED_TOOLS = "this server cannot make the model call a tool; leave tool_choice out or make it "
 
 
@@ -102,6 +98,15 @@ class _OpenAI(_Sampling):
     stop: str | list[str] | None = Field(None, union_mode="left_to_right")
     n: int | None = 1
     stream_options: StreamOptions | None = None
+    # OpenAI's penalties and biases (in its ranges), and mlx-lm's server's repetition penalty and
+    # windows: what mlx-lm's logits processors take (settings.py)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
+    repetition_context_size: int | None = Field(None, ge=1)
+    presence_context_size: int | None = Field(None, ge=1)
+    frequency_context_size: int | None = Field(None, ge=1)
 
     @field_validator("stop")
     @classmethod
@@ -130,6 +135,17 @@ class _OpenAI(_Sampling):
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+PROCESSORS = (  # the fields above that settings.py turns into logits processors
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_context_size",
+    "frequency_context_size",
+)
 
 
 class ChatCompletionRequest(_OpenAI):
