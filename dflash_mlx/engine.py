@@ -54,6 +54,7 @@ class Cycle:
     values: mx.array | None = None  # ... the drafter's candidates' probabilities it was built from
     accepted: mx.array | None = None  # ... which of the block's positions were accepted
     after: str | None = None  # a plain step built before its turn: "built", or "ahead" if also started
+    logprobs: mx.array | None = None  # its pass's rows as log-probabilities, where the answer gives them
 
 
 @dataclass(eq=False)
@@ -68,6 +69,7 @@ class Sequence:
     compile: bool = True
     keyed: bool = False  # a seeded answer's draws keyed by their positions (see __post_init__)
     processors: list = field(default_factory=list)  # mlx-lm logits processors, after the settings' own
+    scores: list | None = None  # the log-probabilities of the tokens last handed out (`score`)
     produced: int = 0
     finish: str | None = None  # "stop" or "length" once it has ended
     removed: bool = False  # taken out of the engine (it may be added again)
@@ -135,9 +137,11 @@ class Sequence:
     def begin(self, logits: mx.array) -> list[int]:
         """`start` once the prompt is prefilled (`logits`: the target's after it, as `prefill` gives)."""
         try:
-            first = int(self.pick_at(self.processed(logits, [[]]), len(self.cache.tokens)).item())
+            row = self.processed(logits, [[]])
+            first = int(self.pick_at(row, len(self.cache.tokens)).item())
             if first < 0:
                 raise out_of_vocabulary()
+            self.scores = self.score(self.log_probs(row), [0], [first])
         except BaseException:  # (a failing sampler, Ctrl-C): the prompt is in, its answer is not
             self.cache.broken = True
             raise
@@ -175,6 +179,26 @@ class Sequence:
                 row = processor(seen, row)
             rows.append(row)
         return mx.concatenate(rows)
+
+    def log_probs(self, logits: mx.array) -> mx.array | None:
+        """Logits rows (processed) as the log-probabilities an answer gives with its tokens (lazy), or
+        None where it gives none."""
+        if self.settings.logprobs is None:
+            return None
+        logits = logits.astype(mx.float32)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def score(self, logprobs: mx.array | None, rows: list[int], tokens: list[int]) -> list | None:
+        """For each token (predicted by logprobs[rows[j]]): (its log-probability, the settings' number
+        of most likely tokens there as (id, log-probability), best first); None where none are given."""
+        if logprobs is None or not tokens:
+            return None if logprobs is None else []
+        lp = logprobs[mx.array(rows[: len(tokens)])]
+        chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0]
+        k = self.settings.logprobs
+        top = mx.argsort(-lp, axis=-1)[:, :k] if k else mx.zeros((len(tokens), 0), dtype=mx.int32)
+        values = mx.take_along_axis(lp, top, axis=-1)
+        return [(c, list(zip(ids, v))) for c, ids, v in zip(chosen.tolist(), top.tolist(), values.tolist())]
 
     def pick_at(self, logits: mx.array, position: int, depths: list[int] | None = None) -> mx.array:
         """The target's token(s) for logits rows predicting positions `position`, `position` + 1, ...
@@ -216,6 +240,7 @@ class Result:
     accepted: int  # proposals kept + 1
     source: str  # PLAIN, LOOKUP, DFLASH or TREE
     proposed: int  # proposals verified (a tree's nodes)
+    scores: list | None = None  # the tokens' log-probabilities, where the answer gives them (`score`)
 
 
 class Engine:
@@ -229,7 +254,7 @@ class Engine:
         self.undo = None  # the batched pass under way (one row: its cache holds it)
         self.solo: dict = {}  # rows of the step under way verified in a pass of their own (see _verify)
         self.features = None
-        self.ready = None  # a plain step built on the last step's tokens: (features, next tokens)
+        self.ready = None  # a plain step built on the last step's tokens: (features, next tokens, their rows)
         self.started = False  # ... and launched
         self.turn = 0  # whose step it is, when sequences cannot batch
         self.launched: float | None = None  # when the step under way was launched, if one sequence's
@@ -294,13 +319,15 @@ class Engine:
         if ready is not None:
             if all(c.source == PLAIN for c in choices):  # the plain step built already
                 if not started:
-                    self._launch_built(*ready)
+                    self._launch_built(*ready[:2])
                 self.features, self.step_rows = ready[0], rows
                 after = "ahead" if started else "built"
                 if started and self.launched is not None:  # (it runs from the last collection on)
                     self.launched = self.collected
                 for b, (s, c) in enumerate(zip(rows, choices)):
-                    s.cycle = Cycle(c, NONE, [], founds[b], b, mx.array(0), ready[1][b], after=after)
+                    nxt, logprobs = ready[1][b], s.log_probs(ready[2][b])
+                    s.cycle = Cycle(c, NONE, [], founds[b], b, mx.array(0), nxt, after=after)
+                    s.cycle.logprobs = logprobs
                 return
             self._drop_step()
         proposals = self._propose(rows, choices, founds, contexts, solo)
@@ -315,9 +342,11 @@ class Engine:
                     row = s.processed(row, paths)
                 n, nxt, accepted = s.accept_at(x, q, row, contexts[b], tree)
             else:
-                n, nxt = mx.array(0), s.pick_at(s.processed(logits[b, :1], [[]]), contexts[b])[0]
+                row = s.processed(logits[b, :1], [[]])
+                n, nxt = mx.array(0), s.pick_at(row, contexts[b])[0]
             mx.async_eval(n, nxt)
             s.cycle = Cycle(choice, x, confidence, founds[b], b, n, nxt, tree, values, accepted)
+            s.cycle.logprobs = s.log_probs(row)
         self.step_rows = rows
 
     def _next_rows(self):
@@ -384,7 +413,7 @@ class Engine:
             self.ready = self._build_plain(rows, mx.stack([c.nxt for c in cycles]))
             if self._plain_next(rows):
                 tic = time.perf_counter()
-                self._launch_built(*self.ready)
+                self._launch_built(*self.ready[:2])
                 ahead = time.perf_counter() - tic
                 self.started = True
             else:
@@ -409,7 +438,8 @@ class Engine:
                 raise out_of_vocabulary()
             new = s.cut(proposals + [nxt])
             tokens.append(new)
-            results.append(Result(s, new, n + 1, source, c.x.size))
+            scores = s.score(c.logprobs, paths.get(b) or list(range(n + 1)), new)
+            results.append(Result(s, new, n + 1, source, c.x.size, scores))
         if self.ready is None:
             self._keep(rows, [len(t) for t in tokens], tokens, paths)
         else:
@@ -480,20 +510,21 @@ class Engine:
         return logits
 
     def _build_plain(self, rows: list[Sequence], tokens: mx.array):
-        """A plain step on (lazy) tokens, built but not run: (features, each row's next token). Each
+        """A plain step on (lazy) tokens, built but not run: (features, each row's next token, the
+        logits row it is chosen from). Each
         row's token is its own array of the step: one sliced out later would queue behind whatever
         was launched since, and reading it would wait for that."""
         if self.batch is None:
             (s,) = rows
             logits, features = s.cache.verify(tokens.reshape(1, 1), unrun=True)
-            return features, [s.pick_at(s.processed(logits[0], [tokens]), len(s.cache.tokens) + 1)[0]]
-        for s in rows:
-            s.cache.broken = True
-        logits, features, self.undo = self.target.verify(tokens.reshape(-1, 1), self.batch, unrun=True)
-        return features, [
-            s.pick_at(s.processed(logits[b], [tokens[b : b + 1]]), len(s.cache.tokens) + 1)[0]
-            for b, s in enumerate(rows)
-        ]
+            processed = [s.processed(logits[0], [tokens])]
+        else:
+            for s in rows:
+                s.cache.broken = True
+            logits, features, self.undo = self.target.verify(tokens.reshape(-1, 1), self.batch, unrun=True)
+            processed = [s.processed(logits[b], [tokens[b : b + 1]]) for b, s in enumerate(rows)]
+        nexts = [s.pick_at(row, len(s.cache.tokens) + 1)[0] for s, row in zip(rows, processed)]
+        return features, nexts, processed
 
     def _launch_built(self, features, nxt: list[mx.array]) -> None:
         if self.batch is None:

@@ -84,7 +84,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def logprobs(self, logits: mx.array) -> mx.array:
+    def sampling_logprobs(self, logits: mx.array) -> mx.array:
         """Log-probabilities (float32) of the distribution plain sampling draws each token from. As in
         mlx-lm, the log-softmax, the filters and the temperature are computed in the logits' own dtype
         (in bfloat16 that decides which tokens sit on a filter's threshold); its categorical draw then
@@ -93,8 +93,8 @@ class SamplingParams:
         return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
     def scaled(self, logits: mx.array) -> mx.array:
-        """`logprobs` before their last normalisation: all a categorical draw needs (it normalises for
-        itself), a pass over the vocabulary less per token."""
+        """`sampling_logprobs` before their last normalisation: all a categorical draw needs (it
+        normalises for itself), a pass over the vocabulary less per token."""
         x = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if 0 < self.top_p < 1:
             x = apply_top_p(x, self.top_p)
@@ -107,7 +107,7 @@ class SamplingParams:
         return x.astype(mx.float32)
 
     def probs(self, logits: mx.array) -> mx.array:
-        return mx.exp(self.logprobs(logits))
+        return mx.exp(self.sampling_logprobs(logits))
 
     def sample(self, logits: mx.array) -> mx.array:
         """One token per row of logits (mlx-lm's greedy choice at temperature 0)."""
@@ -239,7 +239,7 @@ def acceptance(params: SamplingParams, sampler: Callable | None):
     else:
 
         def draft(logits):
-            logq = params.logprobs(logits)
+            logq = params.sampling_logprobs(logits)
             return mx.random.categorical(logq), mx.exp(logq)
 
         def accept(x, q, logits):

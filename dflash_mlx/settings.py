@@ -18,6 +18,8 @@ from .pairing import check_block_size
 from .sampling import SamplingParams
 from .trees import TREE_MAX
 
+MAX_LOGPROBS = 20  # the most likely tokens an answer may give beside each of its own (OpenAI's limit)
+
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationSettings(SamplingParams):
@@ -41,6 +43,9 @@ class GenerationSettings(SamplingParams):
     frequency_penalty: float = 0.0  # ... times how often each occurs among them
     frequency_context_size: int = 20
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # None: no log-probabilities; N: each token's (of the target's processed logits, before sampling's
+    # temperature and filters, as mlx-lm gives them) and the N most likely at its position
+    logprobs: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -62,6 +67,11 @@ class GenerationSettings(SamplingParams):
         if self.seed is not None:
             object.__setattr__(self, "seed", self.seed % 2**64)
         self._check_processors()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise UserError(
+                f"logprobs must be from 0 to {MAX_LOGPROBS} (the most likely tokens given beside each), "
+                f"got {self.logprobs}"
+            )
 
     def _check_processors(self) -> None:
         if self.repetition_penalty is not None and not 0 < self.repetition_penalty < math.inf:

@@ -54,6 +54,9 @@ class GenerationResponse:
     source: str | None = None  # what proposed this cycle's tokens: "plain", "lookup", "dflash" or "tree"
     proposed: int = 0  # how many proposals this cycle's verify pass checked (a tree's nodes)
     stop: str | None = None  # the stop string that ended the text, if one did
+    # with `logprobs`: each token's log-probability, and the most likely at its position as (id, value)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -193,6 +196,7 @@ def stream_generate(
     frequency_penalty: float = 0.0,
     frequency_context_size: int = 20,
     logit_bias: dict[int, float] | None = None,
+    logprobs: int | None = None,
     logits_processors: abc.Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
     compile: bool = True,
     continues: bool = False,
@@ -216,6 +220,9 @@ def stream_generate(
     takes more of its kind ((tokens, logits) -> logits): applied to the target's logits at every
     position, each seeing the tokens before that position (the prompt's too), so the answer is the one
     plain decoding with them gives; the drafter's proposals are only accepted less often.
+    `logprobs=N` gives each token's log-probability (`GenerationResponse.logprobs`, of the target's
+    processed logits before sampling's temperature and filters, as mlx-lm gives them) and the N (0 to
+    20) most likely tokens at its position (`top_logprobs`).
     `continues=True` says the answer's text goes on from the prompt's (a completion of raw text): its
     first piece keeps the space that joins them, which mlx-lm's detokenizers drop; an empty prompt
     with a `prompt_cache` goes on from the last answer, and always keeps it.
@@ -242,6 +249,7 @@ def stream_generate(
         frequency_penalty=frequency_penalty,
         frequency_context_size=frequency_context_size,
         logit_bias=logit_bias,
+        logprobs=logprobs,
     )
     processors = [] if logits_processors is None else logits_processors
     processors = list(processors) if isinstance(processors, abc.Iterable) else [processors]
@@ -323,7 +331,7 @@ def stream_generate(
         tic = time.perf_counter()
         first = seq.start(prompt_ids)
         answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)  # with a kept cache's pending
-        response = answer.respond(first, None, seq.finish)
+        response = answer.respond(first, None, seq.finish, scores=seq.scores)
     yield response
     if response.finish_reason is not None:
         return
@@ -338,7 +346,7 @@ def stream_generate(
                 (r,) = engine.collect()
                 if seq.finish is None:
                     engine.launch()
-                response = answer.respond(r.tokens, r.accepted, seq.finish, r.source, r.proposed)
+                response = answer.respond(r.tokens, r.accepted, seq.finish, r.source, r.proposed, r.scores)
                 if response.stop is not None:
                     # a stop string ended it (perhaps in the step that also reached max_tokens or an
                     # EOS): the step under way is taken back, and the tokens committed after the
@@ -415,6 +423,7 @@ class Answer:
         finish: str | None,
         source: str | None = None,
         proposed: int = 0,
+        scores: list | None = None,
     ) -> GenerationResponse:
         self.tic = self.tic or time.perf_counter()
         for t in new:
@@ -446,6 +455,8 @@ class Answer:
             source,
             proposed,
             hit,
+            None if scores is None else [c for c, _ in scores[: len(new)]],
+            None if scores is None else [top for _, top in scores[: len(new)]],
         )
 
 

@@ -12,7 +12,7 @@ from test_sampling import DRAFT, PROMPT, T, TargetPathDraft, V, chi_square_p, nu
 from test_trees import RankedOracle
 from tiny import OracleDraft, draft_config, make_draft, make_target, no_eos_tokenizer, prompt_of
 
-from dflash_mlx import SpeculativeCache, UserError, generate
+from dflash_mlx import SpeculativeCache, UserError, generate, stream_generate
 from dflash_mlx.engine import Engine, Sequence
 from dflash_mlx.pairing import prepare
 from dflash_mlx.settings import GenerationSettings
@@ -173,3 +173,26 @@ def test_bad_processor_settings_are_refused_by_name(settings, message):
     with pytest.raises(UserError) as e:
         generate(model, make_draft(), no_eos_tokenizer([]), [1, 2, 3], max_tokens=4, **settings)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("penalties", [{}, PENALTIES])
+def test_each_tokens_log_probabilities_are_mlx_lms_whatever_proposed_it(penalties):
+    model, prompt = make_target("llama"), prompt_of(15, seed=2)
+    given = processors() if penalties else None
+    steps = generate_step(mx.array(prompt), model, max_tokens=40, logits_processors=given)
+    ref, rows = zip(*((int(t), np.array(lp)) for t, lp in steps))
+    tok = no_eos_tokenizer(ref)
+    for how in (dict(block_size=None), dict(block_size=1), dict(block_size=8), dict(tree=6)):
+        draft = RankedOracle(draft_config(block_size=16), prompt + list(ref))
+        tokens, logprobs, tops = [], [], []
+        for r in stream_generate(model, draft, tok, prompt, max_tokens=40, logprobs=3, **how, **penalties):
+            assert len(r.logprobs) == len(r.top_logprobs) == len(r.tokens)
+            tokens += r.tokens
+            logprobs += r.logprobs
+            tops += r.top_logprobs
+        assert tokens == list(ref)
+        np.testing.assert_allclose(logprobs, [row[t] for row, t in zip(rows, ref)], atol=1e-4)
+        assert [[i for i, _ in top] for top in tops] == [list(np.argsort(-row)[:3]) for row in rows]
+        best = np.concatenate([np.sort(row)[::-1][:3] for row in rows])
+        np.testing.assert_allclose([v for top in tops for _, v in top], best, atol=1e-4)
+    assert all(r.logprobs is None for r in stream_generate(model, None, tok, prompt, max_tokens=4))

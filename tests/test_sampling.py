@@ -174,11 +174,11 @@ def test_the_check_catches_a_lossy_rule(model, monkeypatch):
 
     def accept_all(params, sampler):
         def draft(logits):
-            logq = params.logprobs(logits)
+            logq = params.sampling_logprobs(logits)
             return mx.random.categorical(logq), None
 
         def accept(x, q, logits):
-            return mx.array(x.shape[0]), mx.random.categorical(params.logprobs(logits[-1]))
+            return mx.array(x.shape[0]), mx.random.categorical(params.sampling_logprobs(logits[-1]))
 
         return draft, accept
 

@@ -20,7 +20,7 @@ import pytest
 from serving import CALL, chat_tokenizer, scripted_pair, serving
 from tiny import make_draft, make_target
 
-from dflash_mlx import SpeculativeCache, apply_chat_template, generate
+from dflash_mlx import SpeculativeCache, apply_chat_template, generate, stream_generate
 from dflash_mlx.server.app import ServerConfig, create_app
 from dflash_mlx.server.channels import CONTENT, REASONING, TOOL, Channels
 from dflash_mlx.server.pool import PromptCachePool
@@ -129,6 +129,92 @@ def test_penalties_and_biases_out_of_range_are_a_400_that_names_them(server, fie
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
     assert says in r.json()["error"]["message"], r.text
+
+
+def test_log_probabilities_are_generates_for_the_answers_tokens_streamed_and_not(tiny, server):
+    url, _ = server
+    client, _ = clients(url)
+    target, draft, tok = tiny
+    messages = [{"role": "user", "content": words(6)}]
+    want = expected(tiny, messages, logprobs=2, max_tokens=12)
+    eos = set(tok.eos_token_ids)
+    scored = [
+        (tok.decode([t]), lp, [tok.decode([i]) for i, _ in top])
+        for r in stream_generate(
+            target, draft, tok, apply_chat_template(tok, messages), max_tokens=12, logprobs=2
+        )
+        for t, lp, top in zip(r.tokens, r.logprobs, r.top_logprobs)
+        if t not in eos
+    ]
+    assert [t for t, _, _ in scored] == [tok.decode([t]) for t in want.tokens if t not in eos]
+
+    def check(tokens, logprobs, tops):
+        assert tokens == [t for t, _, _ in scored] and tops == [top for _, _, top in scored]
+        assert logprobs == pytest.approx([lp for _, lp, _ in scored], abs=1e-4)
+
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content
+    check(
+        [c.token for c in content],
+        [c.logprob for c in content],
+        [[x.token for x in c.top_logprobs] for c in content],
+    )
+    assert all(bytes(c.bytes) == c.token.encode() for c in content)
+    chunks = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, logprobs=True, top_logprobs=2, stream=True
+    )
+    content = [
+        c
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content
+    ]
+    check(
+        [c.token for c in content],
+        [c.logprob for c in content],
+        [[x.token for x in c.top_logprobs] for c in content],
+    )
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)
+    assert r.choices[0].logprobs is None  # (none asked for)
+    # the legacy completions' layout
+    prompt = apply_chat_template(tok, messages)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, logprobs=2)
+    lp = r.choices[0].logprobs
+    check(lp.tokens, lp.token_logprobs, [list(top) for top in lp.top_logprobs])
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, logprobs=2, stream=True
+        )
+        if c.choices and c.choices[0].logprobs
+    ]
+    check(
+        [t for lp in streamed for t in lp.tokens],
+        [v for lp in streamed for v in lp.token_logprobs],
+        [list(top) for lp in streamed for top in lp.top_logprobs],
+    )
+    for path, body, says in (
+        (
+            "/v1/chat/completions",
+            {"top_logprobs": 2},
+            "top_logprobs: comes with each token's log-probability",
+        ),
+        (
+            "/v1/chat/completions",
+            {"logprobs": True, "top_logprobs": 21},
+            "top_logprobs: should be less than or equal to 20",
+        ),
+        ("/v1/completions", {"logprobs": 6}, "logprobs: should be less than or equal to 5"),
+    ):
+        body = {
+            "model": "tiny",
+            **({"prompt": "w5"} if path == "/v1/completions" else {"messages": messages}),
+            **body,
+        }
+        r = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), r.text
 
 
 def test_completions_and_models(tiny, server):

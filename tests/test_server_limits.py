@@ -329,9 +329,6 @@ def test_a_json_body_is_read_whatever_its_type_says_and_a_compressed_one_is_told
 @pytest.mark.parametrize(
     "path, field, value",
     [
-        ("/v1/chat/completions", "logprobs", True),
-        ("/v1/chat/completions", "top_logprobs", 3),
-        ("/v1/completions", "logprobs", 2),
         ("/v1/completions", "echo", True),
         ("/v1/completions", "suffix", "w5"),
         ("/v1/completions", "best_of", 2),
@@ -350,8 +347,6 @@ def test_what_the_server_cannot_give_is_refused_rather_than_left_out(server, pat
     r = post(url, path, dict(request(path, "w5"), **{field: value}))
     assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field}: "), r.text
     asked_not = {
-        "logprobs": False,
-        "top_logprobs": None,
         "echo": False,
         "best_of": 1,
         "suffix": "",

@@ -146,6 +146,7 @@ class Generation:
         self.job = Job(prompt, settings, stop, emit, self.queue.qsize, deadline=deadline, continues=continues)
         self.prompt, self.started = prompt, Started(len(prompt), 0)
         self.tokens: list[int] = []
+        self.scored: list[tuple] = []  # (token, its log-probability, the most likely there), where asked
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_string: str | None = None
@@ -176,6 +177,8 @@ class Generation:
                     return
                 else:
                     self.tokens += event.tokens
+                    if event.logprobs is not None:
+                        self.scored += zip(event.tokens, event.logprobs, event.top_logprobs)
                     self.text += event.text
                     self.finish_reason = event.finish_reason or self.finish_reason
                     self.stop_string = event.stop or self.stop_string
@@ -327,6 +330,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             lookup=d.lookup,
             seed=body.seed,
             draft_window=d.draft_window,
+            logprobs=getattr(body, "top", None),
             **processors,
         )
 
@@ -399,7 +403,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         check_given(body)
         tools = body.tools if body.tool_choice != "none" else None
         settings = settings_for(body, body.max_completion_tokens or body.max_tokens)
-        reply = _OpenAIReply(config.model_id, "chat.completion")
+        reply = _OpenAIReply(config.model_id, "chat.completion", tokenizer)
         async with admitted():
             prompt = await prompts.chat(body.conversation(), tools, body.chat_template_kwargs)
             channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)
@@ -423,7 +427,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         if isinstance(prompt, list) and not all(0 <= t < vocab for t in prompt):
             raise ApiError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
         settings = settings_for(body, body.max_tokens)
-        reply = _OpenAIReply(config.model_id, "text_completion")
+        reply = _OpenAIReply(config.model_id, "text_completion", tokenizer)
         async with admitted():
             generation = start(await prompts.text(prompt), settings, body.stops, arrived, True, "prompt")
         if body.stream:
@@ -479,8 +483,9 @@ def _drain(channels: Channels, text: str, finished: bool) -> list[tuple]:
 
 
 class _OpenAIReply:
-    def __init__(self, model: str, kind: str):
-        self.model, self.kind = model, kind
+    def __init__(self, model: str, kind: str, tokenizer):
+        self.model, self.kind, self.tokenizer = model, kind, tokenizer
+        self.eos = set(tokenizer.eos_token_ids)
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
@@ -502,6 +507,26 @@ class _OpenAIReply:
             return "tool_calls"
         return generation.finish_reason
 
+    def _scored(self, generation: Generation, start: int) -> tuple[list, int]:
+        """The answer's scored tokens from `start` on, EOS left out -> (token texts, log-probabilities and
+        the most likely there as {text: log-probability}), and where the next ones start."""
+        new = [x for x in generation.scored[start:] if x[0] not in self.eos]
+        word = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        return [(word(t), lp, [(word(i), v) for i, v in top]) for t, lp, top in new], len(generation.scored)
+
+    def _chat_logprobs(self, scored: list) -> dict:
+        entry = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}  # noqa: E731
+        content = [dict(entry(t, lp), top_logprobs=[entry(*x) for x in top]) for t, lp, top in scored]
+        return {"content": content, "refusal": None}
+
+    @staticmethod
+    def _text_logprobs(scored: list) -> dict:
+        return {
+            "tokens": [t for t, _, _ in scored],
+            "token_logprobs": [lp for _, lp, _ in scored],
+            "top_logprobs": [dict(top) for _, _, top in scored],
+        }
+
     def chat(self, generation: Generation, channels: Channels) -> dict:
         parts = {CONTENT: [], REASONING: [], TOOL: []}
         for kind, value in _drain(channels, generation.text, True):
@@ -517,13 +542,21 @@ class _OpenAIReply:
             "finish_reason": self._finish(generation, len(parts[TOOL])),
             "logprobs": None,
         }
+        if generation.job.settings.logprobs is not None:
+            choice["logprobs"] = self._chat_logprobs(self._scored(generation, 0)[0])
         return {**self._head("chat.completion"), "choices": [choice], "usage": self._usage(generation)}
 
     async def chat_stream(self, generation: Generation, channels: Channels, include_usage: bool):
         usage = {"usage": None} if include_usage else {}  # (the API's: null until the last chunk)
 
+        scoring, start = generation.job.settings.logprobs is not None, 0
+
         def chunk(delta: dict, finish=None) -> str:
+            nonlocal start
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            if scoring and finish is None and delta:  # (the tokens scored since the last chunk)
+                scored, start = self._scored(generation, start)
+                choice["logprobs"] = self._chat_logprobs(scored)
             return sse({**self._head("chat.completion.chunk"), "choices": [choice], **usage})
 
         calls = 0
@@ -539,6 +572,8 @@ class _OpenAIReply:
         except Exception as e:  # noqa: BLE001  (the stream has begun: the error goes in it)
             yield sse(_stream_error("/v1/chat/completions", e))
             return
+        if scoring and self._scored(generation, start)[0]:  # (tokens whose text showed no chunk)
+            yield chunk({"content": ""})
         yield chunk({}, self._finish(generation, calls))
         if include_usage:
             yield sse(
@@ -553,18 +588,26 @@ class _OpenAIReply:
             "finish_reason": generation.finish_reason,
             "logprobs": None,
         }
+        if generation.job.settings.logprobs is not None:
+            choice["logprobs"] = self._text_logprobs(self._scored(generation, 0)[0])
         return {**self._head("text_completion"), "choices": [choice], "usage": self._usage(generation)}
 
     async def completion_stream(self, generation: Generation, include_usage: bool):
         usage = {"usage": None} if include_usage else {}
 
+        scoring, start = generation.job.settings.logprobs is not None, 0
+
         def chunk(text: str, finish=None) -> str:
+            nonlocal start
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            if scoring and finish is None:  # (the tokens scored since the last chunk)
+                scored, start = self._scored(generation, start)
+                choice["logprobs"] = self._text_logprobs(scored)
             return sse({**self._head("text_completion"), "choices": [choice], **usage})
 
         try:
             async for response in generation.responses():
-                if response.text:
+                if response.text or (scoring and response.tokens):
                     yield chunk(response.text)
         except Exception as e:  # noqa: BLE001
             yield sse(_stream_error("/v1/completions", e))

@@ -269,7 +269,7 @@ class Scheduler:
             if job is None:
                 continue
             job.served += len(r.tokens)
-            response = job.answer.respond(r.tokens, r.accepted, r.seq.finish, r.source, r.proposed)
+            response = job.answer.respond(r.tokens, r.accepted, r.seq.finish, r.source, r.proposed, r.scores)
             self.metrics.record(response)
             job.request.emit(response)
             if response.finish_reason is not None:
@@ -407,7 +407,7 @@ class Scheduler:
         """A job whose prompt is in: its first token handed out, and it joins the engine."""
         self.metrics.busy.inc(seconds)
         job.seq, job.served = seq, job.served + len(first)
-        response = job.answer.respond(first, None, seq.finish)
+        response = job.answer.respond(first, None, seq.finish, scores=seq.scores)
         self.metrics.record(response)
         job.request.emit(response)
         if response.finish_reason is not None:

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ..sampling import MAX_TEMPERATURE
+from ..settings import MAX_LOGPROBS
 
 
 class _Body(BaseModel):
@@ -67,8 +68,6 @@ MAX_STOPS = 64  # stop strings a request may give (each is looked for in the tex
 # Fields that, asked for, change what an answer holds, which this server cannot give: refused rather
 # than answered without (other fields it has no use for are ignored).
 NOT_GIVEN = {
-    "logprobs": "log-probabilities",
-    "top_logprobs": "log-probabilities",
     "echo": "the prompt echoed back",
     "suffix": "insertions (a suffix)",
     "best_of": "the best of several answers",
@@ -150,6 +149,8 @@ PROCESSORS = (  # the fields above that settings.py turns into logits processors
 
 class ChatCompletionRequest(_OpenAI):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict] | None = None
@@ -161,7 +162,14 @@ class ChatCompletionRequest(_OpenAI):
             return refused
         if self.tool_choice not in (None, "auto", "none"):
             return "tool_choice", FORCED_TOOLS + '"auto" or "none"'
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "comes with each token's log-probability: send logprobs: true too"
         return _not_text(self.messages, lambda kind: kind not in ("text", "refusal"), "parts")
+
+    @property
+    def top(self) -> int | None:
+        """The most likely tokens to give beside each token's log-probability; None for none."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
         """The messages as chat templates take them: text parts joined, tool-call arguments as objects."""
@@ -189,11 +197,16 @@ class CompletionRequest(_OpenAI):
     # one prompt: text or token ids, alone or as a list of one (a list of several is refused: `one`)
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(union_mode="left_to_right")
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)  # (the legacy API's: the most likely beside each)
 
     @field_validator("max_tokens")
     @classmethod
     def _default_length(cls, max_tokens):
         return 16 if max_tokens is None else max_tokens  # the OpenAI API's default for completions
+
+    @property
+    def top(self) -> int | None:
+        return self.logprobs
 
     def one(self) -> str | list[int]:
         """The prompt, where the request holds one."""
