@@ -58,7 +58,7 @@ def serve(
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require this key (Bearer or x-api-key)."
     ),
-    max_concurrency: int = typer.Option(4, help="Requests generated at once (interleaved cycle by cycle)."),
+    max_concurrency: int = typer.Option(4, help="Requests generated at once (batched in each step)."),
     max_queue: int = typer.Option(16, help="Requests waiting beyond those; past that: 429."),
     cache_gb: float = typer.Option(4.0, help="Memory for kept prompt caches (0: keep none)."),
     request_timeout: float | None = typer.Option(

@@ -81,6 +81,9 @@ class Sequence:
         with a custom sampler): the answer then depends on the seed alone, not on what was proposed,
         so not on what runs beside it in a batch either."""
         s, cache = self.settings, self.cache
+        # the latest tokens the processors look at (all where one is the caller's own)
+        sizes = (s.repetition_context_size, s.presence_context_size, s.frequency_context_size)
+        self.window = None if self.processors else max(sizes)
         self.processors = s.processors() + list(self.processors)
         vocab = cache.target.vocab_size
         if s.logit_bias and max(s.logit_bias) >= vocab:
@@ -112,6 +115,7 @@ class Sequence:
             lookup=s.lookup,
             draft_window=cache.draft_window,
             sampled=not matched,
+            processed=bool(self.processors),
             fresh=s.seed is not None,
             tree=s.tree,
             trees=self.trees,
@@ -170,7 +174,7 @@ class Sequence:
         see every token before theirs. Each row is processed alone (a processor takes one history)."""
         if not self.processors:
             return logits
-        history = mx.array(self.cache.tokens, dtype=mx.int32)
+        history = mx.array(self.cache.tokens[-self.window if self.window else 0 :], dtype=mx.int32)
         rows = []
         for j, path in enumerate(paths):
             seen = mx.concatenate([history, mx.array(path, dtype=mx.int32)]) if len(path) else history
@@ -472,6 +476,8 @@ class Engine:
         """Whether to start the plain step just built before this step's tokens are read: when the one
         sequence's policy is sure of it, or, in a batch, when no sequence's lookup can find a match with
         whatever token comes next (the batch chose plain steps this time, so it would again)."""
+        if any(s.settings.logprobs is not None for s in rows):
+            return False  # (their log-probabilities are read first: started, the next pass would run before)
         if len(rows) == 1:
             (s,) = rows
             return s.policy.plain_next(len(s.cache.tokens) + 1, s.cache.index)

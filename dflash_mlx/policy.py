@@ -990,6 +990,7 @@ def policy_for(
     fresh: bool = False,
     tree: int | None = None,
     trees: bool = False,
+    processed: bool = False,
 ):
     """A fixed block (or a fixed `tree` pass of that width) when one is given (or nothing to choose
     from), else the adaptive policy (choosing trees too where `trees`): from the priors if `fresh` (a
@@ -1009,6 +1010,7 @@ def policy_for(
     )
     # (the weights too: a retrained drafter has its predecessor's costs, not its acceptance)
     key = (path, lookup, draft_window, sampled, trees, weights_digest(target.model), weights_digest(draft))
+    key += ("processed",) * processed  # (penalties move acceptance: what they learn is kept apart)
     if key in _LEARNT and not fresh:
         policy.learn_from(_LEARNT[key])
     elif not fresh:

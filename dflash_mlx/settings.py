@@ -7,7 +7,6 @@ loaded, with an error that names the setting.
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -74,24 +73,31 @@ class GenerationSettings(SamplingParams):
             )
 
     def _check_processors(self) -> None:
-        if self.repetition_penalty is not None and not 0 < self.repetition_penalty < math.inf:
+        # (bounded where float32 logits stay finite: past them a penalty or bias overflows to inf, and
+        # the log-probabilities to NaN)
+        if self.repetition_penalty is not None and not 0.01 <= self.repetition_penalty <= 100:
             raise UserError(
-                f"repetition_penalty must be a number above 0 (1: none), got {self.repetition_penalty}"
+                f"repetition_penalty must be from 0.01 to 100 (1: none), got {self.repetition_penalty}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise UserError(f"{name} must be a finite number (0: none), got {getattr(self, name)}")
+            if not -100 <= getattr(self, name) <= 100:
+                raise UserError(f"{name} must be from -100 to 100 (0: none), got {getattr(self, name)}")
         for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
-            if (size := getattr(self, name)) < 1:
-                raise UserError(f"{name} must be >= 1 (the latest tokens looked at), got {size}")
+            if not 1 <= (size := getattr(self, name)) <= 2**30:  # (MLX's slices take 32-bit indices)
+                raise UserError(f"{name} must be from 1 to 2**30 (the latest tokens looked at), got {size}")
         bias = self.logit_bias
         if bias is not None:
             ok = isinstance(bias, dict) and all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in bias
             )
-            if not ok or not all(isinstance(v, numbers.Real) and math.isfinite(v) for v in bias.values()):
+            values = bias.values() if ok else []
+            if not ok or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
                 raise UserError(
-                    f"logit_bias must map token ids (whole numbers >= 0) to finite numbers, got {bias!r}"
+                    f"logit_bias must map token ids (whole numbers >= 0) to numbers, got {bias!r}"
+                )
+            if not all(-100 <= v <= 100 for v in values):
+                raise UserError(
+                    f"logit_bias values must be from -100 to 100 (-100 bans a token), got {bias!r}"
                 )
             object.__setattr__(self, "logit_bias", {int(t): float(v) for t, v in bias.items()} or None)
 

@@ -71,6 +71,8 @@ class GenerationResult:
     peak_memory: float
     acceptance_lengths: list[int] = field(default_factory=list)  # one per cycle
     sources: list[str] = field(default_factory=list)  # one per cycle: "plain", "lookup" or "dflash"
+    logprobs: list[float] | None = None  # with `logprobs`: as GenerationResponse's, for every token
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def cycles(self) -> int:
@@ -467,11 +469,15 @@ def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs
     except TypeError as e:
         raise TypeError(f"generate() {e}") from None
     text, tokens, acc, sources, last = [], [], [], [], None
+    logprobs, top = (None, None) if kwargs.get("logprobs") is None else ([], [])
     for last in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         if verbose:
             print(last.text, end="", flush=True)
         text.append(last.text)
         tokens.extend(last.tokens)
+        if logprobs is not None:
+            logprobs += last.logprobs
+            top += last.top_logprobs
         if last.accepted is not None:
             acc.append(last.accepted)
             sources.append(last.source)
@@ -492,4 +498,6 @@ def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs
         last.peak_memory,
         acc,
         sources,
+        logprobs,
+        top,
     )

@@ -83,7 +83,7 @@ def test_generate_takes_mlx_lms_repetition_penalty_with_the_drafter_and_without(
         assert r.exit_code == 0, r.output
         assert r.stdout.split() == [f"w{t}" for t in ref if t != 95]
     r = run(f"generate -m {root}/target -d {root}/draft -p w5 --repetition-penalty 0")
-    assert r.exit_code == 1 and "repetition_penalty must be a number above 0 (1: none), got 0" in r.stderr
+    assert r.exit_code == 1 and "repetition_penalty must be from 0.01 to 100 (1: none), got 0" in r.stderr
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -153,13 +153,15 @@ def test_sampled_answers_with_penalties_follow_the_processed_distribution(temper
 @pytest.mark.parametrize(
     "settings,message",
     [
-        (dict(repetition_penalty=0), "repetition_penalty must be a number above 0 (1: none), got 0"),
-        (dict(repetition_penalty=float("nan")), "repetition_penalty must be a number above 0"),
-        (dict(presence_penalty=float("inf")), "presence_penalty must be a finite number (0: none), got inf"),
-        (dict(frequency_context_size=0), "frequency_context_size must be >= 1 (the latest tokens looked at)"),
+        (dict(repetition_penalty=0), "repetition_penalty must be from 0.01 to 100 (1: none), got 0"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty must be from 0.01 to 100"),
+        (dict(presence_penalty=float("inf")), "presence_penalty must be from -100 to 100 (0: none), got inf"),
+        (dict(frequency_context_size=0), "frequency_context_size must be from 1 to 2**30 (the latest tokens"),
+        (dict(repetition_context_size=2**32), "repetition_context_size must be from 1 to 2**30"),
         (dict(repetition_penalty="1.2"), "repetition_penalty must be a number, got '1.2'"),
-        (dict(logit_bias={"5": 1.0}), "logit_bias must map token ids (whole numbers >= 0) to finite numbers"),
-        (dict(logit_bias={5: float("-inf")}), "logit_bias must map token ids"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias must map token ids (whole numbers >= 0) to numbers"),
+        (dict(logit_bias={5: True}), "logit_bias must map token ids (whole numbers >= 0) to numbers"),
+        (dict(logit_bias={5: float("-inf")}), "logit_bias values must be from -100 to 100 (-100 bans"),
         (dict(logit_bias=[5]), "logit_bias must map token ids"),
         (dict(logit_bias={4000: 1.0}), "logit_bias token id 4000 is past the vocabulary (0..95)"),
         (
@@ -196,3 +198,6 @@ def test_each_tokens_log_probabilities_are_mlx_lms_whatever_proposed_it(penaltie
         best = np.concatenate([np.sort(row)[::-1][:3] for row in rows])
         np.testing.assert_allclose([v for top in tops for _, v in top], best, atol=1e-4)
     assert all(r.logprobs is None for r in stream_generate(model, None, tok, prompt, max_tokens=4))
+    out = generate(model, None, tok, prompt, max_tokens=40, logprobs=0, **penalties)
+    np.testing.assert_allclose(out.logprobs, [row[t] for row, t in zip(rows, ref)], atol=1e-4)
+    assert out.top_logprobs == [[]] * 40 and generate(model, None, tok, prompt, max_tokens=4).logprobs is None

@@ -104,6 +104,16 @@ def test_penalties_and_biases_give_the_answer_generate_gives_with_them(tiny, ser
         extra_body={"repetition_penalty": 1.6, "repetition_context_size": 7},  # (mlx-lm's server's)
     )
     assert r.choices[0].message.content == want.text
+    # Anthropic's API has none of them: sent there they are ignored, as other fields it does not know
+    _, anthropic_client = clients(url)
+    plain = anthropic_client.messages.create(model="tiny", messages=messages, max_tokens=MAX).content[0].text
+    odd = anthropic_client.messages.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=MAX,
+        extra_body={"logit_bias": {"5": 1}, "repetition_penalty": 1.6, "top": 30, "logprobs": True},
+    )
+    assert odd.content[0].text == plain == expected(tiny, messages).text
     want = generate(target, draft, tok, words(5), max_tokens=10, frequency_penalty=-1.5).tokens
     assert want != generate(target, draft, tok, words(5), max_tokens=10).tokens
     r = client.completions.create(model="tiny", prompt=words(5), max_tokens=10, frequency_penalty=-1.5)
@@ -115,8 +125,9 @@ def test_penalties_and_biases_give_the_answer_generate_gives_with_them(tiny, ser
     [
         ("presence_penalty", 2.5, "should be less than or equal to 2"),
         ("frequency_penalty", -3, "should be greater than or equal to -2"),
-        ("repetition_penalty", 0, "should be greater than 0"),
+        ("repetition_penalty", 0, "should be greater than or equal to 0.01"),
         ("repetition_context_size", 0, "should be greater than or equal to 1"),
+        ("frequency_context_size", 2**32, "should be less than or equal to 1073741824"),
         ("logit_bias", {"w5": 1}, "should be a valid integer"),
         ("logit_bias", {"5": 101}, "should be less than or equal to 100"),
         ("logit_bias", {"96": 1}, "token ids must be in 0..95"),

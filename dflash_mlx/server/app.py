@@ -313,13 +313,16 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
 
     def settings_for(body, max_tokens: int | None) -> GenerationSettings:
         d = config.defaults
-        bias = getattr(body, "logit_bias", None)
+        openai = isinstance(body, (ChatCompletionRequest, CompletionRequest))  # (extras are not read)
+        bias = body.logit_bias if openai else None
         if bias and not 0 <= min(bias) <= max(bias) < target.args.vocab_size:
             raise ApiError(
                 400, f"logit_bias: token ids must be in 0..{target.args.vocab_size - 1}", param="logit_bias"
             )
         # (OpenAI's APIs take them; a field left out or null keeps its default)
-        processors = {name: value for name in PROCESSORS if (value := getattr(body, name, None)) is not None}
+        processors = {
+            name: getattr(body, name) for name in PROCESSORS if openai and getattr(body, name) is not None
+        }
         return GenerationSettings(
             temperature=d.temperature if body.temperature is None else body.temperature,
             top_p=d.top_p if body.top_p is None else body.top_p,
@@ -330,7 +333,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             lookup=d.lookup,
             seed=body.seed,
             draft_window=d.draft_window,
-            logprobs=getattr(body, "top", None),
+            logprobs=body.top if openai else None,
             **processors,
         )
 
@@ -515,7 +518,7 @@ class _OpenAIReply:
         return [(word(t), lp, [(word(i), v) for i, v in top]) for t, lp, top in new], len(generation.scored)
 
     def _chat_logprobs(self, scored: list) -> dict:
-        entry = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}  # noqa: E731
+        entry = lambda text, lp: {"token": text, "logprob": max(lp, -9999.0), "bytes": list(text.encode())}  # noqa: E731
         content = [dict(entry(t, lp), top_logprobs=[entry(*x) for x in top]) for t, lp, top in scored]
         return {"content": content, "refusal": None}
 
@@ -523,8 +526,8 @@ class _OpenAIReply:
     def _text_logprobs(scored: list) -> dict:
         return {
             "tokens": [t for t, _, _ in scored],
-            "token_logprobs": [lp for _, lp, _ in scored],
-            "top_logprobs": [dict(top) for _, _, top in scored],
+            "token_logprobs": [max(lp, -9999.0) for _, lp, _ in scored],
+            "top_logprobs": [_best_first(top) for _, _, top in scored],
         }
 
     def chat(self, generation: Generation, channels: Channels) -> dict:
@@ -616,6 +619,15 @@ class _OpenAIReply:
         if include_usage:
             yield sse({**self._head("text_completion"), "choices": [], "usage": self._usage(generation)})
         yield sse("[DONE]")
+
+
+def _best_first(top: list[tuple[str, float]]) -> dict[str, float]:
+    """The legacy layout's {text: log-probability}, best first; where two tokens read the same, the
+    likelier (-9999 stands for minus infinity, which JSON lacks, as in OpenAI's API)."""
+    out = {}
+    for text, value in top:
+        out.setdefault(text, max(value, -9999.0))
+    return out
 
 
 def _openai_call(call: ToolCall) -> dict:

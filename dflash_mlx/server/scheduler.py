@@ -206,7 +206,8 @@ class Scheduler:
                 self._cycle(joining)
             except Exception as e:  # noqa: BLE001  (a bug in a step: the requests in it get the error)
                 log.exception("generation failed")
-                for job in [j for j in self.active if j.seq is not None and j.seq in self.engine.rows]:
+                gone = self.engine.rows + self.engine.joining
+                for job in [j for j in self.active if j.seq is not None and j.seq in gone]:
                     job.seq.removed = True  # (with the engine it was in)
                     self._end(job, e, keep=False)
                 self.returning = []
@@ -390,7 +391,12 @@ class Scheduler:
         self._short_rate(True, sum(len(job.prompt) for job in jobs), seconds)
         for job, row in zip(jobs, logits):
             job.turn = self.turns
-            self._begin(job, seqs[job], seqs[job].begin(row), seconds / len(jobs))
+            try:
+                first = seqs[job].begin(row)
+            except Exception as e:  # noqa: BLE001  (the server goes on; the request gets the error)
+                self._failed(job, e)
+                continue
+            self._begin(job, seqs[job], first, seconds / len(jobs))
 
     def _sequence(self, job: _Job) -> Sequence:
         settings = job.request.settings

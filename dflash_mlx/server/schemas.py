@@ -102,10 +102,10 @@ class _OpenAI(_Sampling):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
-    repetition_context_size: int | None = Field(None, ge=1)
-    presence_context_size: int | None = Field(None, ge=1)
-    frequency_context_size: int | None = Field(None, ge=1)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
+    repetition_context_size: int | None = Field(None, ge=1, le=2**30)
+    presence_context_size: int | None = Field(None, ge=1, le=2**30)
+    frequency_context_size: int | None = Field(None, ge=1, le=2**30)
 
     @field_validator("stop")
     @classmethod
