@@ -517,9 +517,8 @@ class Engine:
 
     def _build_plain(self, rows: list[Sequence], tokens: mx.array):
         """A plain step on (lazy) tokens, built but not run: (features, each row's next token, the
-        logits row it is chosen from). Each
-        row's token is its own array of the step: one sliced out later would queue behind whatever
-        was launched since, and reading it would wait for that."""
+        logits row it is chosen from). Each row's token is its own array of the step: one sliced out
+        later would queue behind whatever was launched since, and reading it would wait for that."""
         if self.batch is None:
             (s,) = rows
             logits, features = s.cache.verify(tokens.reshape(1, 1), unrun=True)

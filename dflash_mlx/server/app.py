@@ -511,14 +511,17 @@ class _OpenAIReply:
         return generation.finish_reason
 
     def _scored(self, generation: Generation, start: int) -> tuple[list, int]:
-        """The answer's scored tokens from `start` on, EOS left out -> (token texts, log-probabilities and
-        the most likely there as {text: log-probability}), and where the next ones start."""
+        """The answer's scored tokens from `start` on, EOS left out -> ([(text, log-probability, the most
+        likely there as (text, log-probability))], where the next ones start)."""
         new = [x for x in generation.scored[start:] if x[0] not in self.eos]
         word = lambda t: self.tokenizer.decode([t])  # noqa: E731
         return [(word(t), lp, [(word(i), v) for i, v in top]) for t, lp, top in new], len(generation.scored)
 
-    def _chat_logprobs(self, scored: list) -> dict:
-        entry = lambda text, lp: {"token": text, "logprob": max(lp, -9999.0), "bytes": list(text.encode())}  # noqa: E731
+    @staticmethod
+    def _chat_logprobs(scored: list) -> dict:
+        def entry(text: str, logprob: float) -> dict:  # (-9999 for minus infinity, as OpenAI's API)
+            return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
+
         content = [dict(entry(t, lp), top_logprobs=[entry(*x) for x in top]) for t, lp, top in scored]
         return {"content": content, "refusal": None}
 
