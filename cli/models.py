@@ -10,7 +10,7 @@ from rich.table import Table
 
 from dflash_mlx.loading import local_copies, registry
 
-from .options import Json, user_errors
+from .options import Json, reader_gone, user_errors
 
 TITLE = "target / drafter pairs (dflash-mlx chat --model NAME)"
 
@@ -18,19 +18,28 @@ TITLE = "target / drafter pairs (dflash-mlx chat --model NAME)"
 def models(as_json: Json = False):
     """Known target/drafter pairs, and what is already on this machine."""
     with user_errors():
-        rows = [
-            dict(
-                name=p.name,
-                target=p.target,
-                draft=p.draft,
-                block_size=p.block_size,
-                family=p.family,
-                disk=p.disk,
-                notes=p.notes,
-                local=local_copies(p),
-            )
-            for p in registry()
-        ]
+        rows = _rows()
+    with reader_gone():
+        _show(rows, as_json)
+
+
+def _rows() -> list[dict]:
+    return [
+        dict(
+            name=p.name,
+            target=p.target,
+            draft=p.draft,
+            block_size=p.block_size,
+            family=p.family,
+            disk=p.disk,
+            notes=p.notes,
+            local=local_copies(p),
+        )
+        for p in registry()
+    ]
+
+
+def _show(rows: list[dict], as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return

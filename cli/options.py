@@ -106,14 +106,23 @@ def warm(target, drafter, console: Console, adaptive: bool = True) -> None:
 
 
 @contextmanager
-def user_errors():
-    """Bad input (a UserError) or a failed file, permission or network operation (an OSError) ends the command
-    with one clear line on stderr and exit code 1; any other exception is a bug, shown with its traceback."""
+def reader_gone():
+    """The reader of the output went away (`| head`): the command stops quietly, as Unix tools do."""
     try:
         yield
-    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+    except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         raise typer.Exit(141) from None
+
+
+@contextmanager
+def user_errors():
+    """Bad input (a UserError) or a failed file, permission or network operation (an OSError) ends the command
+    with one clear line on stderr and exit code 1; any other exception is a bug, shown with its traceback.
+    A reader that went away ends it quietly (`reader_gone`)."""
+    try:
+        with reader_gone():
+            yield
     except (UserError, OSError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(1) from None

@@ -1250,6 +1250,17 @@ def test_ctrl_c_while_the_command_starts_ends_it_quietly():
     assert (r.returncode, r.stdout, r.stderr) == (130, "", "")
 
 
+def test_doctor_and_models_into_a_reader_that_went_away_end_quietly():
+    for args in (["doctor"], ["doctor", "--json"], ["models", "--json"]):  # (`| head -1`, `| true`)
+        p = subprocess.Popen(
+            [sys.executable, "-c", "from dflash_mlx.cli import run; run()", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        p.stdout.close()
+        assert p.wait(timeout=120) == 141 and p.stderr.read() == b"", args
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_output_onto_a_full_disk_is_one_line():
     for args in (["doctor"], ["models", "--json"], ["version"]):
