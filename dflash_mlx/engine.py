@@ -54,7 +54,7 @@ class Cycle:
     values: mx.array | None = None  # ... the drafter's candidates' probabilities it was built from
     accepted: mx.array | None = None  # ... which of the block's positions were accepted
     after: str | None = None  # a plain step built before its turn: "built", or "ahead" if also started
-    logprobs: mx.array | None = None  # its pass's rows as log-probabilities, where the answer gives them
+    logprobs: mx.array | None = None  # its pass's logits rows, where the answer gives log-probabilities
 
 
 @dataclass(eq=False)
@@ -145,7 +145,7 @@ class Sequence:
             first = int(self.pick_at(row, len(self.cache.tokens)).item())
             if first < 0:
                 raise out_of_vocabulary()
-            self.scores = self.score(self.log_probs(row), [0], [first])
+            self.scores = self.score(self.scored(row), [0], [first])
         except BaseException:  # (a failing sampler, Ctrl-C): the prompt is in, its answer is not
             self.cache.broken = True
             raise
@@ -184,20 +184,18 @@ class Sequence:
             rows.append(row)
         return mx.concatenate(rows)
 
-    def log_probs(self, logits: mx.array) -> mx.array | None:
-        """Logits rows (processed) as the log-probabilities an answer gives with its tokens (lazy), or
-        None where it gives none."""
-        if self.settings.logprobs is None:
-            return None
-        logits = logits.astype(mx.float32)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    def scored(self, logits: mx.array) -> mx.array | None:
+        """A pass's (processed) logits rows, kept where the answer gives log-probabilities (`score`)."""
+        return None if self.settings.logprobs is None else logits
 
-    def score(self, logprobs: mx.array | None, rows: list[int], tokens: list[int]) -> list | None:
-        """For each token (predicted by logprobs[rows[j]]): (its log-probability, the settings' number
-        of most likely tokens there as (id, log-probability), best first); None where none are given."""
-        if logprobs is None or not tokens:
-            return None if logprobs is None else []
-        lp = logprobs[mx.array(rows[: len(tokens)])]
+    def score(self, logits: mx.array | None, rows: list[int], tokens: list[int]) -> list | None:
+        """For each token (predicted by logits[rows[j]]): (its log-probability, the settings' number of
+        most likely tokens there as (id, log-probability), best first); None where none are given.
+        Only the rows of the tokens kept are normalised."""
+        if logits is None or not tokens:
+            return None if logits is None else []
+        lp = logits[mx.array(rows[: len(tokens)])].astype(mx.float32)
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
         chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0]
         k = self.settings.logprobs
         top = mx.argsort(-lp, axis=-1)[:, :k] if k else mx.zeros((len(tokens), 0), dtype=mx.int32)
@@ -329,7 +327,7 @@ class Engine:
                 if started and self.launched is not None:  # (it runs from the last collection on)
                     self.launched = self.collected
                 for b, (s, c) in enumerate(zip(rows, choices)):
-                    nxt, logprobs = ready[1][b], s.log_probs(ready[2][b])
+                    nxt, logprobs = ready[1][b], s.scored(ready[2][b])
                     s.cycle = Cycle(c, NONE, [], founds[b], b, mx.array(0), nxt, after=after)
                     s.cycle.logprobs = logprobs
                 return
@@ -350,7 +348,7 @@ class Engine:
                 n, nxt = mx.array(0), s.pick_at(row, contexts[b])[0]
             mx.async_eval(n, nxt)
             s.cycle = Cycle(choice, x, confidence, founds[b], b, n, nxt, tree, values, accepted)
-            s.cycle.logprobs = s.log_probs(row)
+            s.cycle.logprobs = s.scored(row)
         self.step_rows = rows
 
     def _next_rows(self):

@@ -578,7 +578,7 @@ class _OpenAIReply:
         except Exception as e:  # noqa: BLE001  (the stream has begun: the error goes in it)
             yield sse(_stream_error("/v1/chat/completions", e))
             return
-        if scoring and self._scored(generation, start)[0]:  # (tokens whose text showed no chunk)
+        if scoring and any(t not in self.eos for t, _, _ in generation.scored[start:]):  # (no chunk yet)
             yield chunk({"content": ""})
         yield chunk({}, self._finish(generation, calls))
         if include_usage:
