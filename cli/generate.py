@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import mlx.core as mx
 import typer
@@ -19,7 +19,7 @@ from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load, load_pair, template_kwargs
 from dflash_mlx.pairing import context_length, context_room
 from dflash_mlx.settings import GenerationSettings
-from dflash_mlx.speculative import stream_generate
+from dflash_mlx.speculative import StopText, stream_generate
 
 from .options import (
     DEMO,
@@ -51,6 +51,9 @@ def generate(
     model: Model = DEMO,
     draft: Draft = None,
     max_tokens: MaxTokens = 256,
+    stop: list[str] = typer.Option(
+        [], "--stop", help="End the answer where this text appears (not shown); repeat for several."
+    ),
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
     top_k: TopK = 0,
@@ -100,6 +103,10 @@ def generate(
             raise UserError("--system and --think/--no-think need the chat template: drop --no-chat-template")
         check_utf8(prompt, "the prompt")
         check_utf8(system or "", "--system")
+        for each in stop:
+            check_utf8(each, "--stop")
+        if not all(stop):
+            raise UserError("--stop is empty: give the text that ends the answer")
         if not prompt.strip():
             raise UserError("the prompt is empty: give some text (--prompt, or on stdin)")
         if no_draft:
@@ -122,10 +129,10 @@ def generate(
         text, tokens, last, acc = [], [], None, []
         cycles = []  # [source, proposals verified (a tree's nodes), tokens accepted] per cycle
         stream = (
-            _plain(target, tokenizer, ids, settings)
+            _plain(target, tokenizer, ids, settings, stop)
             if drafter is None
             else stream_generate(
-                target, drafter, tokenizer, ids, **asdict(settings), continues=not chat_template
+                target, drafter, tokenizer, ids, **asdict(settings), stop=stop, continues=not chat_template
             )
         )
         interrupted = False
@@ -183,8 +190,9 @@ def generate(
         raise typer.Exit(130)
 
 
-def _plain(model, tokenizer, ids, settings: GenerationSettings):
-    """The baseline: mlx-lm's own decoding of the target (its responses)."""
+def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: list[str]):
+    """The baseline: mlx-lm's own decoding of the target (its responses), ended at a stop string as
+    ours is (mlx-lm's stream_generate takes none)."""
     s = settings
     max_tokens = min(s.max_tokens, context_room(model, len(ids)))  # as stream_generate does
     if max_tokens == 0:  # (mlx-lm would read 0 as an error)
@@ -192,6 +200,12 @@ def _plain(model, tokenizer, ids, settings: GenerationSettings):
     if s.seed is not None:
         mx.random.seed(s.seed)
     sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0, min_p=s.min_p, top_k=s.top_k)
-    yield from plain_stream_generate(
+    stops = StopText(stop)
+    for r in plain_stream_generate(
         model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, logits_processors=s.processors()
-    )
+    ):
+        text, hit = stops.feed(r.text)
+        if hit is not None:
+            yield replace(r, text=text, finish_reason="stop")
+            return
+        yield replace(r, text=text + (stops.flush() if r.finish_reason is not None else ""))

@@ -130,7 +130,7 @@ class _NoText:
         pass
 
 
-class _StopText:
+class StopText:
     """Holds back just enough streamed text to never show the start of a stop string."""
 
     def __init__(self, stops: abc.Sequence[str]):
@@ -383,7 +383,7 @@ class Answer:
         self.eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
         self.joins = joins
         self.detok = self._detokenizer()
-        self.stops = _StopText(stop)
+        self.stops = StopText(stop)
         self.prompt_tokens, self.prompt_tps = prompt_tokens, 0.0
         self.produced = 0
         self.shown = 0  # characters of text handed out

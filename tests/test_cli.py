@@ -86,6 +86,25 @@ def test_generate_takes_mlx_lms_repetition_penalty_with_the_drafter_and_without(
     assert r.exit_code == 1 and "repetition_penalty must be from 0.01 to 100 (1: none), got 0" in r.stderr
 
 
+def test_generate_ends_at_a_stop_string_with_the_drafter_and_without(pair):
+    root, _ = pair
+    args = f"generate -m {root}/target -p 'w5 w6 w7' --max-tokens 12 --no-chat-template --json"
+    for path in (f"-d {root}/draft", "--no-draft"):
+        full = json.loads(run(f"{args} {path}").stdout)["text"]
+        words = full.split()
+        stop = f"{words[4]} {words[5]}"  # (a stop string across two tokens)
+        expected = full[: full.find(stop)]
+        assert 0 < len(expected) < len(full)
+        r = run(f"{args} {path} --stop 'no such text' --stop", stop)
+        assert r.exit_code == 0, r.output
+        answer = json.loads(r.stdout)
+        assert answer["text"] == expected and answer["finish_reason"] == "stop", path
+        r = run(f"{args.removesuffix(' --json')} {path} --stop", stop)
+        assert r.stdout == expected + "\n", path  # (streamed: nothing of the stop string shown)
+    r = run(f"{args} -d {root}/draft --stop ''")
+    assert r.exit_code == 1 and "--stop is empty" in r.stderr
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_generate_warms_up_on_a_gpu_only(pair, device, monkeypatch):
     """On a GPU the passes run once before the answer (MLX compiles kernels on first use there); on a

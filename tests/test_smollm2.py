@@ -296,9 +296,9 @@ def test_tokens_after_a_stop_string_are_not_the_answers(ours):
 
 
 def test_a_long_stop_string_holds_back_only_what_could_begin_it():
-    from dflash_mlx.speculative import _StopText
+    from dflash_mlx.speculative import StopText
 
-    stops = _StopText(["Z" * 400, "end."])
+    stops = StopText(["Z" * 400, "end."])
     assert stops.feed("a river runs ") == ("a river runs ", None)
     assert stops.feed("to the en") == ("to the ", None)  # "en" may begin "end."
     assert stops.feed("ZZ") == ("en", None)  # ... it did not; "ZZ" may begin the other
