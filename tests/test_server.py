@@ -18,10 +18,10 @@ import openai
 import psutil
 import pytest
 from serving import CALL, chat_tokenizer, scripted_pair, serving
-from tiny import make_draft, make_target
+from tiny import make_draft, make_target, make_tokenizer
 
 from dflash_mlx import SpeculativeCache, apply_chat_template, generate, stream_generate
-from dflash_mlx.server.app import ServerConfig, create_app
+from dflash_mlx.server.app import ServerConfig, create_app, token_bytes
 from dflash_mlx.server.channels import CONTENT, REASONING, TOOL, Channels
 from dflash_mlx.server.pool import PromptCachePool
 from dflash_mlx.settings import GenerationSettings
@@ -226,6 +226,34 @@ def test_log_probabilities_are_generates_for_the_answers_tokens_streamed_and_not
         }
         r = httpx.post(f"{url}{path}", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), r.text
+
+
+def test_a_tokens_log_probability_carries_its_own_bytes_even_where_they_are_part_of_a_character(smollm2):
+    from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    # SentencePiece with byte fallback: "日" has no piece of its own, so it is three byte tokens
+    vocab = {"<unk>": 0, "\u2581": 1, "\u2581a": 2, "a": 3, "é": 4} | {
+        f"<0x{b:02X}>": 5 + b for b in range(256)
+    }
+    spm = Tokenizer(models.BPE(vocab, [("\u2581", "a")], byte_fallback=True, unk_token="<unk>"))
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    spm.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    spm = TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=spm), SPMStreamingDetokenizer)
+    bpe = smollm2[1]  # byte-level BPE
+    for tokenizer, text, joined in (
+        (spm, "a é日a", " a é日a"),  # (a SentencePiece text begins with the space its first piece holds)
+        (bpe, "naïve 日本語 😀!", "naïve 日本語 😀!"),
+    ):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        piece = token_bytes(tokenizer)
+        assert b"".join(piece(t) for t in ids) == joined.encode()
+        assert any(tokenizer.decode([t]).endswith("\ufffd") for t in ids)  # (where decoding alone fails)
+    words = make_tokenizer()  # (a word-level tokenizer: each token's text)
+    assert token_bytes(words)(7) == words.decode([7]).encode()
 
 
 def test_completions_and_models(tiny, server):

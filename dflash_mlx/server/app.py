@@ -18,13 +18,14 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, _byte_decoder
 from starlette.exceptions import HTTPException
 
 from ..errors import UserError
@@ -514,13 +515,13 @@ class _OpenAIReply:
         """The answer's scored tokens from `start` on, EOS left out -> ([(text, log-probability, the most
         likely there as (text, log-probability))], where the next ones start)."""
         new = [x for x in generation.scored[start:] if x[0] not in self.eos]
-        word = lambda t: self.tokenizer.decode([t])  # noqa: E731
-        return [(word(t), lp, [(word(i), v) for i, v in top]) for t, lp, top in new], len(generation.scored)
+        piece = token_bytes(self.tokenizer)
+        return [(piece(t), lp, [(piece(i), v) for i, v in top]) for t, lp, top in new], len(generation.scored)
 
     @staticmethod
     def _chat_logprobs(scored: list) -> dict:
-        def entry(text: str, logprob: float) -> dict:  # (-9999 for minus infinity, as OpenAI's API)
-            return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
+        def entry(raw: bytes, logprob: float) -> dict:  # (-9999 for minus infinity, as OpenAI's API)
+            return {"token": _text(raw), "logprob": max(logprob, -9999.0), "bytes": list(raw)}
 
         content = [dict(entry(t, lp), top_logprobs=[entry(*x) for x in top]) for t, lp, top in scored]
         return {"content": content, "refusal": None}
@@ -528,7 +529,7 @@ class _OpenAIReply:
     @staticmethod
     def _text_logprobs(scored: list) -> dict:
         return {
-            "tokens": [t for t, _, _ in scored],
+            "tokens": [_text(t) for t, _, _ in scored],
             "token_logprobs": [max(lp, -9999.0) for _, lp, _ in scored],
             "top_logprobs": [_best_first(top) for _, _, top in scored],
         }
@@ -624,13 +625,38 @@ class _OpenAIReply:
         yield sse("[DONE]")
 
 
-def _best_first(top: list[tuple[str, float]]) -> dict[str, float]:
+def _best_first(top: list[tuple[bytes, float]]) -> dict[str, float]:
     """The legacy layout's {text: log-probability}, best first; where two tokens read the same, the
     likelier (-9999 stands for minus infinity, which JSON lacks, as in OpenAI's API)."""
     out = {}
-    for text, value in top:
-        out.setdefault(text, max(value, -9999.0))
+    for raw, value in top:
+        out.setdefault(_text(raw), max(value, -9999.0))
     return out
+
+
+def token_bytes(tokenizer) -> Callable[[int], bytes]:
+    """-> a token's own bytes (OpenAI's `bytes`), which may hold part of a character that the next
+    tokens complete: a token decoded alone would give U+FFFD there, and (SentencePiece) lose its
+    leading space. mlx-lm's streaming detokenizers keep each token's piece; the table that maps a
+    byte-level BPE piece's characters back to bytes is private to mlx-lm, hence the import."""
+    detok = tokenizer.detokenizer
+    if isinstance(detok, SPMStreamingDetokenizer):
+        return lambda t: detok.tokenmap[t].replace("\u2581".encode(), b" ")
+    if isinstance(detok, BPEStreamingDetokenizer):
+        table = _byte_decoder()
+
+        def piece(t: int) -> bytes:
+            chars = detok.tokenmap[t] if t < len(detok.tokenmap) else ""
+            if chars and all(c in table for c in chars):
+                return bytes(table[c] for c in chars)
+            return tokenizer.decode([t]).encode()  # (an added token kept as text)
+
+        return piece
+    return lambda t: tokenizer.decode([t]).encode()
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
 
 
 def _openai_call(call: ToolCall) -> dict:
