@@ -21,6 +21,7 @@ from .errors import AlreadyExists, UserError
 def atomic_folder(dest: str | Path, force: bool = False):
     """Yield a temporary folder; on success it replaces `dest`, on failure it disappears."""
     dest = Path(dest).expanduser()
+    _check_name(dest)
     if Path.cwd().resolve().is_relative_to(dest.resolve()):
         raise UserError(f"{dest} is the current folder or holds it: give the name of a new folder")
     if dest.exists() and not force:
@@ -67,6 +68,15 @@ def _no_room(dest: Path, e: BaseException) -> UserError:
     return UserError(f"cannot write {dest} ({reason}): is the disk full? Nothing was written")
 
 
+def _check_name(path: Path) -> None:
+    """MLX takes only UTF-8 paths (another name fails inside it with std::bad_cast): say so first."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:  # (the name's stray bytes arrive as lone surrogates)
+        shown = os.fsencode(path).decode("utf-8", "replace")
+        raise UserError(f"cannot write {shown}: MLX needs a name in UTF-8, give another") from None
+
+
 def _remove(path: Path) -> None:
     """A folder or a file (what --force replaces may be either), if it is there."""
     if path.is_dir() and not path.is_symlink():
@@ -81,6 +91,7 @@ def atomic_file(dest: str | Path):
     A link is written through (the file it names is replaced, the link kept), an existing file keeps
     its permissions, and what is not a regular file (a folder, a device) is refused."""
     dest = Path(dest).expanduser()
+    _check_name(dest)
     if dest.is_symlink():
         dest = dest.resolve()
     if dest.exists() and not dest.is_file():
@@ -110,6 +121,7 @@ def check_writable(folder: str | Path, flag: str = "") -> None:
     if not str(folder).strip():  # ("" is the current folder; blanks, a folder named by mistake)
         raise UserError(f"{flag or 'the folder'} needs a folder's name")
     folder = Path(folder).expanduser()
+    _check_name(folder)
     named = f"{flag} {folder}".strip()
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{named} is a file: give a folder")

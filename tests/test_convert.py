@@ -516,6 +516,9 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     assert r.exit_code == 1 and "truncated or not a safetensors file" in r.output
     r = cli("convert", zlab, tmp_path / "empty")
     assert r.exit_code == 1 and "already exists" in r.output
+    r = cli("convert", zlab, tmp_path / "caf\udce9")  # (a name with a stray byte, as Python reads it)
+    assert r.exit_code == 1 and "caf\ufffd: MLX needs a name in UTF-8, give another" in r.output, r.output
+    assert not any(p.name.startswith(("caf", ".caf")) for p in tmp_path.iterdir())
     r = cli("convert", "some-org/some-model", tmp_path / "empty")  # said before any download is tried
     assert r.exit_code == 1 and "already exists" in r.output and "Hugging Face" not in r.output
     wrong = json.loads((zlab / "config.json").read_text())
