@@ -279,6 +279,7 @@ def local_copies(pair: Pair) -> dict[str, int]:
                 paths = [Path(snapshot_download(name, local_files_only=True))]
             except Exception:  # not in the local Hugging Face cache
                 paths = []
+        paths = [p for p in paths if (p / "config.json").is_file()]  # (not a stray file or empty folder)
         if paths:
             found[label] = sum(size(p) for p in paths)
     return found

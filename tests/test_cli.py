@@ -840,6 +840,28 @@ def test_models_and_doctor_speak_json():
     assert doctor["facts"]["mlx backend"] == "cpu" and "blas preload" in doctor["facts"]
 
 
+def test_models_counts_only_model_folders_as_on_this_machine(tmp_path, monkeypatch):
+    from dflash_mlx.loading import SMOLLM2_GGUF
+
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path))
+    stem = Path(SMOLLM2_GGUF).stem
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / f"{stem}-stray").write_bytes(b"x" * 1000)  # a file, and an empty folder
+    (tmp_path / "gguf" / f"{stem}-empty").mkdir()
+
+    def here():
+        return next(
+            m for m in json.loads(run("models --json").stdout) if m["name"] == "smollm2-135m-instruct"
+        )
+
+    assert "target" not in here()["local"]  # (the drafter ships in the package)
+    folder = tmp_path / "gguf" / f"{stem}-float32-aaaa"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"x" * 3000)
+    assert here()["local"]["target"] == 3002
+
+
 def test_train_eval_reports_the_acceptance_of_real_runs(pair):
     root, _ = pair
     r = run(
