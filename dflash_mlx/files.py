@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -30,7 +32,8 @@ def atomic_folder(dest: str | Path, force: bool = False):
         raise UserError(f"cannot write {dest}: it is not a regular file or folder")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+        _clear_leftovers(dest)
+        tmp = Path(tempfile.mkdtemp(prefix=_partial(dest), dir=dest.parent))
     except OSError as e:  # (its own error names the folder above, or the temporary one)
         raise UserError(f"cannot write {dest}: {e.strerror}") from None
     try:
@@ -68,6 +71,37 @@ def _no_room(dest: Path, e: BaseException) -> UserError:
     return UserError(f"cannot write {dest} ({reason}): is the disk full? Nothing was written")
 
 
+def _partial(dest: Path, pid: int | None = None) -> str:
+    """The start of a temporary name beside `dest`: it names the writing process and its host, so that
+    what a killed writer left (SIGKILL, a power cut: nothing runs to remove it) is known for stale."""
+    return f".{dest.name}.partial-{os.getpid() if pid is None else pid}@{socket.gethostname()}-"
+
+
+def _clear_leftovers(dest: Path) -> None:
+    """Remove what writers of `dest` on this host that are no longer running left beside it; a folder
+    moved aside by a swap that was cut short goes back where `dest` is missing (it was whole), and is
+    removed where the swap got as far as putting the new one in place."""
+    old = dest.with_name(f".{dest.name}.old")
+    if old.exists() and not dest.exists():
+        old.rename(dest)
+    elif old.exists():
+        _remove(old)
+    for stale in dest.parent.glob(glob.escape(f".{dest.name}.partial-") + "*@*"):
+        pid = stale.name[len(f".{dest.name}.partial-") :].split("@")[0]
+        if pid.isdigit() and stale.name.startswith(_partial(dest, int(pid))) and not _running(int(pid)):
+            _remove(stale)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's)
+        return True
+    return True
+
+
 def _check_name(path: Path) -> None:
     """MLX takes only UTF-8 paths (another name fails inside it with std::bad_cast): say so first."""
     try:
@@ -100,7 +134,8 @@ def atomic_file(dest: str | Path):
         raise UserError(f"cannot write {dest}: there is no folder {dest.parent}")
     mode = dest.stat().st_mode & 0o7777 if dest.exists() else 0o644  # (mkstemp makes it private)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.partial-", dir=dest.parent)
+        _clear_leftovers(dest)
+        fd, tmp = tempfile.mkstemp(prefix=_partial(dest), dir=dest.parent)
     except OSError as e:
         raise UserError(f"cannot write {dest}: {e.strerror}") from None
     os.close(fd)

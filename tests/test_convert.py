@@ -6,6 +6,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import struct
 
 import mlx.core as mx
@@ -617,6 +618,21 @@ def test_a_failed_replace_keeps_the_old_folder(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary or .old folder left
 
 
+def test_a_folder_moved_aside_by_a_swap_cut_short_is_put_back_or_cleared(tmp_path):
+    from dflash_mlx.files import atomic_folder
+
+    dest, old = tmp_path / "model", tmp_path / ".model.old"
+    old.mkdir()
+    (old / "config.json").write_text("{}")  # the good folder, moved aside before the new one went in
+    with pytest.raises(RuntimeError), atomic_folder(dest):  # the next write fails: the good one is back
+        raise RuntimeError("failed")
+    assert (dest / "config.json").read_text() == "{}" and not old.exists()
+    old.mkdir()  # ... or the swap was done and only the old one's removal was cut short
+    with atomic_folder(dest, force=True) as tmp:
+        (tmp / "config.json").write_text("[]")
+    assert (dest / "config.json").read_text() == "[]" and sorted(tmp_path.iterdir()) == [dest]
+
+
 def test_a_full_disk_is_one_line_and_leaves_nothing(zlab, tmp_path, monkeypatch):
     """MLX reports a failed write as a RuntimeError "[write] ..." (a full disk, a quota)."""
     from pathlib import Path
@@ -655,3 +671,20 @@ def test_sigterm_during_a_conversion_leaves_no_partial_folder(tmp_path):
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == 128 + signal.SIGTERM and "Traceback" not in p.stderr.read()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+    # SIGKILL leaves it (nothing runs): the next write of the same folder clears it away, and leaves
+    # what a writer still running (this process) or another host's has under way
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "writing\n"
+    p.kill()
+    p.wait(timeout=30)
+    left = [p.name for p in tmp_path.glob(".out.partial-*")]
+    assert len(left) == 1 and left[0].startswith(f".out.partial-{p.pid}@")
+    running = tmp_path / f".out.partial-{os.getpid()}@{socket.gethostname()}-x"
+    elsewhere = tmp_path / f".out.partial-{p.pid}@another-host-x"
+    running.mkdir()
+    elsewhere.mkdir()
+    r = cli("convert", tmp_path / "tiny.gguf", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["tiny.gguf", "out", running.name, elsewhere.name]
+    )
