@@ -1,6 +1,7 @@
 """Imported by pytest before any test module: load dflash_mlx first so its BLAS preload happens before
 anything imports mlx.core (a module that imports mlx_lm first would otherwise get the slow BLAS)."""
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -13,6 +14,7 @@ from dflash_mlx.loading import load, smollm2_gguf
 # Converted models and measured costs go to a folder of this run's, not the user's ~/.cache (a test that
 # needs its own home sets DFLASH_MLX_HOME itself).
 os.environ["DFLASH_MLX_HOME"] = tempfile.mkdtemp(prefix="dflash-mlx-test-home-")
+atexit.register(shutil.rmtree, os.environ["DFLASH_MLX_HOME"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
