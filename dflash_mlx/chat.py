@@ -151,7 +151,8 @@ class ChatSession:
     ) -> Iterator[GenerationResponse]:
         """Stream the answer to a user message. `should_stop()` is checked after every piece; when it
         turns true (or the caller stops reading) the answer ends there, and the partial answer stays in
-        the conversation. On an error or a KeyboardInterrupt the message is dropped; if that came inside
+        the conversation (so does what came before MLX failed once a stop was asked for: see below). On
+        an error or a KeyboardInterrupt the message is dropped; if that came inside
         a model pass, the caches it left half-updated are dropped too (the next message prefills the
         conversation again)."""
         message = {"role": "user", "content": text}
@@ -218,12 +219,20 @@ class ChatSession:
                 # Its clean-up (the step under way taken back, what the policy learnt saved) runs now, not
                 # whenever it is collected, so that a Ctrl-C during it reaches the caller.
                 stream.close()
-        except (Exception, KeyboardInterrupt):  # no answer (unless it stopped cleanly first): the message
-            if not recorded and self.messages and self.messages[-1] is message:  # goes, and so does a
-                self.messages.pop()  # cache that an interrupted pass left half-updated
+        except (Exception, KeyboardInterrupt) as e:  # no answer (unless it stopped cleanly first): the
+            # message goes, and so does a cache that an interrupted pass left half-updated. But MLX's CPU
+            # backend compiles kernels with g++ on first use, and a Ctrl-C reaches the terminal's whole
+            # process group: one that asked for a stop meanwhile ended the compiler too, and MLX raised
+            # a RuntimeError. That is the stop asked for: the answer so far stays.
+            stopped = isinstance(e, RuntimeError) and answer and not recorded and should_stop()
+            if not recorded and not stopped and self.messages and self.messages[-1] is message:
+                self.messages.pop()
             if self.cache.broken:
                 self.cache = self.new_cache()
-            raise
+            if not stopped:
+                raise
+            record(stopped=True)
+            return
         record(stopped=False)
 
     def save(self, path: str | Path) -> Path:

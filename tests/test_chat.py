@@ -284,6 +284,50 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
     assert child.exitstatus == 0, child.before
 
 
+def test_a_ctrl_c_that_ended_mlxs_kernel_compiler_is_a_ctrl_c_and_the_chat_goes_on(smollm2, monkeypatch):
+    """MLX's CPU backend compiles kernels with g++ on first use; a Ctrl-C reaches the terminal's whole
+    process group, so one that came meanwhile ended the compiler and MLX raised a RuntimeError."""
+    import io
+    import signal
+
+    from rich.console import Console
+
+    from dflash_mlx.cli.chat import answer
+    from dflash_mlx.models.dflash import DFlashDraftModel
+
+    model, tokenizer, _ = smollm2
+    draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
+    session = ChatSession(model, draft, tokenizer, max_tokens=12, block_size=4)
+    absorb, calls = DFlashDraftModel.absorb, []
+
+    def compiling(self, features, cache, ctrl_c=True):
+        calls.append(1)
+        if len(calls) == 3:  # (the answer has begun streaming)
+            if ctrl_c:
+                os.kill(os.getpid(), signal.SIGINT)
+            raise RuntimeError("Could not load C++ shared library /tmp/mlx/cpu/tmp_0.so")
+        return absorb(self, features, cache)
+
+    monkeypatch.setattr(DFlashDraftModel, "absorb", compiling)
+    out = io.StringIO()
+    answer(session, Console(file=out, width=200), "What is the capital of France?", False)
+    assert "stopped; the partial answer stays in the conversation" in out.getvalue()
+    prompt = apply_chat_template(tokenizer, session.messages[:1])
+    full = generate(model, draft, tokenizer, prompt, max_tokens=12).text
+    partial = session.messages[1]["content"]
+    assert partial and full.startswith(partial) and session.turns[-1]["interrupted"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    calls.clear()
+    monkeypatch.setattr(DFlashDraftModel, "absorb", lambda *a: compiling(*a, ctrl_c=False))
+    with pytest.raises(RuntimeError, match="Could not load"):  # without a Ctrl-C it is a failure
+        answer(session, Console(file=io.StringIO()), "And of Italy?", False)
+    assert len(session.messages) == 2  # (that message dropped)
+    monkeypatch.setattr(DFlashDraftModel, "absorb", absorb)
+    answer(session, Console(file=io.StringIO()), "And of Italy?", False)
+    prompt = apply_chat_template(tokenizer, session.messages[:3])
+    assert session.messages[3]["content"] == generate(model, draft, tokenizer, prompt, max_tokens=12).text
+
+
 def test_a_second_ctrl_c_while_a_stopped_answer_cleans_up_reaches_the_chat_and_keeps_the_answer(
     smollm2, monkeypatch
 ):
