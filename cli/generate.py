@@ -39,6 +39,7 @@ from .options import (
     TopP,
     Tree,
     check_utf8,
+    ctrl_c_in_mlx,
     mix_text,
     stderr,
     user_errors,
@@ -137,15 +138,16 @@ def generate(
         )
         interrupted = False
         try:
-            for last in stream:
-                if not as_json:
-                    sys.stdout.write(last.text)
-                    sys.stdout.flush()
-                text.append(last.text)
-                tokens += last.tokens if drafter is not None else [last.token]
-                if getattr(last, "accepted", None) is not None:
-                    acc.append(last.accepted)
-                    cycles.append([last.source, last.proposed, last.accepted])
+            with ctrl_c_in_mlx():
+                for last in stream:
+                    if not as_json:
+                        sys.stdout.write(last.text)
+                        sys.stdout.flush()
+                    text.append(last.text)
+                    tokens += last.tokens if drafter is not None else [last.token]
+                    if getattr(last, "accepted", None) is not None:
+                        acc.append(last.accepted)
+                        cycles.append([last.source, last.proposed, last.accepted])
         except KeyboardInterrupt:  # what came so far is kept: the text was shown, the statistics say so
             interrupted = True
         text = "".join(text)

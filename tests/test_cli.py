@@ -1,5 +1,6 @@
 """The command line through Typer's runner, on a tiny target/drafter pair saved as real folders."""
 
+import contextlib
 import json
 import os
 import shlex
@@ -147,6 +148,50 @@ def test_generate_stopped_with_ctrl_c_still_gives_what_came(pair, monkeypatch, p
     shown = r.stdout.split()  # the text so far, then its statistics, which say it was cut
     assert r.exit_code == 130 and shown == [f"w{t}" for t in want[: len(shown)]] and 3 <= len(shown) < 12
     assert f"{len(record['tokens'])} tokens" in r.stderr and r.stderr.strip().endswith("interrupted")
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="MLX's CPU backend compiles kernels with g++")
+def test_generate_stopped_with_ctrl_c_while_mlx_compiles_a_kernel_still_gives_what_came(pair, tmp_path):
+    """MLX's CPU backend compiles a kernel with g++ on its first use (kept under $TMPDIR/mlx), in the
+    terminal's process group: a Ctrl-C then ends the compiler too, and MLX raises before Python sees
+    the Ctrl-C. With the costs measured, an answer with a fresh $TMPDIR compiles kernels as it goes."""
+    import psutil
+
+    root, model = pair
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "generate", "-m", f"{root}/target", "-d"]
+    cmd += [f"{root}/draft", "-p", "w5 w6 w7", "--max-tokens", "64", "--no-chat-template"]
+    home = dict(os.environ, DFLASH_MLX_HOME=str(tmp_path / "home"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    subprocess.run(
+        cmd, env=dict(home, TMPDIR=str(tmp_path / "a")), capture_output=True, timeout=300, check=True
+    )
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(home, TMPDIR=str(tmp_path / "b")),
+        start_new_session=True,  # (its own process group, as a terminal's command has)
+        preexec_fn=_signals_as_in_a_terminal,
+    )
+    os.set_blocking(p.stdout.fileno(), False)
+    shown, deadline = b"", time.monotonic() + 120
+    while time.monotonic() < deadline and p.poll() is None:
+        shown += p.stdout.read() or b""
+        with contextlib.suppress(psutil.Error):
+            compiling = any(c.name() == "cc1plus" for c in psutil.Process(p.pid).children(recursive=True))
+            if shown and compiling:  # (once the answer has begun)
+                os.killpg(p.pid, signal.SIGINT)  # (the group: the terminal's Ctrl-C)
+                break
+        time.sleep(0.005)
+    else:
+        p.kill()
+        pytest.skip("no kernel was compiled after the answer began")
+    out, err = p.communicate(timeout=120)
+    shown = (shown + out).decode().split()
+    want = greedy_reference(model, [5, 6, 7], 64, eos={95})
+    assert p.returncode == 130 and err.decode().strip().endswith("interrupted"), err
+    assert shown and shown == [f"w{t}" for t in want[: len(shown)]]
 
 
 def test_generate_json_and_the_plain_baseline_agree(pair):
