@@ -18,6 +18,7 @@ from dflash_mlx.chat import apply_chat_template, most_chars
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load, load_pair, template_kwargs
 from dflash_mlx.pairing import context_length, context_room
+from dflash_mlx.platform import ctrl_c_in_mlx
 from dflash_mlx.settings import GenerationSettings
 from dflash_mlx.speculative import StopText, stream_generate
 
@@ -39,7 +40,6 @@ from .options import (
     TopP,
     Tree,
     check_utf8,
-    ctrl_c_in_mlx,
     mix_text,
     stderr,
     user_errors,

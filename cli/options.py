@@ -4,7 +4,6 @@ not a command's output; progress bars; and how an error ends a command."""
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from contextlib import contextmanager
 from typing import Annotated
@@ -127,21 +126,6 @@ def user_errors():
     except (UserError, OSError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(1) from None
-
-
-@contextmanager
-def ctrl_c_in_mlx():
-    """A Ctrl-C is a KeyboardInterrupt even where MLX raised first: its CPU backend compiles kernels
-    with g++ on first use, in the terminal's process group, so a Ctrl-C then ends the compiler too and
-    MLX raises a RuntimeError, the KeyboardInterrupt coming only later, wherever the unwinding is."""
-    try:
-        yield
-    except RuntimeError:
-        try:
-            signal.getsignal(signal.SIGINT)  # (a call: a Ctrl-C waiting for its handler gets it here)
-        except KeyboardInterrupt:
-            raise KeyboardInterrupt from None
-        raise
 
 
 def mix_text(mix: dict) -> str:

@@ -43,7 +43,7 @@ from .errors import UserError
 from .files import atomic_file
 from .loading import load, load_pair
 from .pairing import context_room, prepare
-from .platform import backend, has_module, report
+from .platform import backend, ctrl_c_in_mlx, has_module, report
 from .policy import batch_sizes, costs_for, warm_up
 from .settings import GenerationSettings
 from .speculative import stream_generate
@@ -174,23 +174,24 @@ def run_bench(
                 progress(done, total)
 
     try:
-        order = [(0, 0)] + [(r, k) for r in range(rounds) for k in range(len(encoded))]
-        for n, (rnd, k) in enumerate(order):  # the first pass over prompt 0 is the warm-up
-            if n == 1 and progress:
-                progress(0, total)  # the warm-up is over
-            ids = encoded[k]
-            row = {"prompt": k, "round": rnd, "prompt_tokens": len(ids), "baseline": {}, "dflash": {}}
-            for t in temperatures:
-                row["baseline"][str(t)] = _plain(model, tokenizer, ids, max_tokens, t, seed)
-                counted()
-            for b, t in configs:
-                r = _dflash(target, draft, tokenizer, ids, grid[b, t], seed)
-                if t == 0:
-                    _compare(model, ids, row["baseline"][str(t)]["tokens"], r)
-                row["dflash"][run_name(b, t)] = r
-                counted()
-            if n > 0:
-                per_prompt.append(row)
+        with ctrl_c_in_mlx():
+            order = [(0, 0)] + [(r, k) for r in range(rounds) for k in range(len(encoded))]
+            for n, (rnd, k) in enumerate(order):  # the first pass over prompt 0 is the warm-up
+                if n == 1 and progress:
+                    progress(0, total)  # the warm-up is over
+                ids = encoded[k]
+                row = {"prompt": k, "round": rnd, "prompt_tokens": len(ids), "baseline": {}, "dflash": {}}
+                for t in temperatures:
+                    row["baseline"][str(t)] = _plain(model, tokenizer, ids, max_tokens, t, seed)
+                    counted()
+                for b, t in configs:
+                    r = _dflash(target, draft, tokenizer, ids, grid[b, t], seed)
+                    if t == 0:
+                        _compare(model, ids, row["baseline"][str(t)]["tokens"], r)
+                    row["dflash"][run_name(b, t)] = r
+                    counted()
+                if n > 0:
+                    per_prompt.append(row)
     except KeyboardInterrupt:
         if not per_prompt:
             raise
@@ -299,25 +300,26 @@ def run_fresh(
     if progress:
         progress(0, total)
     try:
-        for k, ids in enumerate(encoded):
-            job = dict(names=names, ids=ids, max_tokens=max_tokens, answers=answers, seed=seed)
-            rows = [
-                {"prompt": k, "round": 0, "answer": a + 1, "prompt_tokens": len(ids)}
-                for a in (0, answers - 1)
-            ]
-            for row, r in zip(rows, _in_new_process(dict(job, settings=None))):
-                row.update(baseline={"0.0": r}, dflash={})
-            if progress:
-                progress(k * (1 + len(configs)) + 1, total)
-            for n, (b, t) in enumerate(configs):
-                runs = _in_new_process(dict(job, settings=asdict(grid[b, t])))
-                for row, r in zip(rows, runs):
-                    _compare(model, ids, row["baseline"]["0.0"]["tokens"], r)
-                    row["dflash"][run_name(b, t)] = r
+        with ctrl_c_in_mlx():
+            for k, ids in enumerate(encoded):
+                job = dict(names=names, ids=ids, max_tokens=max_tokens, answers=answers, seed=seed)
+                rows = [
+                    {"prompt": k, "round": 0, "answer": a + 1, "prompt_tokens": len(ids)}
+                    for a in (0, answers - 1)
+                ]
+                for row, r in zip(rows, _in_new_process(dict(job, settings=None))):
+                    row.update(baseline={"0.0": r}, dflash={})
                 if progress:
-                    progress(k * (1 + len(configs)) + 2 + n, total)
-            first.append(rows[0])
-            last.append(rows[1])
+                    progress(k * (1 + len(configs)) + 1, total)
+                for n, (b, t) in enumerate(configs):
+                    runs = _in_new_process(dict(job, settings=asdict(grid[b, t])))
+                    for row, r in zip(rows, runs):
+                        _compare(model, ids, row["baseline"]["0.0"]["tokens"], r)
+                        row["dflash"][run_name(b, t)] = r
+                    if progress:
+                        progress(k * (1 + len(configs)) + 2 + n, total)
+                first.append(rows[0])
+                last.append(rows[1])
     except KeyboardInterrupt:
         if not first:
             raise
@@ -410,8 +412,9 @@ def run_concurrent(
     rows, interrupted = [], False
     for c in levels:
         try:
-            base = _batched_plain(model, encoded, c, max_tokens, eos)
-            ours = _engine(target, draft, encoded, c, settings, eos)
+            with ctrl_c_in_mlx():
+                base = _batched_plain(model, encoded, c, max_tokens, eos)
+                ours = _engine(target, draft, encoded, c, settings, eos)
         except KeyboardInterrupt:
             if not rows:
                 raise

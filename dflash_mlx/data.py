@@ -29,7 +29,7 @@ from .benchsets import SETS, bench_set, parsed_stdlib
 from .chat import apply_chat_template
 from .errors import NotFound, UserError
 from .files import check_writable
-from .platform import backend, device_memory
+from .platform import backend, ctrl_c_in_mlx, device_memory
 
 SHAREGPT_HELDOUT = 100  # the last 100 usable ShareGPT conversations are kept for evaluation
 
@@ -677,21 +677,22 @@ def generate_data(
             _write_shard(folder, index, seqs, first, first, source, fingerprint, made_from, settings)
 
     try:
-        admit()
-        write_finished()
-        while shards and (responses := gen.next_generated()):
-            for uid, token, last in responses:
-                shard = owner[uid]
-                shard["answers"][uid].append(token)
-                if last:  # (its shard holds it until written; then nothing does)
-                    del owner[uid]
-                    shard["left"] -= 1
-                    in_flight -= 1
-            if progress is not None:
-                progress(done + admitted - in_flight, limit or len(prompts))
-            write_finished()
+        with ctrl_c_in_mlx():
             admit()
-            write_finished()  # (a shard whose prompts were all skipped)
+            write_finished()
+            while shards and (responses := gen.next_generated()):
+                for uid, token, last in responses:
+                    shard = owner[uid]
+                    shard["answers"][uid].append(token)
+                    if last:  # (its shard holds it until written; then nothing does)
+                        del owner[uid]
+                        shard["left"] -= 1
+                        in_flight -= 1
+                if progress is not None:
+                    progress(done + admitted - in_flight, limit or len(prompts))
+                write_finished()
+                admit()
+                write_finished()  # (a shard whose prompts were all skipped)
     except KeyboardInterrupt:
         keep_finished()
         raise

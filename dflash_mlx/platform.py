@@ -1,4 +1,5 @@
-"""Backend facts, the Linux CPU fast path, and NVIDIA GPUs.
+"""Backend facts, the Linux CPU fast path, NVIDIA GPUs, and a Ctrl-C that MLX's CPU kernel compiler
+turns into an error of its own (`ctrl_c_in_mlx`).
 
 MLX's Linux CPU wheel links a slow reference BLAS. If a real BLAS (OpenBLAS or MKL) is loaded with
 RTLD_GLOBAL *before* `mlx.core` is first imported, MLX resolves its BLAS symbols there instead, and
@@ -28,10 +29,12 @@ import glob
 import importlib.metadata as md
 import os
 import re
+import signal
 import site
 import sys
 import sysconfig
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 DISABLE_ENV = "DFLASH_MLX_NO_BLAS"
@@ -354,3 +357,18 @@ def warn_if_slow_blas() -> None:
     if advice and not _warned:
         _warned = True
         print(f"warning: {advice}", file=sys.stderr)
+
+
+@contextmanager
+def ctrl_c_in_mlx():
+    """A Ctrl-C is a KeyboardInterrupt even where MLX raised first: its CPU backend compiles kernels
+    with g++ on first use, in the terminal's process group, so a Ctrl-C then ends the compiler too and
+    MLX raises a RuntimeError, the KeyboardInterrupt coming only later, wherever the unwinding is."""
+    try:
+        yield
+    except RuntimeError:
+        try:
+            signal.getsignal(signal.SIGINT)  # (a call: a Ctrl-C waiting for its handler gets it here)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt from None
+        raise

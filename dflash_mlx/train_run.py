@@ -35,7 +35,7 @@ from .models.targets import Target
 from .pairing import context_length
 from .phrases import FILE as PHRASES_FILE
 from .phrases import Phrases
-from .platform import backend
+from .platform import backend, ctrl_c_in_mlx
 from .settings import GenerationSettings
 from .speculative import generate
 from .train import TrainConfig, check_same_data, data_fingerprint, saved_run, train, usable_sequences
@@ -277,7 +277,7 @@ class PreparedRun:
 
         handlers = {}
         try:
-            with open(log, "a") as f:
+            with ctrl_c_in_mlx(), open(log, "a") as f:
                 handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
                 train(
                     Target(self.target),
@@ -295,7 +295,11 @@ class PreparedRun:
             if made and saved_run(self.out) is None:
                 shutil.rmtree(self.out, ignore_errors=True)
             raise
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, RuntimeError) as e:
+            # (a first Ctrl-C that also ended MLX's kernel compiler, whose error came first: the handler
+            # has run since, in ctrl_c_in_mlx, and asked for the stop)
+            if isinstance(e, RuntimeError) and asked is None:
+                raise
             kept = saved_run(self.out)
             return RunEnd(
                 reached, self.cfg.steps, asked, interrupted=True, checkpoint=kept["step"] if kept else None
