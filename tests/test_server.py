@@ -373,6 +373,26 @@ def test_reasoning_and_tool_calls_are_split_from_the_answer_in_openai_replies(sc
     assert client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS).choices
 
 
+def test_allowed_tools_in_mode_auto_offer_the_model_those_tools_alone(scripted):
+    client, _ = clients(scripted)
+    messages = [{"role": "user", "content": "weather Paris"}]
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+    def prompt_tokens(tools, choice="auto"):
+        r = client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice=choice)
+        return r.usage.prompt_tokens, [c.function.name for c in r.choices[0].message.tool_calls or []]
+
+    allowed = {"mode": "auto", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
+    alone, both = prompt_tokens(TOOLS), prompt_tokens(TOOLS + [other])
+    assert alone[0] < both[0]  # (the template names each tool it is given)
+    assert prompt_tokens(TOOLS + [other], {"type": "allowed_tools", "allowed_tools": allowed}) == alone
+    assert alone[1] == ["get_weather"]
+    for mode, tools in (("required", allowed["tools"]), ("auto", "get_weather"), ("auto", [{"type": 3}])):
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}
+        with pytest.raises(openai.BadRequestError, match="tool_choice: this server cannot make the model"):
+            prompt_tokens(TOOLS, choice)
+
+
 def test_reasoning_and_tool_calls_are_blocks_of_their_own_in_anthropic_replies(scripted):
     _, client = clients(scripted)
     tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]

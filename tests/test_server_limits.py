@@ -326,6 +326,28 @@ def test_a_json_body_is_read_whatever_its_type_says_and_a_compressed_one_is_told
     assert r.status_code == 415 and "Content-Encoding" in r.json()["error"]["message"]
 
 
+def test_a_body_json_cannot_read_is_a_400_that_says_why(server):
+    url, _ = server
+    path = "/v1/chat/completions"
+    good = json.dumps(request(path, "w5"))[:-1].encode()  # (without its closing brace)
+    for body, says in (
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "caf\xe9"}]}', "is not UTF-8 text"),
+        (good + b', "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
+        (good + b', "x": ' + b"9" * 5000 + b"}", "could not be read as JSON"),
+        (
+            json.dumps(request(path, "w5", temperature=float("nan"))).encode(),
+            "temperature: should be a finite",
+        ),
+        (json.dumps(request(path, "w5", seed=1e308)).encode(), "seed: is too large a number"),
+    ):
+        r = post(url, path, body)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    r = httpx.request("OPTIONS", f"{url}{path}", timeout=60)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
+    for where in ("/v1/models", "/v1/models/tiny", "/metrics", "/health"):
+        assert httpx.head(f"{url}{where}", timeout=60).status_code == 200, where
+
+
 @pytest.mark.parametrize(
     "path, field, value",
     [

@@ -231,12 +231,26 @@ def _field(loc) -> str:
     return out
 
 
+def _unread_body(cause: BaseException | None) -> str | None:
+    """Why FastAPI could not read a body as JSON, where it says only "There was an error parsing the
+    body" (it names JSON syntax errors alone)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return "the request body is not UTF-8 text: send JSON encoded as UTF-8"
+    if isinstance(cause, RecursionError):
+        return "the request body is nested too deeply to read"
+    if isinstance(cause, ValueError):  # (Python's limit on an integer's digits, for one)
+        return f"the request body could not be read as JSON: {cause}"
+    return None
+
+
 def _wanted(error: dict) -> str:
     """What a pydantic error says the value should be, with no class names in it."""
     if error.get("type") in ("model_type", "model_attributes_type", "dict_type"):
         return "should be an object"
     if error.get("type") == "missing":
         return "is required"
+    if error.get("type") == "int_parsing_size":
+        return "is too large a number"
     message = error.get("msg", "not valid")
     return message.removeprefix("Input ").removeprefix("Value error, ")
 
@@ -291,7 +305,10 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        return error_response(request.url.path, e.status_code, str(e.detail))
+        message = _unread_body(e.__cause__) if e.status_code == 400 else None
+        reply = error_response(request.url.path, e.status_code, message or str(e.detail))
+        reply.headers.update(e.headers or {})  # (a 405's Allow)
+        return reply
 
     def check_given(body) -> None:
         if body.n not in (None, 1):
@@ -385,17 +402,17 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     async def health():
         return {"status": "ok", "model": config.model_id}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     served = {"id": config.model_id, "object": "model", "created": 0, "owned_by": "dflash-mlx"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [served]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.api_route("/v1/models/{name:path}", methods=["GET", "HEAD"])
     async def model(name: str):
         check_model(name)
         return served
@@ -405,7 +422,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         arrived = time.monotonic()
         check_model(body.model)
         check_given(body)
-        tools = body.tools if body.tool_choice != "none" else None
+        tools = body.offered or None
         settings = settings_for(body, body.max_completion_tokens or body.max_tokens)
         reply = _OpenAIReply(config.model_id, "chat.completion", tokenizer)
         async with admitted():

@@ -19,7 +19,7 @@ from ..settings import MAX_LOGPROBS
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # (NaN passed every range check)
 
 
 class _Sampling(_Body):
@@ -147,6 +147,10 @@ PROCESSORS = (  # the fields above that settings.py turns into logits processors
 )
 
 
+def _function_name(function) -> str | None:
+    return function.get("name") if isinstance(function, dict) else None
+
+
 class ChatCompletionRequest(_OpenAI):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
@@ -160,11 +164,37 @@ class ChatCompletionRequest(_OpenAI):
     def refused(self) -> tuple[str, str] | None:
         if refused := super().refused():
             return refused
-        if self.tool_choice not in (None, "auto", "none"):
-            return "tool_choice", FORCED_TOOLS + '"auto" or "none"'
+        if self.tool_choice not in (None, "auto", "none") and self.allowed_tools is None:
+            return "tool_choice", FORCED_TOOLS + '"auto", "none" or allowed tools in mode "auto"'
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "comes with each token's log-probability: send logprobs: true too"
         return _not_text(self.messages, lambda kind: kind not in ("text", "refusal"), "parts")
+
+    @property
+    def allowed_tools(self) -> set[str] | None:
+        """The names of the tools a tool_choice of type "allowed_tools" leaves the model, in mode "auto"
+        (it may call one of them or none); None for any other tool_choice."""
+        choice = self.tool_choice
+        if not isinstance(choice, dict) or choice.get("type") != "allowed_tools":
+            return None
+        allowed = choice.get("allowed_tools")
+        if not isinstance(allowed, dict) or allowed.get("mode") != "auto":
+            return None
+        tools = allowed.get("tools")
+        if not isinstance(tools, list):
+            return None
+        names = [_function_name(t.get("function", t)) if isinstance(t, dict) else None for t in tools]
+        return set(names) if all(isinstance(n, str) for n in names) else None
+
+    @property
+    def offered(self) -> list[dict] | None:
+        """The tools the prompt offers the model: none for tool_choice "none", only the allowed ones."""
+        if self.tool_choice == "none" or not self.tools:
+            return None
+        allowed = self.allowed_tools
+        if allowed is None:
+            return self.tools
+        return [t for t in self.tools if _function_name(t.get("function")) in allowed]
 
     @property
     def top(self) -> int | None:
