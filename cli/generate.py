@@ -192,7 +192,7 @@ def generate(
         raise typer.Exit(130)
 
 
-def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: list[str]):
+def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: list[str] = ()):
     """The baseline: mlx-lm's own decoding of the target (its responses), ended at a stop string as
     ours is (mlx-lm's stream_generate takes none)."""
     s = settings
