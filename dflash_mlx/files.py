@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import glob
 import os
 import shutil
@@ -56,6 +57,24 @@ def atomic_folder(dest: str | Path, force: bool = False):
         if is_write_error(e):
             raise _no_room(dest, e) from None
         raise
+
+
+@contextlib.contextmanager
+def one_at_a_time(lock: Path):
+    """Processes that make the same thing take turns: an exclusive lock on the file `lock` (made if
+    missing) while the block runs. Where it cannot be made (a read-only home), the block runs anyway."""
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        held = open(lock, "a")  # (closed below, which lets go of the lock)
+    except OSError:
+        held = None
+    try:
+        if held is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+    finally:
+        if held is not None:
+            held.close()
 
 
 def is_write_error(e: BaseException) -> bool:

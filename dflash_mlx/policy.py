@@ -40,7 +40,7 @@ from .batching import batchable, merge
 from .cache import SpeculativeCache
 from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS, PHRASES, DFlashDrafter, draft_block, from_logits
 from .errors import UserError
-from .files import atomic_file
+from .files import atomic_file, one_at_a_time
 from .models.dflash import DraftCache
 from .pairing import context_length, prepare
 from .platform import backend, blas, cache_home
@@ -912,18 +912,21 @@ def costs_for(target, draft, batches=()) -> CostModel:
     """This pair's costs on this machine: measured at first use (a few seconds), then read from disk;
     `batches`: the batch sizes whose passes must be priced too (measured where they are not yet)."""
     path = costs_path(target, draft)
-    costs = None
-    if path.exists():
-        try:
-            costs = CostModel(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError, KeyError):
-            pass  # unreadable or not a cost model: measure again
-    if costs is None:
-        costs = measure_costs(target, draft)
-        keep_costs(path, costs)
-    batched = with_batches(costs, target, batches)
-    if batched is not costs:
-        keep_costs(path, batched)
+    # Two processes measuring at once would each time passes slowed by the other's: the second waits,
+    # then reads what the first measured.
+    with one_at_a_time(path.with_name(path.name + ".lock")):
+        costs = None
+        if path.exists():
+            try:
+                costs = CostModel(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError, KeyError):
+                pass  # unreadable or not a cost model: measure again
+        if costs is None:
+            costs = measure_costs(target, draft)
+            keep_costs(path, costs)
+        batched = with_batches(costs, target, batches)
+        if batched is not costs:
+            keep_costs(path, batched)
     return batched
 
 

