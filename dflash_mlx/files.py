@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import AlreadyExists, UserError
+from .platform import cache_home
 
 
 @contextlib.contextmanager
@@ -60,9 +61,11 @@ def atomic_folder(dest: str | Path, force: bool = False):
 
 
 @contextlib.contextmanager
-def one_at_a_time(lock: Path):
-    """Processes that make the same thing take turns: an exclusive lock on the file `lock` (made if
-    missing) while the block runs. Where it cannot be made (a read-only home), the block runs anyway."""
+def one_at_a_time(name: str):
+    """Processes that make the same thing (`name`) take turns: an exclusive lock on a file of that name
+    under the home's locks/ while the block runs. Where it cannot be made (a read-only home), the
+    block runs anyway."""
+    lock = cache_home() / "locks" / name
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
         held = open(lock, "a")  # (closed below, which lets go of the lock)

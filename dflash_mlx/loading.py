@@ -36,7 +36,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer a
 
 from .data import tokenizer_fingerprint
 from .errors import NotFound, UserError
-from .files import atomic_folder, is_write_error
+from .files import atomic_folder, is_write_error, one_at_a_time
 from .gguf import convert_gguf
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .models.formats import drafter_format
@@ -150,17 +150,21 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
     where = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
     state = hashlib.sha1(f"{st.st_size}-{st.st_mtime_ns}-{st.st_ino}".encode()).hexdigest()[:8]
     dest = cache_home() / "gguf" / f"{path.stem}-{tag}-{where}-{state}"
-    if not (dest / "config.json").exists():
+    if (dest / "config.json").exists():
+        return dest
+    with one_at_a_time(f"gguf-{dest.name}"):  # (processes started together convert it once)
+        if (dest / "config.json").exists():
+            return dest
         print(f"converting {path.name} to an MLX folder in {dest} (once)", file=sys.stderr)
         with atomic_folder(dest, force=True) as tmp:
             convert_gguf(path, tmp, dtype)
-        # Conversions of that file before it changed (replaced, or touched) are not read again, nor those
-        # named as before (<size>-<time>: any file of that name); each is as large as the model.
-        for old in dest.parent.glob(f"{glob.escape(path.stem)}-{tag}-*"):
-            suffix = old.name[len(f"{path.stem}-{tag}-") :]
-            earlier = suffix.startswith(f"{where}-") or re.fullmatch(r"\d+-\d+", suffix)
-            if old != dest and earlier and (old / "config.json").exists():
-                shutil.rmtree(old, ignore_errors=True)
+    # Conversions of that file before it changed (replaced, or touched) are not read again, nor those
+    # named as before (<size>-<time>: any file of that name); each is as large as the model.
+    for old in dest.parent.glob(f"{glob.escape(path.stem)}-{tag}-*"):
+        suffix = old.name[len(f"{path.stem}-{tag}-") :]
+        earlier = suffix.startswith(f"{where}-") or re.fullmatch(r"\d+-\d+", suffix)
+        if old != dest and earlier and (old / "config.json").exists():
+            shutil.rmtree(old, ignore_errors=True)
     return dest
 
 

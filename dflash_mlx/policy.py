@@ -914,7 +914,7 @@ def costs_for(target, draft, batches=()) -> CostModel:
     path = costs_path(target, draft)
     # Two processes measuring at once would each time passes slowed by the other's: the second waits,
     # then reads what the first measured.
-    with one_at_a_time(path.with_name(path.name + ".lock")):
+    with one_at_a_time(f"costs-{path.stem}"):
         costs = None
         if path.exists():
             try:

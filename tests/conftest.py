@@ -2,7 +2,6 @@
 anything imports mlx.core (a module that imports mlx_lm first would otherwise get the slow BLAS)."""
 
 import atexit
-import fcntl
 import os
 import shutil
 import tempfile
@@ -38,10 +37,9 @@ def smollm2_loaded(tmp_path_factory):
     for name in ("gguf", "costs"):
         (shared / name).mkdir(exist_ok=True)
         (home / name).symlink_to(shared / name)
-    with pytest.MonkeyPatch.context() as mp, open(shared / "smollm2.lock", "w") as lock:
+    with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_MLX_HOME", str(home))
-        fcntl.flock(lock, fcntl.LOCK_EX)  # (one process converts it; the others wait, then load it)
-        model, tokenizer = load("smollm2-135m-instruct")
+        model, tokenizer = load("smollm2-135m-instruct")  # (one process converts it, the others wait)
     return model, tokenizer, home
 
 

@@ -376,6 +376,39 @@ def test_a_gguf_loaded_by_path_is_converted_once_and_again_only_when_the_file_ch
         load(str(tmp_path / "b" / "tiny.gguf"))
 
 
+def test_two_processes_loading_a_gguf_at_once_convert_it_once(tmp_path):
+    import subprocess
+    import sys
+
+    write_gguf(tmp_path / "tiny.gguf", "llama")
+    code = (
+        "import sys, time\n"
+        "import mlx.core as mx\n"
+        "import dflash_mlx.loading as loading\n"
+        "convert = loading.convert_gguf\n"
+        "def slow(*args):\n"
+        "    time.sleep(3)  # (long enough for the other process to ask meanwhile)\n"
+        "    convert(*args)\n"
+        "loading.convert_gguf = slow\n"
+        "print(loading.gguf_folder(loading.Path(sys.argv[1]), mx.float32), flush=True)\n"
+    )
+    env = dict(os.environ, DFLASH_MLX_HOME=str(tmp_path / "home"))
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path / "tiny.gguf")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in runs]
+    assert all(p.returncode == 0 for p in runs), outs
+    assert sum(err.count("converting tiny.gguf") for _, err in outs) == 1, outs
+    assert outs[0][0] == outs[1][0] and len(list((tmp_path / "home" / "gguf").iterdir())) == 1
+
+
 def test_a_gguf_target_is_quantized_again_only_from_a_float_dtype(tmp_path, monkeypatch):
     """-q on a GGUF (a file, or the registry name of one) is refused before anything is converted unless
     --dtype says which float weights to quantize again; with it, the folder holds MLX's quantization."""
