@@ -254,6 +254,8 @@ def test_a_tokens_log_probability_carries_its_own_bytes_even_where_they_are_part
         assert any(tokenizer.decode([t]).endswith("\ufffd") for t in ids)  # (where decoding alone fails)
     words = make_tokenizer()  # (a word-level tokenizer: each token's text)
     assert token_bytes(words)(7) == words.decode([7]).encode()
+    for tokenizer in (spm, bpe):  # an id past the tokenizer's own (a vocabulary padded in the model)
+        assert token_bytes(tokenizer)(len(tokenizer.detokenizer.tokenmap) + 3) == b""
 
 
 def test_completions_and_models(tiny, server):

@@ -238,7 +238,9 @@ def _unread_body(cause: BaseException | None) -> str | None:
         return "the request body is not UTF-8 text: send JSON encoded as UTF-8"
     if isinstance(cause, RecursionError):
         return "the request body is nested too deeply to read"
-    if isinstance(cause, ValueError):  # (Python's limit on an integer's digits, for one)
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return "the request body holds a number too long to read"
+    if isinstance(cause, ValueError):
         return f"the request body could not be read as JSON: {cause}"
     return None
 
@@ -656,20 +658,18 @@ def token_bytes(tokenizer) -> Callable[[int], bytes]:
     tokens complete: a token decoded alone would give U+FFFD there, and (SentencePiece) lose its
     leading space. mlx-lm's streaming detokenizers keep each token's piece; the table that maps a
     byte-level BPE piece's characters back to bytes is private to mlx-lm, hence the import."""
-    detok = tokenizer.detokenizer
-    if isinstance(detok, SPMStreamingDetokenizer):
-        return lambda t: detok.tokenmap[t].replace("\u2581".encode(), b" ")
-    if isinstance(detok, BPEStreamingDetokenizer):
-        table = _byte_decoder()
+    detok, table = tokenizer.detokenizer, _byte_decoder()
+    spm, bpe = isinstance(detok, SPMStreamingDetokenizer), isinstance(detok, BPEStreamingDetokenizer)
 
-        def piece(t: int) -> bytes:
-            chars = detok.tokenmap[t] if t < len(detok.tokenmap) else ""
-            if chars and all(c in table for c in chars):
-                return bytes(table[c] for c in chars)
-            return tokenizer.decode([t]).encode()  # (an added token kept as text)
+    def piece(t: int) -> bytes:
+        if (spm or bpe) and t < len(detok.tokenmap):  # (a model's vocabulary may be padded past it)
+            if spm:
+                return detok.tokenmap[t].replace("\u2581".encode(), b" ")
+            if all(c in table for c in detok.tokenmap[t]):
+                return bytes(table[c] for c in detok.tokenmap[t])
+        return tokenizer.decode([t]).encode()  # (a word-level tokenizer's; a BPE's added token)
 
-        return piece
-    return lambda t: tokenizer.decode([t]).encode()
+    return piece
 
 
 def _text(raw: bytes) -> str:
