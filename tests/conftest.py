@@ -34,7 +34,7 @@ def smollm2_loaded(tmp_path_factory):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     home, shared = tmp_path_factory.mktemp("home"), Path(os.environ["DFLASH_MLX_TEST_SHARED"])
-    for name in ("gguf", "costs"):
+    for name in ("gguf", "costs", "locks"):
         (shared / name).mkdir(exist_ok=True)
         (home / name).symlink_to(shared / name)
     with pytest.MonkeyPatch.context() as mp:
