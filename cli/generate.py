@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 
 import mlx.core as mx
@@ -192,7 +193,7 @@ def generate(
         raise typer.Exit(130)
 
 
-def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: list[str] = ()):
+def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: Sequence[str] = ()):
     """The baseline: mlx-lm's own decoding of the target (its responses), ended at a stop string as
     ours is (mlx-lm's stream_generate takes none)."""
     s = settings

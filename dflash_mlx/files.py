@@ -93,10 +93,10 @@ def _no_room(dest: Path, e: BaseException) -> UserError:
     return UserError(f"cannot write {dest} ({reason}): is the disk full? Nothing was written")
 
 
-def _partial(dest: Path, pid: int | None = None) -> str:
+def _partial(dest: Path) -> str:
     """The start of a temporary name beside `dest`: it names the writing process and its host, so that
     what a killed writer left (SIGKILL, a power cut: nothing runs to remove it) is known for stale."""
-    return f".{dest.name}.partial-{os.getpid() if pid is None else pid}@{socket.gethostname()}-"
+    return f".{dest.name}.partial-{os.getpid()}@{socket.gethostname()}-"
 
 
 def _clear_leftovers(dest: Path) -> None:
@@ -108,9 +108,10 @@ def _clear_leftovers(dest: Path) -> None:
         old.rename(dest)
     elif old.exists():
         _remove(old)
-    for stale in dest.parent.glob(glob.escape(f".{dest.name}.partial-") + "*@*"):
-        pid = stale.name[len(f".{dest.name}.partial-") :].split("@")[0]
-        if pid.isdigit() and stale.name.startswith(_partial(dest, int(pid))) and not _running(int(pid)):
+    start = f".{dest.name}.partial-"
+    for stale in dest.parent.glob(glob.escape(start) + "*"):
+        pid, _, writer = stale.name[len(start) :].partition("@")
+        if pid.isdigit() and writer.startswith(f"{socket.gethostname()}-") and not _running(int(pid)):
             _remove(stale)
 
 

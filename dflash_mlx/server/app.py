@@ -12,6 +12,7 @@ either way the connection stays usable and the server goes on serving.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -534,8 +535,13 @@ class _OpenAIReply:
         """The answer's scored tokens from `start` on, EOS left out -> ([(text, log-probability, the most
         likely there as (text, log-probability))], where the next ones start)."""
         new = [x for x in generation.scored[start:] if x[0] not in self.eos]
-        piece = token_bytes(self.tokenizer)
+        piece = self.piece
         return [(piece(t), lp, [(piece(i), v) for i, v in top]) for t, lp, top in new], len(generation.scored)
+
+    @functools.cached_property
+    def piece(self) -> Callable[[int], bytes]:
+        """`token_bytes` of the tokenizer, made once for the reply (each streamed chunk reads it)."""
+        return token_bytes(self.tokenizer)
 
     @staticmethod
     def _chat_logprobs(scored: list) -> dict:
