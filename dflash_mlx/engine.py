@@ -98,7 +98,7 @@ class Sequence:
             self.draw = lambda logits: (mx.argmax(logits, axis=-1), None)
         matched = self.sampler is not None or s.greedy  # proposals accepted where they equal the target's
         draft = cache.draft
-        self.lookup = s.lookup and s.block_size is None and s.tree is None
+        self.lookup = s.lookup and s.block_size is None  # (a fixed tree joins lookup's match in)
         # Trees need a drafter whose guesses at each position come from its logits alone, and a target
         # whose caches take a tree's positions back (no recurrent layers). The adaptive policy builds
         # them where proposals are accepted by matching the target's own choices (trees.py).
@@ -380,7 +380,7 @@ class Engine:
             s = rows[b]
             ids, values = s.drafter.candidates(s.cache.pending[-1], s.cache.draft_cache, choices[b].k)
             most = choices[b].k + 1 if len(rows) > 1 else TREE_MAX  # (a batch's width is chosen)
-            k, confidence, tree = s.policy.shape(choices[b], ids, values, contexts[b], most)
+            k, confidence, tree = s.policy.shape(choices[b], ids, values, contexts[b], most, founds[b])
             x = ids[:k, 0] if tree is None else mx.array(tree.tokens, dtype=mx.int32)
             out[b] = (x, None, confidence, tree, values)
         drafting = [b for b, c in enumerate(choices) if c.source == DFLASH and b not in shaped]
@@ -432,7 +432,7 @@ class Engine:
                 proposals, source = c.x.tolist()[:n], c.choice.source if c.x.size else PLAIN
             else:
                 paths[b] = path_of(c.accepted.tolist())
-                s.policy.observe_tree(c.tree, c.values.tolist(), paths[b])
+                s.policy.observe_tree(c.tree, c.values.tolist(), paths[b], c.found[1])
                 proposals, source = [c.tree.tokens[i - 1] for i in paths[b][1:]], TREE
             nxt = c.nxt.item()
             if nxt < 0:  # (only a custom sampler's draw: see `guarded`)

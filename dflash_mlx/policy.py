@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import operator
 import platform
 import statistics
 import time
@@ -44,10 +45,10 @@ from .files import atomic_file, one_at_a_time
 from .models.dflash import DraftCache
 from .pairing import context_length, prepare
 from .platform import backend, blas, cache_home
-from .trees import TREE_MAX, Tree, build
+from .trees import TREE_MAX, Tree, build, graft
 
 PLAIN, LOOKUP, DFLASH = "plain", "lookup", "dflash"
-TREE = "tree"  # a cycle that verified a tree of the drafter's guesses (its choice was DFLASH)
+TREE = "tree"  # a cycle that verified a tree of the drafter's guesses, lookup's too (its choice was DFLASH)
 
 # Each cycle of a source weighs its older evidence by DECAY, on top of prior odds PRIOR_HITS / PRIOR_TRIALS.
 # A parked option is probed after PROBE_FIRST cycles, then after twice as many each time it still loses;
@@ -241,12 +242,18 @@ class FixedPolicy:
     def narrow(self, choice: Choice, confidence: mx.array, context: int) -> tuple[int, list[float]]:
         return choice.k, []
 
-    def shape(self, choice: Choice, ids: mx.array, values: mx.array, context: int, most: int = TREE_MAX):
-        """The tree best by the drafter's own probabilities that fills a pass of `tree` (see
-        AdaptivePolicy.shape)."""
+    def shape(
+        self, choice: Choice, ids: mx.array, values: mx.array, context: int, most: int, found: tuple
+    ) -> tuple[int, list[float], Tree | None]:
+        """The tree best by the drafter's own probabilities that fills a pass of `tree`, lookup's match
+        (`found`) first, up to half of it (see AdaptivePolicy.shape)."""
         if not self.tree:
             return choice.k, [], None
-        return self.tree - 1, [], build(ids.tolist(), values.tolist(), self.tree - 1)[0]
+        tree, scores = build(ids.tolist(), values.tolist(), self.tree - 1)
+        chain = found[0][: self.tree // 2]
+        if chain:
+            tree, scores = graft(tree, scores, chain, [1.0] * len(chain))
+        return self.tree - 1, [], tree.first(self.tree - 1)
 
     def padded(self, width: int) -> int:
         return width
@@ -254,7 +261,7 @@ class FixedPolicy:
     def observe(self, choice: Choice, k: int, accepted: int, confidence, ngram: int) -> None:
         pass
 
-    def observe_tree(self, tree: Tree, values: list, path: list[int]) -> None:
+    def observe_tree(self, tree: Tree, values: list, path: list[int], ngram: int) -> None:
         pass
 
     def timed(self, choice: Choice, verified: int, context: int, after: str | None, seconds: float) -> None:
@@ -571,25 +578,34 @@ class AdaptivePolicy:
             key=lambda k: (e[k] / (self.costs.target_time(k + 1, context) + drafted), -k),
         )
 
-    def shape(self, choice: Choice, ids: mx.array, values: mx.array, context: int, most: int = TREE_MAX):
+    def shape(
+        self, choice: Choice, ids: mx.array, values: mx.array, context: int, most: int, found: tuple
+    ) -> tuple[int, list[float], Tree | None]:
         """A drafted block's shape, now that the drafter's candidates at each position (ids, values: its
         probabilities) are known: -> (proposals to verify, the first guesses' confidences, the tree to
         verify them as, or None for a chain of first guesses). Each candidate's odds of acceptance come
         from its confidence bin as for a chain; the best tree of n nodes is the best-first one by the
-        product of its path's odds (trees.py), and its expected tokens are 1 + the sum of those
-        products; n is the one with the most tokens per second. A chain of n first guesses is one of the
-        trees of n nodes, so a tree is chosen only where it is expected to beat the chain. `most`: the
-        widest pass allowed (a batch's step has chosen its width)."""
+        product of its path's odds (trees.py), lookup's match (`found`) joined in by its own odds, and
+        its expected tokens are 1 + the sum of those products; n is the one with the most tokens per
+        second. A chain of n first guesses is one of the trees of n nodes, so a tree is chosen only
+        where it is expected to beat the chain. `most`: the widest pass allowed (a batch's step has
+        chosen its width)."""
         if not self.trees:
             k, confidence = self.narrow(choice, values[:, 0], context)
             return k, confidence, None
         ids, values = ids.tolist(), values.tolist()
         priors = self.dflash.rates(len(values))
         odds = [[self._odds(v, p) for v in row] for row, p in zip(values, priors)]
-        tree, scores = build(ids, odds, min(most, TREE_MAX) - 1)
-        n = self._widest_paying(list(itertools.accumulate(scores, initial=1.0)), choice, context)
+        width = min(most, TREE_MAX) - 1
+        tree, scores = build(ids, odds, width)
+        tokens, ngram = found
+        chain = tokens[: min(width, self.max[LOOKUP])]
+        if chain:
+            rates = self.lookup[min(ngram, 8)].rates(len(chain))
+            tree, scores = graft(tree, scores, chain, list(itertools.accumulate(rates, operator.mul)))
+        n = self._widest_paying(list(itertools.accumulate(scores[:width], initial=1.0)), choice, context)
         tree = tree.first(n)
-        return n, [row[0] for row in values], None if tree.is_chain else tree
+        return n, [row[0] for row in values], None if tree.drafted else tree
 
     def padded(self, width: int) -> int:
         """The width a batched pass whose widest block is `width` is padded to: one measured (`counts`)."""
@@ -609,14 +625,18 @@ class AdaptivePolicy:
         elif choice.source == LOOKUP:
             self.lookup[min(ngram, 8)].observe(k, accepted)
 
-    def observe_tree(self, tree: Tree, values: list[list[float]], path: list[int]) -> None:
+    def observe_tree(self, tree: Tree, values: list[list[float]], path: list[int], ngram: int) -> None:
         """Learn from a tree's verify pass (`values`: the drafter's probabilities it was built from, `path`
-        the accepted block indices): each node whose parent was accepted was tried, and the target took
-        one of them or none. The positions' odds are a chain's (what `choose` prices a draft by), so they
-        learn from the tree's chain of first guesses alone: how long it was, and how many of them the
-        target took."""
+        the accepted block indices, `ngram` what lookup's match matched): each node whose parent was
+        accepted was tried, and the target took one of them or none. The positions' odds are a chain's
+        (what `choose` prices a draft by), so they learn from the tree's chain of first guesses alone:
+        how long it was, and how many of them the target took; lookup's from its chain in the tree."""
         if len(path) > 1:
             self.wait[DFLASH] = PROBE_FIRST
+        on = set(path)
+        if tree.lookup:
+            taken = next((j for j, i in enumerate(tree.lookup) if i not in on), len(tree.lookup))
+            self.lookup[min(ngram, 8)].observe(len(tree.lookup), taken)
         chain, node = 0, 0  # the chain of first guesses: its length, and its last node's block index
         for i, (parent, rank) in enumerate(zip(tree.parents, tree.ranks)):
             if parent == node and rank == 0:
@@ -626,9 +646,8 @@ class AdaptivePolicy:
             taken += 1
         self.dflash.observe(max(chain, 1), taken)
         self.bins.discount(DECAY)
-        on = set(path)
         for i, (parent, depth, rank) in enumerate(zip(tree.parents, tree.depths, tree.ranks)):
-            if parent in on:
+            if parent in on and rank >= 0:
                 b = self._bin(values[depth - 1][rank])
                 self.bins.trials[b] += 1
                 self.bins.hits[b] += i + 1 in on

@@ -12,6 +12,8 @@ Nodes are chosen best-first by the product of their path's values (the drafter's
 policy's calibrated odds of acceptance) under a node budget: a node's value never exceeds its
 parent's, so the first N chosen are a tree, and the one whose expected accepted tokens is highest.
 Parents come before their children, so the flattened block is in the order the nodes were chosen.
+Where prompt lookup has a match as well, its chain joins the tree as one more branch from the root
+(`graft`), sharing the nodes where the drafter guessed the same: one pass verifies both sources.
 
 The target verifies the flattened block in one pass: each node at position context + depth, seeing the
 context and its own ancestors only (`TreePass` lends each layer's cache a mask that says so, and each
@@ -24,7 +26,7 @@ Afterwards the caches keep the accepted path's positions only (`Target.rollback`
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,6 +45,7 @@ class Tree:
     parents: list[int]  # each node's parent's block index (0: the pending token)
     depths: list[int]  # each node's depth (1: a child of the pending token)
     ranks: list[int] | None = None  # each node's rank among its position's candidates (0: the first guess)
+    lookup: list[int] = field(default_factory=list)  # the block indices of lookup's chain (`graft`)
 
     @property
     def size(self) -> int:
@@ -55,7 +58,13 @@ class Tree:
     def first(self, n: int) -> Tree:
         """The first n nodes (a tree too: parents come first)."""
         ranks = None if self.ranks is None else self.ranks[:n]
-        return Tree(self.tokens[:n], self.parents[:n], self.depths[:n], ranks)
+        lookup = [i for i in self.lookup if i <= n]
+        return Tree(self.tokens[:n], self.parents[:n], self.depths[:n], ranks, lookup)
+
+    @property
+    def drafted(self) -> bool:
+        """Whether it is the drafter's chain of first guesses alone."""
+        return self.is_chain and not any(self.ranks or [])
 
     def paths(self) -> list[list[int]]:
         """Each block index's path: the nodes' tokens from the root to it (none for the pending token),
@@ -108,6 +117,40 @@ def build(ids: list[list[int]], values: list[list[float]], budget: int) -> tuple
         if r + 1 < len(ids[d]):
             heapq.heappush(heap, (-base * values[d][r + 1], d, r + 1, parent, base))
     return Tree(tokens, parents, depths, ranks), scores
+
+
+def graft(tree: Tree, scores: list[float], chain: list[int], values: list[float]) -> tuple[Tree, list[float]]:
+    """The tree joined with another source's chain of proposals from the root (lookup's, each with its
+    value: the chance it is accepted) -> (the tree of both, each node's value). Where the chain's tokens
+    follow the tree's nodes it shares them (a node holds the higher of its two values); past that its
+    nodes are its own (rank -1). Best first again, so `first(n)` is still the best tree of n nodes: a
+    node's value never exceeds its parent's in either source, and a shallower node goes first on a tie."""
+    tokens, parents, depths = list(tree.tokens), list(tree.parents), list(tree.depths)
+    ranks, values_of = list(tree.ranks or [0] * tree.size), list(scores)
+    on, node = [], 0
+    for token, value in zip(chain, values):
+        child = next((i + 1 for i, (p, t) in enumerate(zip(parents, tokens)) if p == node and t == token), 0)
+        if child:
+            values_of[child - 1] = max(values_of[child - 1], value)
+        else:
+            tokens.append(token)
+            parents.append(node)
+            depths.append(depths[node - 1] + 1 if node else 1)
+            ranks.append(-1)
+            values_of.append(value)
+            child = len(tokens)
+        on.append(child)
+        node = child
+    order = sorted(range(len(tokens)), key=lambda i: (-values_of[i], depths[i]))
+    at = {0: 0} | {i + 1: j + 1 for j, i in enumerate(order)}
+    joined = Tree(
+        [tokens[i] for i in order],
+        [at[parents[i]] for i in order],
+        [depths[i] for i in order],
+        [ranks[i] for i in order],
+        [at[c] for c in on],
+    )
+    return joined, [values_of[i] for i in order]
 
 
 def walk(tree: Tree, choices: mx.array) -> tuple[mx.array, mx.array, mx.array]:

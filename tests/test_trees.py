@@ -24,12 +24,13 @@ from tiny import (
 )
 
 from dflash_mlx import SpeculativeCache, generate, stream_generate
+from dflash_mlx.drafters import NgramIndex
 from dflash_mlx.engine import Engine, Sequence
 from dflash_mlx.models.targets import Target
 from dflash_mlx.pairing import prepare
-from dflash_mlx.policy import DFLASH, TREE, AdaptivePolicy, CostModel
+from dflash_mlx.policy import DECAY, DFLASH, TREE, AdaptivePolicy, Choice, CostModel
 from dflash_mlx.settings import GenerationSettings
-from dflash_mlx.trees import Tree, build, path_of, walk
+from dflash_mlx.trees import Tree, build, graft, path_of, walk
 
 RECURRENT = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2")
 ATTENTION = [f for f in FAMILIES if f not in RECURRENT]
@@ -88,6 +89,67 @@ def test_best_first_trees_hold_the_likeliest_paths_and_walks_follow_the_target()
     assert (n.item(), nxt.item()) == (2, 7) and path_of(accepted.tolist()) == [0, 1, 5]
     n, nxt, accepted = walk(tree, mx.array([99, 0, 0, 0, 0, 0]))
     assert (n.item(), nxt.item()) == (0, 99) and path_of(accepted.tolist()) == [0]
+
+
+def test_lookups_chain_joins_a_tree_sharing_the_nodes_it_matches_best_first():
+    ids = [[10, 11], [20, 21], [30, 31]]
+    tree, scores = build(ids, [[0.6, 0.3], [0.5, 0.4], [0.9, 0.1]], 4)  # 10, 10-20, 10-20-30, 11
+    joined, values = graft(tree, scores, [10, 21, 40], [0.9, 0.8, 0.35])
+    paths = joined.paths()[1:]
+    assert sorted(map(tuple, paths)) == [(10,), (10, 20), (10, 20, 30), (10, 21), (10, 21, 40), (11,)]
+    assert paths[0] == [10] and values[0] == 0.9  # shared: the higher value
+    assert [paths[i - 1] for i in joined.lookup] == [[10], [10, 21], [10, 21, 40]]
+    assert [joined.ranks[i - 1] for i in joined.lookup] == [0, -1, -1]
+    assert values == sorted(values, reverse=True)
+    for n in range(joined.size + 1):  # every prefix is a tree: parents first
+        first = joined.first(n)
+        assert all(p < i + 1 for i, p in enumerate(first.parents))
+        assert first.lookup == [i for i in joined.lookup if i <= n]
+    assert not joined.drafted and tree.first(1).drafted
+
+
+class WrongDraft(OracleDraft):
+    """Guesses the target's continuation wrong at the first position of every block."""
+
+    def __init__(self, config, reference):
+        super().__init__(config, reference, errors=(0,))
+
+
+class OracleLookup(NgramIndex):
+    """Prompt lookup that finds the target's own next `right` tokens, then a wrong one."""
+
+    def __init__(self, reference: list[int], right: int):
+        super().__init__()
+        self.reference, self.right = reference, right
+
+    def match(self, cap=16):
+        end = len(self.tokens)
+        found = self.reference[end : end + self.right]
+        if end + len(found) < len(self.reference):
+            found.append((self.reference[end + len(found)] + 1) % 96)
+        return found, 3
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_a_tree_verifies_lookups_match_beside_the_drafters_guesses_and_gives_mlx_lms_tokens(family):
+    model, prompt = make_target(family), prompt_of(11, seed=9)
+    ref = greedy_reference(model, prompt, 30)
+    draft = WrongDraft(draft_config(block_size=8), prompt + ref)
+    target = prepare(model, draft)
+    cache = SpeculativeCache(target, draft)
+    cache.index = OracleLookup(prompt + ref, right=3)
+    out, accepted = [], []
+    for r in stream_generate(
+        target, draft, no_eos_tokenizer(ref), prompt, max_tokens=30, tree=8, prompt_cache=cache
+    ):
+        out += r.tokens
+        accepted.append(r.accepted)
+        fresh = SpeculativeCache(target, draft)
+        fresh.prefill(cache.tokens[: cache.processed])
+        assert_same_caches(cache, fresh)
+    assert out == ref
+    # each cycle: lookup's 3 right tokens and the target's own (the drafter's first guess is wrong)
+    assert accepted[1:-1] and set(accepted[1:-1]) == {4}
 
 
 class RankedOracle(OracleDraft):
@@ -202,7 +264,7 @@ def run_tree_trace(policy, ranks, values, cycles, rng):
             continue
         depth = choice.k
         ids = mx.array([[10 * d + r for r in range(len(values))] for d in range(depth)])
-        k, confidence, tree = policy.shape(choice, ids, mx.array([values] * depth), 500)
+        k, confidence, tree = policy.shape(choice, ids, mx.array([values] * depth), 500, 32, ([], 0))
         none = -1  # the target took none of the candidates
         truth = rng.choices([*range(len(ranks)), none], weights=[*ranks, 1 - sum(ranks)], k=depth)
         if tree is None:
@@ -228,7 +290,7 @@ def run_tree_trace(policy, ranks, values, cycles, rng):
                     break
                 path.append(child)
             accepted = len(path) - 1
-            policy.observe_tree(tree, [values] * depth, path)
+            policy.observe_tree(tree, [values] * depth, path, 0)
         made.append((tree, k, accepted))
     return made
 
@@ -297,3 +359,23 @@ def test_answers_generated_in_threads_at_once_are_each_what_it_gives_alone():
         sys.setswitchinterval(interval)
     assert not any(t.is_alive() for t in threads), "hung"
     assert not failed and together == alone
+
+
+def test_the_adaptive_policy_joins_lookups_match_to_a_drafted_tree_and_learns_its_odds_from_it():
+    policy = AdaptivePolicy(WIDE_MAC, 15, lookup=True, trees=True)
+    for _ in range(20):  # lookup's matches after 3 tokens have been right
+        policy.lookup[3].observe(4, 4)
+    ids = mx.array([[10 * (d + 1) + r for r in range(4)] for d in range(7)])
+    values = mx.array([[0.5, 0.2, 0.1, 0.05]] * 7)
+    _, _, tree = policy.shape(Choice(DFLASH, 7), ids, values, 500, 32, ([1, 2, 3, 4], 3))
+    paths = tree.paths()
+    assert [paths[i] for i in tree.lookup] == [[1], [1, 2], [1, 2, 3], [1, 2, 3, 4]]
+    assert [10, 20] in paths  # and the drafter's guesses beside them
+    before = [list(policy.lookup[3].hits), list(policy.lookup[3].trials)]
+    policy.observe_tree(tree, values.tolist(), [0, *tree.lookup[:2]], 3)  # 2 of lookup's 4 taken
+    hits, trials = (
+        np.array(x) - np.array(b) * DECAY
+        for x, b in zip([policy.lookup[3].hits, policy.lookup[3].trials], before)
+    )
+    np.testing.assert_allclose(hits[1:5], [1, 1, 0, 0], atol=1e-9)
+    np.testing.assert_allclose(trials[1:5], [1, 1, 1, 0], atol=1e-9)
