@@ -26,6 +26,7 @@ from .errors import UserError
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
 from .pairing import prepare
+from .sampling import log_probabilities
 from .settings import GenerationSettings
 
 ABSORB_BATCH = 64
@@ -115,12 +116,7 @@ class SpeculativeCache:
         self.broken = True
         logits = None
         for start in range(0, len(todo), step):
-            chunk = mx.array([todo[start : start + step]])
-            logits, features = self.target(chunk, self.target_cache, last_logits_only=True)
-            if self.draft is not None:
-                self.draft.absorb(features, self.draft_cache)
-            mx.eval(logits, [c.state for c in self.target_cache], [c.state for c in self.draft_cache or []])
-            self.processed += chunk.shape[1]
+            logits = self._run(todo[start : start + step], last_logits_only=True)
         if not all(c.is_trimmable() for c in self.target_cache):
             # Recurrent state cannot be trimmed: keep it as it stands at the end of this prompt (the
             # arrays are immutable, so this copies nothing), so a conversation can go back there.
@@ -130,6 +126,29 @@ class SpeculativeCache:
             )
         self.broken = False
         return logits[:, -1]
+
+    def prefill_scored(self, tokens: list[int], following: int, k: int) -> list[tuple]:
+        """Process tokens (no pending ones, a part of a prompt short of its last token) in one pass,
+        scoring the prompt's tokens they predict, tokens[1:] and `following`: -> `log_probabilities`
+        of each (a server's echo)."""
+        if self.pending or not tokens:
+            raise ValueError("prefill_scored takes a prompt's next part, with nothing pending")
+        self.add(tokens)
+        self.broken = True
+        logits = self._run(tokens, last_logits_only=False)
+        self.broken = False
+        return log_probabilities(logits[0], tokens[1:] + [following], k)
+
+    def _run(self, tokens: list[int], last_logits_only: bool) -> mx.array:
+        """One prefill pass over the next pending tokens: the target's logits; the drafter takes in
+        their features."""
+        chunk = mx.array([tokens])
+        logits, features = self.target(chunk, self.target_cache, last_logits_only=last_logits_only)
+        if self.draft is not None:
+            self.draft.absorb(features, self.draft_cache)
+        mx.eval(logits, [c.state for c in self.target_cache], [c.state for c in self.draft_cache or []])
+        self.processed += len(tokens)
+        return logits
 
     def verify(self, block: mx.array, unrun: bool = False, trees: list | None = None):
         """Run the target over a block whose first token is the pending one: (logits, features).

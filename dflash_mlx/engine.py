@@ -31,7 +31,7 @@ from .drafters import DFlashDrafter, from_logits, propose_together
 from .errors import UserError
 from .pairing import prepare
 from .policy import DFLASH, LOOKUP, PLAIN, TREE, Choice, choose_batch, keep_learnt, policy_for
-from .sampling import acceptance, guarded, match_accept, out_of_vocabulary
+from .sampling import acceptance, guarded, log_probabilities, match_accept, out_of_vocabulary
 from .settings import GenerationSettings
 from .trees import TREE_MAX, Tree, path_of, walk
 
@@ -194,13 +194,7 @@ class Sequence:
         Only the rows of the tokens kept are normalised."""
         if logits is None or not tokens:
             return None if logits is None else []
-        lp = logits[mx.array(rows[: len(tokens)])].astype(mx.float32)
-        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-        chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0]
-        k = self.settings.logprobs
-        top = mx.argsort(-lp, axis=-1)[:, :k] if k else mx.zeros((len(tokens), 0), dtype=mx.int32)
-        values = mx.take_along_axis(lp, top, axis=-1)
-        return [(c, list(zip(ids, v))) for c, ids, v in zip(chosen.tolist(), top.tolist(), values.tolist())]
+        return log_probabilities(logits[mx.array(rows[: len(tokens)])], tokens, self.settings.logprobs)
 
     def pick_at(self, logits: mx.array, position: int, depths: list[int] | None = None) -> mx.array:
         """The target's token(s) for logits rows predicting positions `position`, `position` + 1, ...

@@ -116,6 +116,17 @@ class SamplingParams:
         return mx.random.categorical(self.scaled(logits))
 
 
+def log_probabilities(logits: mx.array, tokens: list[int], k: int) -> list[tuple]:
+    """For each row of logits and the token it predicts: (the token's log-probability, the k most likely
+    tokens there as (id, log-probability), best first)."""
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    top = mx.argsort(-lp, axis=-1)[:, :k] if k else mx.zeros((len(tokens), 0), dtype=mx.int32)
+    values = mx.take_along_axis(lp, top, axis=-1)
+    return [(c, list(zip(ids, v))) for c, ids, v in zip(chosen.tolist(), top.tolist(), values.tolist())]
+
+
 def greedy(logits: mx.array) -> mx.array:
     """The token plain mlx-lm decoding picks at temperature 0: the argmax of the log-probabilities in the
     logits' own dtype. In bfloat16 or float16 that is not always argmax(logits): subtracting the

@@ -106,6 +106,25 @@ def test_a_prompt_prefilled_in_chunks_builds_the_same_caches(family):
     assert out.tokens == ref
 
 
+def test_a_prompt_scored_in_parts_gets_the_targets_log_probabilities_and_the_caches_of_a_prefill():
+    model, prompt = make_target("llama"), prompt_of(40, seed=12)
+    draft = make_draft()
+    target = prepare(model, draft)
+    logits = model(mx.array([prompt]))[0]
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    scored, whole = SpeculativeCache(target, draft), SpeculativeCache(target, draft)
+    got = []
+    for start, end in ((0, 7), (7, 30), (30, 39)):
+        got += scored.prefill_scored(prompt[start:end], prompt[end], 3)
+    scored.prefill(prompt[39:])
+    whole.prefill(prompt)
+    assert_same_caches(scored, whole)
+    np.testing.assert_allclose(
+        [c for c, _ in got], [lp[i, t].item() for i, t in enumerate(prompt[1:])], atol=1e-4
+    )
+    assert [[i for i, _ in top] for _, top in got] == mx.argsort(-lp[:39], axis=-1)[:, :3].tolist()
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_as_short_as_the_device_needs(monkeypatch):
     """MLX's CPU backend builds each chunk's whole attention score matrix, so there the default chunk is
     short (docs/performance.md#long-prompts); on a GPU it is mlx-lm's. The answer is the same."""

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
+import mlx.core as mx
 import openai
 import psutil
 import pytest
@@ -269,6 +270,50 @@ def test_completions_and_models(tiny, server):
     streamed = client.completions.create(model="tiny", prompt=words(3), max_tokens=10, stream=True)
     assert words(3) + "".join(c.choices[0].text for c in streamed if c.choices) == document
     assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_echo_gives_the_prompt_back_scored_by_the_target_as_evaluation_harnesses_ask(tiny, server):
+    """lm-eval's loglikelihood requests: echo, logprobs 1, max_tokens 0 or 1, the prompt as token ids;
+    the prompt's log-probabilities are the target's own, over several prefill chunks."""
+    url, _ = server
+    client, _ = clients(url)
+    target, draft, tok = tiny
+    text = words(9, n=150)  # (longer than a first prefill chunk)
+    prompt = tok.encode(text)
+    logits = target(mx.array([prompt]))[0].astype(mx.float32)
+    lp = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
+    want = [lp[i][t] for i, t in enumerate(prompt[1:])]
+    tops = [[tok.decode([j]) for j in mx.argsort(-mx.array(row))[:2].tolist()] for row in lp]
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=0, echo=True, logprobs=2)
+    got = r.choices[0]
+    assert got.text == text and got.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert got.logprobs.tokens == [tok.decode([t]) for t in prompt]
+    assert got.logprobs.token_logprobs[0] is None and got.logprobs.top_logprobs[0] is None
+    assert got.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert [list(top) for top in got.logprobs.top_logprobs[1:]] == tops[:-1]
+    answer = generate(target, draft, tok, prompt[:40], max_tokens=1, logprobs=1)
+    r = client.completions.create(model="tiny", prompt=[prompt[:40]], max_tokens=1, echo=True, logprobs=1)
+    got = r.choices[0].logprobs
+    assert len(got.tokens) == 41 and got.token_logprobs[1:40] == pytest.approx(want[:39], abs=1e-4)
+    assert got.tokens[-1] == tok.decode(answer.tokens) and got.token_logprobs[-1] == pytest.approx(
+        answer.logprobs[0], abs=1e-4
+    )
+    # streamed, and without log-probabilities: the prompt's text, then the answer's
+    chunks = list(
+        client.completions.create(model="tiny", prompt=text, max_tokens=0, echo=True, logprobs=2, stream=True)
+    )
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [x for s in streamed for x in s.token_logprobs[1:]] == pytest.approx(want, abs=1e-4)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    short = words(3)
+    answer = generate(target, draft, tok, short, max_tokens=10)
+    document = tok.decode(tok.encode(short) + answer.tokens)
+    r = client.completions.create(model="tiny", prompt=short, max_tokens=10, echo=True)
+    assert r.choices[0].text == document and r.choices[0].logprobs is None
+    streamed = client.completions.create(model="tiny", prompt=short, max_tokens=10, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == document
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": short, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
 def test_the_calls_official_clients_make_beside_generating(tiny, server):

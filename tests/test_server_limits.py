@@ -351,7 +351,7 @@ def test_a_body_json_cannot_read_is_a_400_that_says_why(server):
 @pytest.mark.parametrize(
     "path, field, value",
     [
-        ("/v1/completions", "echo", True),
+        ("/v1/chat/completions", "echo", True),  # (completions echo)
         ("/v1/completions", "suffix", "w5"),
         ("/v1/completions", "best_of", 2),
         ("/v1/chat/completions", "response_format", {"type": "json_object"}),

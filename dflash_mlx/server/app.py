@@ -38,7 +38,7 @@ from .errors import ANTHROPIC, INTERNAL, ApiError, error_body, error_response
 from .metrics import Metrics
 from .pool import PromptCachePool
 from .prompts import Prompts
-from .scheduler import Busy, Finished, Scheduler, Started
+from .scheduler import Busy, Finished, PromptScored, Scheduler, Started
 from .scheduler import Request as Job
 from .schemas import PROCESSORS, ChatCompletionRequest, CompletionRequest, MessagesRequest, TokenCountRequest
 
@@ -141,12 +141,24 @@ class Generation:
         stop: list[str],
         deadline: float | None,
         continues: bool = False,
+        scored: bool = False,
     ):
-        """Submit an admitted request (`continues`: its answer's text goes on from the prompt's)."""
+        """Submit an admitted request (`continues`: its answer's text goes on from the prompt's; `scored`:
+        its prompt's log-probabilities are wanted too)."""
         loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
         emit = lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e)  # noqa: E731
-        self.job = Job(prompt, settings, stop, emit, self.queue.qsize, deadline=deadline, continues=continues)
+        self.job = Job(
+            prompt,
+            settings,
+            stop,
+            emit,
+            self.queue.qsize,
+            deadline=deadline,
+            continues=continues,
+            scored=scored,
+        )
         self.prompt, self.started = prompt, Started(len(prompt), 0)
+        self.prompt_scores: list | None = None  # `scored`: each prompt token's but the first
         self.tokens: list[int] = []
         self.scored: list[tuple] = []  # (token, its log-probability, the most likely there), where asked
         self.text = ""
@@ -173,6 +185,8 @@ class Generation:
                 event, self.first = self.first or await self.queue.get(), None
                 if isinstance(event, Started):
                     self.started = event
+                elif isinstance(event, PromptScored):
+                    self.prompt_scores = event.scores
                 elif isinstance(event, Finished):
                     if event.error is not None:
                         raise event.error
@@ -380,6 +394,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         arrived: float,
         continues=False,
         where="messages",  # the field the prompt came from
+        scored=False,
     ) -> Generation:
         if not prompt:
             raise ApiError(400, "the prompt is empty", param=where)
@@ -388,7 +403,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         except UserError as e:
             raise ApiError(400, str(e), param=where) from None
         deadline = None if config.request_timeout is None else arrived + config.request_timeout
-        return Generation(scheduler, prompt, settings, stop, deadline, continues)
+        return Generation(scheduler, prompt, settings, stop, deadline, continues, scored)
 
     async def answer(request: Request, generation: Generation) -> None:
         """Run a non-streamed request to the end, stopping it if the client goes away."""
@@ -450,15 +465,29 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         vocab = target.args.vocab_size
         if isinstance(prompt, list) and not all(0 <= t < vocab for t in prompt):
             raise ApiError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
-        settings = settings_for(body, body.max_tokens)
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(
+                400,
+                "max_tokens: 0 asks for nothing; give 1 or more, or echo: true to score the prompt alone",
+                param="max_tokens",
+            )
+        # (max_tokens 0: one token is made from the prompt's pass anyway, and left out of the reply)
+        settings = settings_for(body, max(body.max_tokens, 1))
         reply = _OpenAIReply(config.model_id, "text_completion", tokenizer)
         async with admitted():
-            generation = start(await prompts.text(prompt), settings, body.stops, arrived, True, "prompt")
+            tokens = await prompts.text(prompt)
+            scored = bool(body.echo) and body.logprobs is not None
+            generation = start(tokens, settings, body.stops, arrived, True, "prompt", scored)
+        echo = (
+            Echo(prompt if isinstance(prompt, str) else tokenizer.decode(prompt), body.max_tokens == 0)
+            if body.echo
+            else None
+        )
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _Stream(reply.completion_stream(generation, include_usage), generation)
+            return _Stream(reply.completion_stream(generation, include_usage, echo), generation)
         await answer(request, generation)
-        return reply.completion(generation)
+        return reply.completion(generation, echo)
 
     async def anthropic_prompt(body: TokenCountRequest) -> list[int]:
         thinking = (body.thinking or {}).get("type")
@@ -492,6 +521,14 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     return app
 
 
+@dataclass
+class Echo:
+    """A completion's prompt, given back before its answer (`echo`)."""
+
+    text: str
+    alone: bool  # max_tokens 0: the prompt alone, nothing generated
+
+
 def _stream_error(path: str, e: Exception) -> dict:
     if isinstance(e, ApiError):
         return error_body(path, e.status, e.message, e.param, e.code)
@@ -513,8 +550,9 @@ class _OpenAIReply:
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
-    def _usage(self, generation: Generation) -> dict:
+    def _usage(self, generation: Generation, alone: bool = False) -> dict:
         prompt, completion, cached = generation.usage()
+        completion = 0 if alone else completion
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -538,6 +576,15 @@ class _OpenAIReply:
         piece = self.piece
         return [(piece(t), lp, [(piece(i), v) for i, v in top]) for t, lp, top in new], len(generation.scored)
 
+    def _prompt_scored(self, generation: Generation) -> list:
+        """The prompt's tokens as `_scored` gives an answer's: the first without a log-probability."""
+        piece, prompt = self.piece, generation.prompt
+        scored = [
+            (piece(t), lp, [(piece(i), v) for i, v in top])
+            for t, (lp, top) in zip(prompt[1:], generation.prompt_scores or [])
+        ]
+        return [(piece(prompt[0]), None, None)] + scored
+
     @functools.cached_property
     def piece(self) -> Callable[[int], bytes]:
         """`token_bytes` of the tokenizer, made once for the reply (each streamed chunk reads it)."""
@@ -555,8 +602,8 @@ class _OpenAIReply:
     def _text_logprobs(scored: list) -> dict:
         return {
             "tokens": [_text(t) for t, _, _ in scored],
-            "token_logprobs": [max(lp, -9999.0) for _, lp, _ in scored],
-            "top_logprobs": [_best_first(top) for _, _, top in scored],
+            "token_logprobs": [None if lp is None else max(lp, -9999.0) for _, lp, _ in scored],
+            "top_logprobs": [None if top is None else _best_first(top) for _, _, top in scored],
         }
 
     def chat(self, generation: Generation, channels: Channels) -> dict:
@@ -613,40 +660,52 @@ class _OpenAIReply:
             )
         yield sse("[DONE]")
 
-    def completion(self, generation: Generation) -> dict:
+    def completion(self, generation: Generation, echo: Echo | None = None) -> dict:
+        alone = echo is not None and echo.alone
+        text = "" if alone else generation.text
         choice = {
             "index": 0,
-            "text": generation.text,
-            "finish_reason": generation.finish_reason,
+            "text": text if echo is None else echo.text + text,
+            "finish_reason": "length" if alone else generation.finish_reason,
             "logprobs": None,
         }
         if generation.job.settings.logprobs is not None:
-            choice["logprobs"] = self._text_logprobs(self._scored(generation, 0)[0])
-        return {**self._head("text_completion"), "choices": [choice], "usage": self._usage(generation)}
+            scored = [] if alone else self._scored(generation, 0)[0]
+            if echo is not None:
+                scored = self._prompt_scored(generation) + scored
+            choice["logprobs"] = self._text_logprobs(scored)
+        usage = self._usage(generation, alone)
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage}
 
-    async def completion_stream(self, generation: Generation, include_usage: bool):
+    async def completion_stream(self, generation: Generation, include_usage: bool, echo: Echo | None = None):
         usage = {"usage": None} if include_usage else {}
 
         scoring, start = generation.job.settings.logprobs is not None, 0
+        alone = echo is not None and echo.alone
 
-        def chunk(text: str, finish=None) -> str:
+        def chunk(text: str, finish=None, scored=None) -> str:
             nonlocal start
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-            if scoring and finish is None:  # (the tokens scored since the last chunk)
-                scored, start = self._scored(generation, start)
+            if scoring and finish is None:  # (the tokens scored since the last chunk, or those given)
+                if scored is None:
+                    scored, start = self._scored(generation, start)
                 choice["logprobs"] = self._text_logprobs(scored)
             return sse({**self._head("text_completion"), "choices": [choice], **usage})
 
         try:
             async for response in generation.responses():
-                if response.text or (scoring and response.tokens):
+                if echo is not None:  # (the prompt's scores, where asked for, came before its first token)
+                    yield chunk(echo.text, scored=self._prompt_scored(generation) if scoring else None)
+                    echo = None
+                if not alone and (response.text or (scoring and response.tokens)):
                     yield chunk(response.text)
         except Exception as e:  # noqa: BLE001
             yield sse(_stream_error("/v1/completions", e))
             return
-        yield chunk("", generation.finish_reason)
+        yield chunk("", "length" if alone else generation.finish_reason)
         if include_usage:
-            yield sse({**self._head("text_completion"), "choices": [], "usage": self._usage(generation)})
+            totals = self._usage(generation, alone)
+            yield sse({**self._head("text_completion"), "choices": [], "usage": totals})
         yield sse("[DONE]")
 
 

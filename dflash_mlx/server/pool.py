@@ -41,11 +41,11 @@ class PromptCachePool:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
-    def take(self, prompt: list[int]) -> Taken:
+    def take(self, prompt: list[int], reuse: bool = True) -> Taken:
         """A cache to answer `prompt` with: its tokens are a prefix of the prompt, leaving at least one
-        token of the prompt to prefill."""
+        token of the prompt to prefill (`reuse` False: a new one)."""
         best, shared = None, 0
-        for cache in self.caches:
+        for cache in self.caches if reuse else []:
             n = min(common_prefix(cache.tokens, prompt), len(prompt) - 1)
             if n > shared:
                 best, shared = cache, n

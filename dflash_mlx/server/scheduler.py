@@ -73,6 +73,14 @@ class Started:
 
 
 @dataclass
+class PromptScored:
+    """A request's prompt, scored (one asking for its prompt's log-probabilities): `log_probabilities`
+    of each prompt token but the first, before its first token."""
+
+    scores: list
+
+
+@dataclass
 class Finished:
     """The last event of a request; `error` is set if it failed."""
 
@@ -89,6 +97,7 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     deadline: float | None = None  # time.monotonic() past which the answer ends where it is ("length")
     continues: bool = False  # the answer's text goes on from the prompt's (see Answer's `joins`)
+    scored: bool = False  # the prompt's tokens' log-probabilities are wanted too (`PromptScored`)
 
 
 @dataclass(eq=False)
@@ -101,6 +110,7 @@ class _Job:
     seq: Sequence | None = None  # once its prompt is in: its place in the engine
     paused_at: float | None = None  # when it left the batch for its reader to catch up (None: in it)
     turn: int = 0  # when it last had a turn (ties go to the one waiting longest)
+    scores: list | None = None  # the prompt's scores so far, where they are wanted
 
 
 class Scheduler:
@@ -240,7 +250,9 @@ class Scheduler:
         answering = [j for j in self.active if j.seq is not None and j.paused_at is None]
         first = min(prefilling, key=lambda j: (j.served, j.turn), default=None)
         if first is not None and (not answering or first.served <= min(j.served for j in answering)):
-            short = [j for j in prefilling if len(j.prompt) <= min(self._chunk(j), SHORT)]
+            short = [
+                j for j in prefilling if len(j.prompt) <= min(self._chunk(j), SHORT) and j.scores is None
+            ]
             if first in short and len(short) > 1 and self._together(len(short)):
                 self._prefill_together([first] + [j for j in short if j is not first])
             else:
@@ -311,8 +323,8 @@ class Scheduler:
             self._release()
             request.emit(Finished())
             return
-        try:
-            taken = self.pool.take(request.prompt)
+        try:  # (a prompt to score is prefilled whole: kept caches hold no logits)
+            taken = self.pool.take(request.prompt, reuse=not request.scored)
         except Exception as e:  # noqa: BLE001  (the server goes on; the request gets the error)
             log.exception("a request could not start")
             self._release()
@@ -325,7 +337,8 @@ class Scheduler:
         joins = request.prompt[-1] if request.continues else None
         answer = Answer(self.tokenizer, request.stop, len(request.prompt), joins)
         prompt = request.prompt[len(taken.cache.tokens) :]
-        self.active.append(_Job(request, taken.cache, prompt, answer, level))
+        scores = [] if request.scored else None
+        self.active.append(_Job(request, taken.cache, prompt, answer, level, scores=scores))
 
     def _prefill(self, job: _Job) -> None:
         """A chunk of the job's prompt; its last part starts its answer (the first token handed out)."""
@@ -333,14 +346,22 @@ class Scheduler:
         job.turn = self.turns
         tic = time.perf_counter()
         n = self._chunk(job)
+        scoring = job.scores is not None and len(job.prompt) > 1  # (its last token predicts the answer)
         try:
-            if len(job.prompt) > n:
+            if len(job.prompt) > n or scoring:
+                n = min(n, len(job.prompt) - 1) if scoring else n
                 chunk, job.prompt = job.prompt[:n], job.prompt[n:]
-                job.cache.prefill(chunk, n)
+                if scoring:
+                    k = job.request.settings.logprobs or 0
+                    job.scores += job.cache.prefill_scored(chunk, job.prompt[0], k)
+                else:
+                    job.cache.prefill(chunk, n)
                 seconds = time.perf_counter() - tic
                 self.prefill_rate = n / seconds
                 job.served += seconds / self.token_seconds if self.token_seconds else 1
                 return
+            if job.scores is not None:
+                job.request.emit(PromptScored(job.scores))
             seq = self._sequence(job)
             first = seq.start(job.prompt)
         except Exception as e:  # noqa: BLE001  (the server goes on; the request gets the error)

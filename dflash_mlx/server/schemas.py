@@ -68,7 +68,7 @@ MAX_STOPS = 64  # stop strings a request may give (each is looked for in the tex
 # Fields that, asked for, change what an answer holds, which this server cannot give: refused rather
 # than answered without (other fields it has no use for are ignored).
 NOT_GIVEN = {
-    "echo": "the prompt echoed back",
+    "echo": "the prompt echoed back (completions do)",
     "suffix": "insertions (a suffix)",
     "best_of": "the best of several answers",
     "audio": "answers in audio",
@@ -226,8 +226,9 @@ class ChatCompletionRequest(_OpenAI):
 class CompletionRequest(_OpenAI):
     # one prompt: text or token ids, alone or as a list of one (a list of several is refused: `one`)
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(union_mode="left_to_right")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # (0 with echo: the prompt scored, nothing generated)
     logprobs: int | None = Field(None, ge=0, le=5)  # (the legacy API's: the most likely beside each)
+    echo: bool | None = False  # the prompt given back before the answer (with logprobs: scored)
 
     @field_validator("max_tokens")
     @classmethod
