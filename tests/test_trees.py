@@ -190,7 +190,8 @@ def test_greedy_trees_give_mlx_lms_tokens_and_leave_caches_as_a_fresh_prefill(fa
     assert max(depths[1:]) >= 3  # (a chain accepts one proposal at most here: ranks 0, 1, 2 in turn)
 
 
-def test_sequences_of_a_batch_verify_trees_in_the_shared_pass_and_each_gets_its_own_tokens():
+@pytest.mark.parametrize("lookup", [False, True])
+def test_sequences_of_a_batch_verify_trees_in_the_shared_pass_and_each_gets_its_own_tokens(lookup):
     model = make_target("gpt_oss")  # (sliding-window layers: the window is masked by tree positions)
     draft = RankedOracle(draft_config(block_size=8), None)
     target = prepare(model, draft)
@@ -201,7 +202,9 @@ def test_sequences_of_a_batch_verify_trees_in_the_shared_pass_and_each_gets_its_
         ref = greedy_reference(model, prompt, max_tokens)
         cache = SpeculativeCache(target, draft)
         draft.follow(cache, prompt + ref)
-        seq = Sequence(cache, GenerationSettings(max_tokens=max_tokens, tree=tree, lookup=False), max_tokens)
+        if lookup:  # (each row's trees hold a branch of its own lookup's, right for i + 1 tokens)
+            cache.index = OracleLookup(prompt + ref, right=i + 1)
+        seq = Sequence(cache, GenerationSettings(max_tokens=max_tokens, tree=tree, lookup=lookup), max_tokens)
         joins.setdefault(at, []).append((seq, prompt))
         wants[seq] = (prompt, ref)
     e = Engine(target, draft)
