@@ -839,3 +839,32 @@ def test_queued_requests_whose_clients_leave_are_counted_and_leave_the_queue_at_
                 time.sleep(0.02)
             assert metric(url, "dflash_mlx_cancelled_requests_total") == before + 2
             assert any('"finish_reason": null' in line for line in lines)  # (still answering)
+
+
+def test_a_model_error_at_shutdown_is_the_shutdown_and_others_a_500(tiny, monkeypatch, caplog):  # noqa: F811
+    """A Ctrl-C that stops `serve` also ends the g++ compiling MLX's kernels (same process group), and
+    MLX raises at about the moment the server starts shutting down: the request gets the shutdown's
+    503, the log one line. The same error with no shutdown is a bug: a 500, and its traceback logged."""
+    app = create_app(*tiny, config())
+    scheduler = app.state.scheduler
+    monkeypatch.setattr(scheduler_module, "STOPPED_WITHIN_S", 0.5)
+    real_run, stop = SpeculativeCache._run, {"now": False}
+
+    def compile_killed(self, *args, **kwargs):
+        if stop["now"]:  # (the signal handler runs a moment after MLX raised)
+            threading.Timer(0.05, scheduler.close_queue, kwargs={"grace": 1.0}).start()
+        raise RuntimeError("[Compile::eval_cpu] Failed to compile function")
+
+    body = request("/v1/chat/completions", words(112))
+    with serving(app) as url:
+        monkeypatch.setattr(SpeculativeCache, "_run", compile_killed)
+        with caplog.at_level("WARNING", logger="dflash_mlx.server"):
+            bug = post(url, "/v1/chat/completions", body)
+            assert bug.status_code == 500
+            assert any(r.levelname == "ERROR" and r.exc_info for r in caplog.records)
+            caplog.clear()
+            stop["now"] = True
+            stopped = post(url, "/v1/chat/completions", body)
+        monkeypatch.setattr(SpeculativeCache, "_run", real_run)
+    assert stopped.status_code == 503 and "shutting down" in stopped.json()["error"]["message"]
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and not caplog.records[0].exc_info

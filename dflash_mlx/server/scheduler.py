@@ -55,6 +55,7 @@ STALLED_S = 60.0  # seconds out of the batch with its reader taking nothing: a h
 # the prompt tokens a second each has given; the other is tried again every RETRY_SHORT. (A longer
 # prompt gains little from sharing a pass, and would pad the others' rows to its length.)
 SHORT, RETRY_SHORT = 256, 16
+STOPPED_WITHIN_S = 0.5  # how long after an error of MLX's a shutdown is taken as its cause
 
 
 class Busy(Exception):
@@ -140,6 +141,7 @@ class Scheduler:
         self.returning: list[_Job] = []  # ended while their step was under way: their caches come back
         self.stopping = False
         self.closing: float | None = None  # shutting down: nothing more joins; answers end by then
+        self.closed = threading.Event()  # ... set once `closing` is
         self.lock = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="dflash-mlx-generation", daemon=True)
 
@@ -160,6 +162,7 @@ class Scheduler:
         seconds, as at max_tokens (their connections would be cut)."""
         with self.lock:
             self.closing = time.monotonic() + grace
+            self.closed.set()
             while self.waiting:
                 self.waiting.popleft().emit(Finished(ApiError(503, SHUTTING_DOWN)))
                 self.admitted -= 1
@@ -215,7 +218,7 @@ class Scheduler:
             try:
                 self._cycle(joining)
             except Exception as e:  # noqa: BLE001  (a bug in a step: the requests in it get the error)
-                log.exception("generation failed")
+                e = self._stopped(e)
                 gone = self.engine.rows + self.engine.joining
                 for job in [j for j in self.active if j.seq is not None and j.seq in gone]:
                     job.seq.removed = True  # (with the engine it was in)
@@ -427,8 +430,19 @@ class Scheduler:
 
     def _failed(self, job: _Job, error: Exception) -> None:
         if not isinstance(error, UserError):
-            log.exception("generation failed")
+            error = self._stopped(error)
         self._end(job, error, keep=False)
+
+    def _stopped(self, error: Exception) -> Exception:
+        """A model pass's error, logged -> what its requests get. MLX's CPU backend compiles kernels with
+        g++ on first use, in the terminal's process group: a Ctrl-C that stops the server ends that
+        compiler too, and MLX raises at about the moment the server starts shutting down. That is
+        the shutdown, in one line, not a failure."""
+        if isinstance(error, RuntimeError) and self.closed.wait(STOPPED_WITHIN_S):
+            log.warning("an answer ended by the shutdown while MLX compiled a kernel (%s)", error)
+            return ApiError(503, SHUTTING_DOWN)
+        log.error("generation failed", exc_info=error)
+        return error
 
     def _begin(self, job: _Job, seq: Sequence, first: list[int], seconds: float) -> None:
         """A job whose prompt is in: its first token handed out, and it joins the engine."""
