@@ -605,7 +605,7 @@ class AdaptivePolicy:
             tree, scores = graft(tree, scores, chain, list(itertools.accumulate(rates, operator.mul)))
         n = self._widest_paying(list(itertools.accumulate(scores[:width], initial=1.0)), choice, context)
         tree = tree.first(n)
-        return n, [row[0] for row in values], None if tree.drafted else tree
+        return n, [row[0] for row in values], None if tree.first_guesses else tree
 
     def padded(self, width: int) -> int:
         """The width a batched pass whose widest block is `width` is padded to: one measured (`counts`)."""
@@ -631,12 +631,14 @@ class AdaptivePolicy:
         accepted was tried, and the target took one of them or none. The positions' odds are a chain's
         (what `choose` prices a draft by), so they learn from the tree's chain of first guesses alone:
         how long it was, and how many of them the target took; lookup's from its chain in the tree."""
-        if len(path) > 1:
-            self.wait[DFLASH] = PROBE_FIRST
         on = set(path)
         if tree.lookup:
             taken = next((j for j, i in enumerate(tree.lookup) if i not in on), len(tree.lookup))
             self.lookup[min(ngram, 8)].observe(len(tree.lookup), taken)
+            if taken:
+                self.wait[LOOKUP] = PROBE_FIRST
+        if any(tree.ranks[i - 1] >= 0 for i in path[1:]):
+            self.wait[DFLASH] = PROBE_FIRST  # (a guess of the drafter's was taken)
         chain, node = 0, 0  # the chain of first guesses: its length, and its last node's block index
         for i, (parent, rank) in enumerate(zip(tree.parents, tree.ranks)):
             if parent == node and rank == 0:
@@ -644,6 +646,8 @@ class AdaptivePolicy:
         taken = 0
         while taken < len(path) - 1 and tree.ranks[path[taken + 1] - 1] == 0:
             taken += 1
+        # (a tree of lookup's nodes alone verified none of the drafter's: a drafted block not verified
+        # at all is a miss at position 1, as for a chain)
         self.dflash.observe(max(chain, 1), taken)
         self.bins.discount(DECAY)
         for i, (parent, depth, rank) in enumerate(zip(tree.parents, tree.depths, tree.ranks)):

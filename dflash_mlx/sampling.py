@@ -122,7 +122,10 @@ def log_probabilities(logits: mx.array, tokens: list[int], k: int) -> list[tuple
     lp = logits.astype(mx.float32)
     lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0]
-    top = mx.argsort(-lp, axis=-1)[:, :k] if k else mx.zeros((len(tokens), 0), dtype=mx.int32)
+    top = mx.zeros((len(tokens), 0), dtype=mx.int32)
+    if k:  # (the k largest, then only those sorted)
+        top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+        top = mx.take_along_axis(top, mx.argsort(-mx.take_along_axis(lp, top, axis=-1), axis=-1), axis=-1)
     values = mx.take_along_axis(lp, top, axis=-1)
     return [(c, list(zip(ids, v))) for c, ids, v in zip(chosen.tolist(), top.tolist(), values.tolist())]
 

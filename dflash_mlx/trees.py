@@ -62,9 +62,10 @@ class Tree:
         return Tree(self.tokens[:n], self.parents[:n], self.depths[:n], ranks, lookup)
 
     @property
-    def drafted(self) -> bool:
-        """Whether it is the drafter's chain of first guesses alone."""
-        return self.is_chain and not any(self.ranks or [])
+    def first_guesses(self) -> bool:
+        """Whether it is a chain of the drafter's first guesses, with no lookup in it (one verified as a
+        chain, from which lookup would learn nothing)."""
+        return self.is_chain and not any(self.ranks or []) and not self.lookup
 
     def paths(self) -> list[list[int]]:
         """Each block index's path: the nodes' tokens from the root to it (none for the pending token),

@@ -312,6 +312,15 @@ def test_echo_gives_the_prompt_back_scored_by_the_target_as_evaluation_harnesses
     assert r.choices[0].text == document and r.choices[0].logprobs is None
     streamed = client.completions.create(model="tiny", prompt=short, max_tokens=10, echo=True, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == document
+    # an answer that is EOS at once: its token is still the document's last (harnesses cut it off)
+    eos = next(iter(tok.eos_token_ids))
+    kw = dict(
+        model="tiny", prompt=[prompt[:40]], max_tokens=1, echo=True, logprobs=1, logit_bias={str(eos): 100}
+    )
+    got = client.completions.create(**kw).choices[0].logprobs
+    assert len(got.tokens) == 41 and got.tokens[-1] == tok.decode([eos])
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert [t for s in streamed if s for t in s.tokens] == got.tokens
     r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": short, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 

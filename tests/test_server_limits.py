@@ -614,6 +614,25 @@ def test_past_its_time_limit_an_answer_ends_as_at_max_tokens(tiny, monkeypatch):
         assert metric(url, "dflash_mlx_timed_out_requests_total") == 3
 
 
+def test_a_prompt_whose_scoring_its_time_limit_cut_short_gets_an_error_not_a_partial_score(tiny, monkeypatch):  # noqa: F811
+    """Echo with logprobs (lm-eval's log-likelihood): a reply without every prompt token's score would
+    be summed as if it had them."""
+    real = SpeculativeCache.prefill_scored
+
+    def slow(self, *args):
+        time.sleep(0.3)
+        return real(self, *args)
+
+    monkeypatch.setattr(SpeculativeCache, "prefill_scored", slow)
+    monkeypatch.setattr(scheduler_module, "SCORED_CHUNK", 16)  # (several chunks)
+    body = {"model": "tiny", "prompt": words(113, n=80), "max_tokens": 0, "echo": True, "logprobs": 1}
+    with serving(create_app(*tiny, config(request_timeout=0.5))) as url:
+        r = post(url, "/v1/completions", body)
+        assert r.status_code == 503 and "scoring was cut short" in r.json()["error"]["message"], r.text
+        events = post(url, "/v1/completions", dict(body, stream=True)).text
+        assert "scoring was cut short" in events and "[DONE]" not in events
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [

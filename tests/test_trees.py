@@ -105,7 +105,8 @@ def test_lookups_chain_joins_a_tree_sharing_the_nodes_it_matches_best_first():
         first = joined.first(n)
         assert all(p < i + 1 for i, p in enumerate(first.parents))
         assert first.lookup == [i for i in joined.lookup if i <= n]
-    assert not joined.drafted and tree.first(1).drafted
+    assert not joined.first_guesses and tree.first(1).first_guesses
+    assert not graft(tree, scores, [10, 20], [0.9, 0.8])[0].first(2).first_guesses  # (lookup learns)
 
 
 class WrongDraft(OracleDraft):

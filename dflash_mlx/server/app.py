@@ -569,15 +569,20 @@ class _OpenAIReply:
             return "tool_calls"
         return generation.finish_reason
 
-    def _scored(self, generation: Generation, start: int) -> tuple[list, int]:
-        """The answer's scored tokens from `start` on, EOS left out -> ([(text, log-probability, the most
-        likely there as (text, log-probability))], where the next ones start)."""
-        new = [x for x in generation.scored[start:] if x[0] not in self.eos]
+    def _scored(self, generation: Generation, start: int, eos: bool = False) -> tuple[list, int]:
+        """The answer's scored tokens from `start` on, EOS left out unless `eos` -> ([(text,
+        log-probability, the most likely there as (text, log-probability))], where the next ones
+        start)."""
+        new = [x for x in generation.scored[start:] if eos or x[0] not in self.eos]
         piece = self.piece
         return [(piece(t), lp, [(piece(i), v) for i, v in top]) for t, lp, top in new], len(generation.scored)
 
     def _prompt_scored(self, generation: Generation) -> list:
         """The prompt's tokens as `_scored` gives an answer's: the first without a log-probability."""
+        if generation.prompt_scores is None:  # (cut before its prompt was scored: its time limit, a shutdown)
+            raise ApiError(
+                503, "the prompt's scoring was cut short (a time limit or a shutdown): send it again"
+            )
         piece, prompt = self.piece, generation.prompt
         scored = [
             (piece(t), lp, [(piece(i), v) for i, v in top])
@@ -670,7 +675,8 @@ class _OpenAIReply:
             "logprobs": None,
         }
         if generation.job.settings.logprobs is not None:
-            scored = [] if alone else self._scored(generation, 0)[0]
+            # (an echo's tokens are the document's, its EOS too: harnesses cut the answer's last token)
+            scored = [] if alone else self._scored(generation, 0, echo is not None)[0]
             if echo is not None:
                 scored = self._prompt_scored(generation) + scored
             choice["logprobs"] = self._text_logprobs(scored)
@@ -681,14 +687,14 @@ class _OpenAIReply:
         usage = {"usage": None} if include_usage else {}
 
         scoring, start = generation.job.settings.logprobs is not None, 0
-        alone = echo is not None and echo.alone
+        alone, eos = echo is not None and echo.alone, echo is not None
 
         def chunk(text: str, finish=None, scored=None) -> str:
             nonlocal start
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
             if scoring and finish is None:  # (the tokens scored since the last chunk, or those given)
                 if scored is None:
-                    scored, start = self._scored(generation, start)
+                    scored, start = self._scored(generation, start, eos)
                 choice["logprobs"] = self._text_logprobs(scored)
             return sse({**self._head("text_completion"), "choices": [choice], **usage})
 

@@ -55,6 +55,7 @@ STALLED_S = 60.0  # seconds out of the batch with its reader taking nothing: a h
 # the prompt tokens a second each has given; the other is tried again every RETRY_SHORT. (A longer
 # prompt gains little from sharing a pass, and would pad the others' rows to its length.)
 SHORT, RETRY_SHORT = 256, 16
+SCORED_CHUNK = 512  # the most prompt tokens in a chunk that is scored (`echo`)
 STOPPED_WITHIN_S = 0.5  # how long after an error of MLX's a shutdown is taken as its cause
 
 
@@ -352,7 +353,8 @@ class Scheduler:
         scoring = job.scores is not None and len(job.prompt) > 1  # (its last token predicts the answer)
         try:
             if len(job.prompt) > n or scoring:
-                n = min(n, len(job.prompt) - 1) if scoring else n
+                # (a scored chunk's logits are all kept: a vocabulary's worth of floats per token)
+                n = min(n, SCORED_CHUNK, len(job.prompt) - 1) if scoring else n
                 chunk, job.prompt = job.prompt[:n], job.prompt[n:]
                 if scoring:
                     k = job.request.settings.logprobs or 0
@@ -360,7 +362,8 @@ class Scheduler:
                 else:
                     job.cache.prefill(chunk, n)
                 seconds = time.perf_counter() - tic
-                self.prefill_rate = n / seconds
+                if not scoring:  # (scoring costs more than a prefill: its pace is not theirs)
+                    self.prefill_rate = n / seconds
                 job.served += seconds / self.token_seconds if self.token_seconds else 1
                 return
             if job.scores is not None:
@@ -371,7 +374,7 @@ class Scheduler:
             self._failed(job, e)
             return
         seconds = time.perf_counter() - tic
-        if len(job.prompt) <= SHORT:
+        if len(job.prompt) <= SHORT and job.scores is None:
             self._short_rate(False, len(job.prompt), seconds)
         self._begin(job, seq, first, seconds)
 
@@ -468,7 +471,8 @@ class Scheduler:
         if job.seq is not None and not job.seq.removed and job.seq.finish is None:
             self.engine.remove(job.seq)  # its step is taken back (once collected, if batched)
         self.active.remove(job)
-        if error is None and keep:  # (a failed request's cache is not worth keeping)
+        # (a failed request's cache is not worth keeping, nor a scored prompt's: one never reused)
+        if error is None and keep and job.scores is None:
             if job.seq is not None and job.seq in self.engine.rows:
                 self.returning.append(job)  # (lent to the step under way)
             else:

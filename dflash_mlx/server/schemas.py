@@ -68,7 +68,7 @@ MAX_STOPS = 64  # stop strings a request may give (each is looked for in the tex
 # Fields that, asked for, change what an answer holds, which this server cannot give: refused rather
 # than answered without (other fields it has no use for are ignored).
 NOT_GIVEN = {
-    "echo": "the prompt echoed back (completions do)",
+    "echo": "the prompt echoed back in a chat (completions echo it)",
     "suffix": "insertions (a suffix)",
     "best_of": "the best of several answers",
     "audio": "answers in audio",
