@@ -586,7 +586,7 @@ class _OpenAIReply:
         piece, prompt = self.piece, generation.prompt
         scored = [
             (piece(t), lp, [(piece(i), v) for i, v in top])
-            for t, (lp, top) in zip(prompt[1:], generation.prompt_scores or [])
+            for t, (lp, top) in zip(prompt[1:], generation.prompt_scores)
         ]
         return [(piece(prompt[0]), None, None)] + scored
 
