@@ -123,25 +123,30 @@ def build(ids: list[list[int]], values: list[list[float]], budget: int) -> tuple
 def graft(tree: Tree, scores: list[float], chain: list[int], values: list[float]) -> tuple[Tree, list[float]]:
     """The tree joined with another source's chain of proposals from the root (lookup's, each with its
     value: the chance it is accepted) -> (the tree of both, each node's value). Where the chain's tokens
-    follow the tree's nodes it shares them (a node holds the higher of its two values); past that its
+    follow the tree's nodes it shares them: a shared node holds the higher of its two values, and the
+    drafter's nodes below it rise with it (their odds given it are the same). Past that the chain's
     nodes are its own (rank -1). Best first again, so `first(n)` is still the best tree of n nodes: a
     node's value never exceeds its parent's in either source, and a shallower node goes first on a tie."""
     tokens, parents, depths = list(tree.tokens), list(tree.parents), list(tree.depths)
-    ranks, values_of = list(tree.ranks or [0] * tree.size), list(scores)
-    on, node = [], 0
+    ranks, base = list(tree.ranks or [0] * tree.size), list(scores)
+    chained, on, node = {}, [], 0  # chained: block index -> the chain's value there
     for token, value in zip(chain, values):
         child = next((i + 1 for i, (p, t) in enumerate(zip(parents, tokens)) if p == node and t == token), 0)
-        if child:
-            values_of[child - 1] = max(values_of[child - 1], value)
-        else:
+        if not child:
             tokens.append(token)
             parents.append(node)
             depths.append(depths[node - 1] + 1 if node else 1)
             ranks.append(-1)
-            values_of.append(value)
+            base.append(value)
             child = len(tokens)
+        chained[child] = value
         on.append(child)
         node = child
+    rise, values_of = {0: 1.0}, []  # rise: by how much a node's value rose (parents come first)
+    for i, (parent, value, rank) in enumerate(zip(parents, base, ranks)):
+        v = max(value * rise[parent] if rank >= 0 else 0.0, chained.get(i + 1, 0.0))
+        rise[i + 1] = v / value if value > 0 else rise[parent]
+        values_of.append(v)
     order = sorted(range(len(tokens)), key=lambda i: (-values_of[i], depths[i]))
     at = {0: 0} | {i + 1: j + 1 for j, i in enumerate(order)}
     joined = Tree(

@@ -98,6 +98,7 @@ def test_lookups_chain_joins_a_tree_sharing_the_nodes_it_matches_best_first():
     paths = joined.paths()[1:]
     assert sorted(map(tuple, paths)) == [(10,), (10, 20), (10, 20, 30), (10, 21), (10, 21, 40), (11,)]
     assert paths[0] == [10] and values[0] == 0.9  # shared: the higher value
+    assert values[paths.index([10, 20])] == pytest.approx(0.3 * 0.9 / 0.6)  # (below it: risen with it)
     assert [paths[i - 1] for i in joined.lookup] == [[10], [10, 21], [10, 21, 40]]
     assert [joined.ranks[i - 1] for i in joined.lookup] == [0, -1, -1]
     assert values == sorted(values, reverse=True)
