@@ -252,7 +252,7 @@ class FixedPolicy:
         tree, scores = build(ids.tolist(), values.tolist(), self.tree - 1)
         chain = found[0][: self.tree // 2]
         if chain:
-            tree, scores = graft(tree, scores, chain, [1.0] * len(chain))
+            tree = graft(tree, scores, chain, [1.0] * len(chain))[0]
         return self.tree - 1, [], tree.first(self.tree - 1)
 
     def padded(self, width: int) -> int:
