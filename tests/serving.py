@@ -67,6 +67,8 @@ def chat_tokenizer(path: Path, eos: int = VOCAB - 1):
 # A vocabulary with thinking and tool-call markers, and the words of one JSON tool call.
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 CALL_WORDS = json.dumps(CALL).split()
+# (a call whose argument is half a UTF-16 pair, as a model writes it: a JSON escape)
+ODD_WORDS = json.dumps({"name": "get_weather", "arguments": {"city": "\ud800"}}).split()
 TOOL_TEMPLATE = (
     "{% if tools %}{% for t in tools %}tool {{ t['function']['name'] }} {% endfor %}{% endif %}"
     "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
@@ -98,6 +100,7 @@ SCRIPT_WORDS = [
     "it",
     "is",
     *CALL_WORDS,
+    ODD_WORDS[-1],
 ]
 
 

@@ -18,7 +18,7 @@ import mlx.core as mx
 import openai
 import psutil
 import pytest
-from serving import CALL, chat_tokenizer, scripted_pair, serving
+from serving import CALL, ODD_WORDS, chat_tokenizer, scripted_pair, serving
 from tiny import make_draft, make_target, make_tokenizer
 
 from dflash_mlx import SpeculativeCache, apply_chat_template, generate, stream_generate
@@ -429,6 +429,31 @@ def test_reasoning_and_tool_calls_are_split_from_the_answer_in_openai_replies(sc
     assert client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS).choices
 
 
+def test_tool_arguments_holding_a_lone_surrogate_reach_the_client_replaced(tmp_path):
+    """The model wrote a JSON escape for half a UTF-16 pair: the reply, streamed and not, carries U+FFFD
+    there (UTF-8 cannot carry the half pair, and the Anthropic SDK's parser refuses it escaped)."""
+    reply = ["<tool_call>", *ODD_WORDS, "</tool_call>", "<eos>"]
+    replaced = {"city": "\ufffd"}
+    model, tok = scripted_pair(tmp_path, dict(zip(["assistant", *reply], reply)))
+    draft = make_draft(hidden=128, vocab=model.args.vocab_size, block_size=4)
+    with serving(create_app(model, draft, tok, config(defaults=GenerationSettings(max_tokens=40)))) as url:
+        client, anthropic_client = clients(url)
+        messages = [{"role": "user", "content": "weather Paris"}]
+        r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+        assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == [replaced]
+        chunks = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, stream=True)
+        calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+        assert [json.loads(c.function.arguments) for c in calls] == [replaced]
+        tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+        m = anthropic_client.messages.create(model="tiny", messages=messages, tools=tools, max_tokens=40)
+        assert [b.input for b in m.content if b.type == "tool_use"] == [replaced]
+        with anthropic_client.messages.stream(
+            model="tiny", messages=messages, tools=tools, max_tokens=40
+        ) as stream:
+            final = stream.get_final_message()
+        assert [b.input for b in final.content if b.type == "tool_use"] == [replaced]
+
+
 def test_allowed_tools_in_mode_auto_offer_the_model_those_tools_alone(scripted):
     client, _ = clients(scripted)
     messages = [{"role": "user", "content": "weather Paris"}]
@@ -609,6 +634,66 @@ BAD = [
     ),
     ("/v1/nothing", {}, 404),
 ]
+
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        ("/v1/chat/completions", "max_tokens", True),
+        ("/v1/chat/completions", "max_tokens", 5.5),
+        ("/v1/chat/completions", "temperature", "0"),
+        ("/v1/chat/completions", "temperature", True),
+        ("/v1/chat/completions", "stream", "true"),
+        ("/v1/chat/completions", "stream", 1),
+        ("/v1/chat/completions", "seed", "5"),
+        ("/v1/chat/completions", "logprobs", 1),
+        ("/v1/chat/completions", "logit_bias", {"5": "1"}),
+        ("/v1/chat/completions", "stream_options", {"include_usage": "yes"}),
+        ("/v1/chat/completions", "tool_choice", "bogus"),
+        ("/v1/completions", "logprobs", True),
+        ("/v1/completions", "echo", "yes"),
+        ("/v1/messages", "max_tokens", "5"),
+        ("/v1/messages", "top_k", False),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_a_400_that_names_its_field(server, path, field, value):
+    url, _ = server
+    chat = {"messages": [{"role": "user", "content": "w5"}]}
+    prompt = {"prompt": "w5"} if path == "/v1/completions" else chat
+    body = {"model": "tiny", "max_tokens": 4, **prompt, field: value}
+    r = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
+
+
+@pytest.mark.parametrize(
+    "body, where",
+    [
+        ({"system": [{"type": "image", "source": {}}]}, "system[0]"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "a",
+                                "content": [{"type": "tool_result", "content": [{"type": "document"}]}],
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[0].content[0].content[0]",
+        ),
+    ],
+)
+def test_anthropic_media_anywhere_in_a_request_is_a_400_that_names_where(server, body, where):
+    url, _ = server
+    request = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "w5"}], **body}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(f"{url}{path}", json=request, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(where), r.text
 
 
 @pytest.mark.parametrize("path, body, status", BAD)

@@ -202,6 +202,10 @@ def test_allowed_client_templates_render_in_a_sandbox_with_time_and_size_limits(
         )
         assert big.status_code == 400 and "characters" in big.json()["error"]["message"]
         assert "error" not in post(url, path, request(path, words(103))).json()  # and it goes on
+        # A template's error that quotes a lone surrogate of the client's: a 400, U+FFFD in its place.
+        raising = {"chat_template": "{{ raise_exception(messages[0]['content']) }}"}
+        r = post(url, path, request(path, "w5 \ud800", chat_template_kwargs=raising))
+        assert r.status_code == 400 and "w5 \ufffd" in r.json()["error"]["message"], r.text
 
 
 def test_prompts_are_made_off_the_event_loop(tiny, server, monkeypatch):  # noqa: F811
@@ -338,7 +342,7 @@ def test_a_body_json_cannot_read_is_a_400_that_says_why(server):
             json.dumps(request(path, "w5", temperature=float("nan"))).encode(),
             "temperature: should be a finite",
         ),
-        (json.dumps(request(path, "w5", seed=1e308)).encode(), "seed: is too large a number"),
+        (json.dumps(request(path, "w5", seed=1e308)).encode(), "seed: should be a valid integer"),
     ):
         r = post(url, path, body)
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text

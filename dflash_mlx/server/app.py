@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import logging
 import re
 import time
@@ -34,7 +33,7 @@ from ..pairing import context_length, context_room
 from ..settings import GenerationSettings
 from ..speculative import GenerationResponse
 from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_reasoning
-from .errors import ANTHROPIC, INTERNAL, ApiError, error_body, error_response
+from .errors import ANTHROPIC, INTERNAL, ApiError, Json, dumps, error_body, error_response
 from .metrics import Metrics
 from .pool import PromptCachePool
 from .prompts import Prompts
@@ -273,7 +272,7 @@ def _wanted(error: dict) -> str:
 
 
 def sse(data: dict | str, event: str | None = None) -> str:
-    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    body = data if isinstance(data, str) else dumps(data)
     return (f"event: {event}\n" if event else "") + f"data: {body}\n\n"
 
 
@@ -296,7 +295,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
         prompts.close()
 
-    app = FastAPI(title="dflash-mlx", lifespan=lifespan)
+    app = FastAPI(title="dflash-mlx", lifespan=lifespan, default_response_class=Json)
     app.add_middleware(Guard, api_key=config.api_key, max_body=config.max_body_bytes, metrics=metrics)
     app.state.scheduler, app.state.pool, app.state.metrics = scheduler, pool, metrics
 
@@ -839,7 +838,7 @@ class _AnthropicReply:
                     if kind == TOOL:
                         delta = {
                             "type": "input_json_delta",
-                            "partial_json": json.dumps(_input(value), ensure_ascii=False),
+                            "partial_json": dumps(_input(value)),
                         }
                         calls += 1
                     else:

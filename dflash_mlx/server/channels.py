@@ -9,9 +9,10 @@ next piece shows whether it is one, so no marker is ever shown in part.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
+
+from .errors import dumps
 
 REASONING, CONTENT, TOOL = "reasoning", "content", "tool"
 
@@ -25,7 +26,7 @@ class ToolCall:
     @property
     def arguments_json(self) -> str:
         args = self.arguments
-        return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        return args if isinstance(args, str) else dumps(args)
 
 
 def starts_in_reasoning(tokenizer, prompt: list[int]) -> bool:

@@ -1,6 +1,10 @@
-"""Errors as the two APIs shape them: a 4xx for what the client can fix, a 500 for the server's own."""
+"""Errors as the two APIs shape them (a 4xx for what the client can fix, a 500 for the server's own), and
+the JSON encoding every reply goes through."""
 
 from __future__ import annotations
+
+import json
+import re
 
 from fastapi.responses import JSONResponse
 
@@ -35,5 +39,27 @@ def error_body(path: str, status: int, message: str, param=None, code=None) -> d
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(path: str, status: int, message: str, **kw) -> JSONResponse:
-    return JSONResponse(error_body(path, status, message, **kw), status_code=status)
+def dumps(data) -> str:
+    """JSON text that UTF-8 can carry. A string holding a lone UTF-16 surrogate (a template's error that
+    quotes the client's text, tool arguments the model wrote as JSON escapes) has it replaced by U+FFFD:
+    UTF-8 cannot carry it, and clients' JSON parsers refuse it escaped (the Anthropic SDK's)."""
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _LONE.sub("\ufffd", text)
+    return text
+
+
+_LONE = re.compile("[\ud800-\udfff]")  # (a str holds a pair as one character: these are lone)
+
+
+class Json(JSONResponse):
+    """FastAPI's JSON reply, through `dumps` (its own fails on a lone surrogate: a 500)."""
+
+    def render(self, content) -> bytes:
+        return dumps(content).encode("utf-8")
+
+
+def error_response(path: str, status: int, message: str, **kw) -> Json:
+    return Json(error_body(path, status, message, **kw), status_code=status)

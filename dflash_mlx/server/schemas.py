@@ -12,10 +12,13 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, field_validator
 
 from ..sampling import MAX_TEMPERATURE
 from ..settings import MAX_LOGPROBS
+
+# Numbers and flags as JSON writes them: pydantic's lax mode would read true as 1 and "0.5" as 0.5.
+Number = Annotated[float, Strict()]  # (an integer is a number too)
 
 
 class _Body(BaseModel):
@@ -24,12 +27,12 @@ class _Body(BaseModel):
 
 class _Sampling(_Body):
     model: str
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
-    top_p: float | None = Field(None, ge=0, le=1)  # (0 as the APIs allow: the most likely token alone)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
-    stream: bool | None = False
+    temperature: Number | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: Number | None = Field(None, ge=0, le=1)  # (0 as the APIs allow: the most likely token alone)
+    top_k: StrictInt | None = Field(None, ge=0)
+    min_p: Number | None = Field(None, ge=0, le=1)
+    seed: StrictInt | None = None
+    stream: StrictBool | None = False
 
 
 # ---- OpenAI -----------------------------------------------------------------------------------------
@@ -61,7 +64,7 @@ class ChatMessage(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 MAX_STOPS = 64  # stop strings a request may give (each is looked for in the text after every cycle)
@@ -77,35 +80,37 @@ NEUTRAL = {"best_of": 1}  # values of those fields that ask for nothing
 FORCED_TOOLS = "this server cannot make the model call a tool; leave tool_choice out or make it "
 
 
-def _not_text(messages, unread: Callable[[str], bool], parts: str) -> tuple[str, str] | None:
-    """(field, why) for the first content part of a kind this text model cannot read, if any (a tool
-    result's own parts too)."""
+def _not_text(content, where: str, unread: Callable[[str], bool], parts: str) -> tuple[str, str] | None:
+    """(field, why) for the first content part of a kind this text model cannot read in `content` (a
+    message's, named `where`), if any, a tool result's own parts too."""
+    for j, part in enumerate(content if isinstance(content, list) else []):
+        if unread(part.type):
+            return f"{where}[{j}]", f"this model reads text only, not {part.type!r} {parts}"
+        if found := _not_text(getattr(part, "content", None), f"{where}[{j}].content", unread, parts):
+            return found
+    return None
+
+
+def _unread(messages, unread: Callable[[str], bool], parts: str) -> tuple[str, str] | None:
     for i, m in enumerate(messages):
-        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-            inner = getattr(part, "content", None)
-            named = [(f"messages[{i}].content[{j}]", part)] + [
-                (f"messages[{i}].content[{j}].content[{k}]", p)
-                for k, p in enumerate(inner if isinstance(inner, list) else [])
-            ]
-            for where, p in named:
-                if unread(p.type):
-                    return where, f"this model reads text only, not {p.type!r} {parts}"
+        if found := _not_text(m.content, f"messages[{i}].content", unread, parts):
+            return found
     return None
 
 
 class _OpenAI(_Sampling):
     stop: str | list[str] | None = Field(None, union_mode="left_to_right")
-    n: int | None = 1
+    n: StrictInt | None = 1
     stream_options: StreamOptions | None = None
     # OpenAI's penalties and biases (in its ranges), and mlx-lm's server's repetition penalty and
     # windows: what mlx-lm's logits processors take (settings.py)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
-    repetition_context_size: int | None = Field(None, ge=1, le=2**30)
-    presence_context_size: int | None = Field(None, ge=1, le=2**30)
-    frequency_context_size: int | None = Field(None, ge=1, le=2**30)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[int, Annotated[Number, Field(ge=-100, le=100)]] | None = None  # (keys: JSON's strings)
+    repetition_penalty: Number | None = Field(None, ge=0.01, le=100)
+    repetition_context_size: StrictInt | None = Field(None, ge=1, le=2**30)
+    presence_context_size: StrictInt | None = Field(None, ge=1, le=2**30)
+    frequency_context_size: StrictInt | None = Field(None, ge=1, le=2**30)
 
     @field_validator("stop")
     @classmethod
@@ -153,12 +158,12 @@ def _function_name(function) -> str | None:
 
 class ChatCompletionRequest(_OpenAI):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict | None = None
     chat_template_kwargs: dict | None = None  # what vLLM and mlx-lm's server take for e.g. enable_thinking
 
     def refused(self) -> tuple[str, str] | None:
@@ -168,7 +173,7 @@ class ChatCompletionRequest(_OpenAI):
             return "tool_choice", FORCED_TOOLS + '"auto", "none" or allowed tools in mode "auto"'
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "comes with each token's log-probability: send logprobs: true too"
-        return _not_text(self.messages, lambda kind: kind not in ("text", "refusal"), "parts")
+        return _unread(self.messages, lambda kind: kind not in ("text", "refusal"), "parts")
 
     @property
     def allowed_tools(self) -> set[str] | None:
@@ -226,9 +231,9 @@ class ChatCompletionRequest(_OpenAI):
 class CompletionRequest(_OpenAI):
     # one prompt: text or token ids, alone or as a list of one (a list of several is refused: `one`)
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(union_mode="left_to_right")
-    max_tokens: int | None = Field(16, ge=0)  # (0 with echo: the prompt scored, nothing generated)
-    logprobs: int | None = Field(None, ge=0, le=5)  # (the legacy API's: the most likely beside each)
-    echo: bool | None = False  # the prompt given back before the answer (with logprobs: scored)
+    max_tokens: StrictInt | None = Field(16, ge=0)  # (0 with echo: the prompt scored, nothing generated)
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)  # (the legacy API's: the most likely beside each)
+    echo: StrictBool | None = False  # the prompt given back before the answer (with logprobs: scored)
 
     @field_validator("max_tokens")
     @classmethod
@@ -277,6 +282,10 @@ class AnthropicTool(_Body):
     input_schema: dict = Field(default_factory=dict)
 
 
+def _media(kind: str) -> bool:
+    return kind in ("image", "document")
+
+
 class TokenCountRequest(_Sampling):
     """A messages request as Anthropic's token counting takes it: without max_tokens."""
 
@@ -292,7 +301,7 @@ class TokenCountRequest(_Sampling):
         cannot give."""
         if (self.tool_choice or {}).get("type") not in (None, "auto", "none"):
             return "tool_choice", FORCED_TOOLS + '{"type": "auto"} or {"type": "none"}'
-        return _not_text(self.messages, lambda kind: kind in ("image", "document"), "blocks")
+        return _not_text(self.system, "system", _media, "blocks") or _unread(self.messages, _media, "blocks")
 
     def function_tools(self) -> list[dict] | None:
         """The tools as chat templates take them (OpenAI's function layout)."""
@@ -337,7 +346,7 @@ class TokenCountRequest(_Sampling):
 
 
 class MessagesRequest(TokenCountRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: StrictInt = Field(ge=1)
 
 
 def _text(content) -> str:
