@@ -126,6 +126,15 @@ def user_errors():
     except (UserError, OSError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(1) from None
+    except RuntimeError as e:
+        if str(e) != NO_SUCH_USER:
+            raise
+        typer.secho(f"error: {NO_USER}", fg="red", err=True)
+        raise typer.Exit(1) from None
+
+
+NO_SUCH_USER = "Could not determine home directory."  # (pathlib's, expanding ~name for no such user)
+NO_USER = "a path starts with ~name, and no user of that name is on this machine: give another path"
 
 
 def mix_text(mix: dict) -> str:

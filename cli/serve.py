@@ -87,6 +87,11 @@ def serve(
             raise UserError("--max-concurrency must be 1-256, --max-queue 0-10000 and --cache-gb at least 0")
         if request_timeout is not None and not request_timeout > 0:
             raise UserError(f"--request-timeout must be a number of seconds above 0, got {request_timeout}")
+        # (empty, each would open the server up: every address, or no key asked for)
+        if not host.strip():
+            raise UserError("--host is empty: give an address to listen on (127.0.0.1: this machine only)")
+        if api_key is not None and not api_key.strip():
+            raise UserError("the API key (--api-key or DFLASH_MLX_API_KEY) is empty: give one or none")
         defaults = GenerationSettings(
             temperature=temp,
             top_p=top_p,

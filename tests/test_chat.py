@@ -185,6 +185,12 @@ def test_ctrl_d_ends_a_multi_line_message_not_the_chat(lines, message):
     assert read_message(Keyboard()) == message
 
 
+def test_save_to_a_user_that_does_not_exist_says_so():
+    session = ChatSession.__new__(ChatSession)  # (save reads nothing of the session before the path)
+    with pytest.raises(UserError, match="cannot save to ~nouser/chat.json: no user named 'nouser'"):
+        session.save("~nouser/chat.json")
+
+
 def test_save_into_a_missing_folder_says_which(tmp_path):
     from dflash_mlx.files import atomic_file
 

@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 import dflash_mlx.engine as engine
 from dflash_mlx import UserError, apply_chat_template, generate, load_pair, warm_up
 from dflash_mlx.cli.main import app
+from dflash_mlx.cli.options import NO_USER
 from dflash_mlx.data import jsonl_prompts, load_shards
 from dflash_mlx.loading import load as load_target
 from dflash_mlx.pairing import context_length, prepare
@@ -1359,3 +1360,12 @@ def test_output_onto_a_full_disk_is_one_line():
                 timeout=120,
             )
         assert r.returncode == 1 and r.stderr == "error: cannot write the output: No space left on device\n"
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["generate -p hi -m ~nouser/x", "convert ~nouser/x out", "bench --prompts humaneval -o ~nouser/x"],
+)
+def test_a_path_starting_with_a_user_that_does_not_exist_is_one_line(command):
+    r = run(command)
+    assert r.exit_code == 1 and r.stderr.strip().splitlines() == [f"error: {NO_USER}"], r.output

@@ -988,6 +988,8 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
         (["--port", "70000"], "error: --port must be from 1 to 65535, got 70000"),
         (["--host", "999.1.1.1"], "choose another --host"),
         (["--cache-gb", "nan"], "--cache-gb at least 0"),
+        (["--host", " "], "error: --host is empty"),  # (empty, each would let everyone in)
+        (["--api-key", ""], "error: the API key (--api-key or DFLASH_MLX_API_KEY) is empty"),
     ):
         bad = subprocess.run(command + more, capture_output=True, text=True, timeout=120)
         assert bad.returncode == 1 and line in bad.stderr.strip().splitlines()[-1], bad.stderr
