@@ -487,6 +487,7 @@ def _engine(target, draft, encoded, c: int, settings: GenerationSettings, eos) -
             k = waiting.pop(0)
             cache = SpeculativeCache(target, draft, settings.draft_window)
             seq = Sequence(cache, settings, settings.max_tokens, eos)
+            engine.other_work()
             seqs[k], index[id(seq)], tokens[k] = seq, k, seq.start(encoded[k])
             firsts[k] = time.perf_counter() - tic
             if seq.finish is None:

@@ -30,7 +30,18 @@ from .cache import SpeculativeCache
 from .drafters import DFlashDrafter, from_logits, propose_together
 from .errors import UserError
 from .pairing import prepare
-from .policy import DFLASH, LOOKUP, PLAIN, TREE, Choice, choose_batch, keep_learnt, policy_for
+from .policy import (
+    DFLASH,
+    LOOKUP,
+    PLAIN,
+    TREE,
+    BatchPace,
+    Choice,
+    batch_plain_next,
+    choose_batch,
+    keep_learnt,
+    policy_for,
+)
 from .sampling import acceptance, guarded, log_probabilities, match_accept, out_of_vocabulary
 from .settings import GenerationSettings
 from .trees import TREE_MAX, Tree, path_of, walk
@@ -253,8 +264,10 @@ class Engine:
         self.ready = None  # a plain step built on the last step's tokens: (features, next tokens, their rows)
         self.started = False  # ... and launched
         self.turn = 0  # whose step it is, when sequences cannot batch
-        self.launched: float | None = None  # when the step under way was launched, if one sequence's
-        self.collected = 0.0  # when the last step was collected, less the time it spent starting the next
+        self.launched: float | None = None  # when the step under way was launched (None: not timed)
+        self.collected: float | None = 0.0  # when the last step was collected, less the time it spent
+        # starting the next (None: the driver did other work since: `other_work`)
+        self.pace = BatchPace()  # what its batched steps really take
 
     # ---- membership -------------------------------------------------------------------------------
 
@@ -305,20 +318,20 @@ class Engine:
         rows, ready, started = self._next_rows()
         if not rows:
             return
-        self.launched = tic if self.batch is None else None
+        self.launched = tic
         contexts = [len(s.cache.tokens) for s in rows]
         founds = [s.cache.index.match() if s.lookup and not started else ([], 0) for s in rows]
         if len(rows) == 1:
             choices, solo = [rows[0].policy.choose(contexts[0], founds[0])], [False]
         else:
-            choices, solo = choose_batch([s.policy for s in rows], contexts, founds)
+            choices, solo = choose_batch([s.policy for s in rows], contexts, founds, self.pace)
         if ready is not None:
             if all(c.source == PLAIN for c in choices):  # the plain step built already
                 if not started:
                     self._launch_built(*ready[:2])
                 self.features, self.step_rows = ready[0], rows
                 after = "ahead" if started else "built"
-                if started and self.launched is not None:  # (it runs from the last collection on)
+                if started:  # (it runs from the last collection on)
                     self.launched = self.collected
                 for b, (s, c) in enumerate(zip(rows, choices)):
                     nxt, logprobs = ready[1][b], s.scored(ready[2][b])
@@ -445,7 +458,11 @@ class Engine:
             s.cycle = None
         self.step_rows = [] if self.ready is None else rows
         if self.launched is not None and results:
-            self._time(results[0], cycles[0], ahead)
+            if self.batch is None:
+                self._time(results[0], cycles[0], ahead)
+            else:
+                self.pace.timed(sum(map(len, tokens)), time.perf_counter() - self.launched - ahead)
+            self.launched = None
         self.collected = time.perf_counter() - ahead
         if any(s.finish or s.removed for s in self.rows):  # their caches go back to them now
             self._drop_step()
@@ -462,18 +479,24 @@ class Engine:
         seconds = time.perf_counter() - self.launched - ahead
         context = len(result.seq.cache.tokens) - len(result.tokens)
         result.seq.policy.timed(cycle.choice, cycle.x.size, context, cycle.after, seconds)
-        self.launched = None
+
+    def other_work(self) -> None:
+        """The driver is doing other work (a prompt's prefill) between steps: a plain step started
+        ahead, running meanwhile, is not timed."""
+        self.collected = None
 
     def _plain_next(self, rows: list[Sequence]) -> bool:
         """Whether to start the plain step just built before this step's tokens are read: when the one
-        sequence's policy is sure of it, or, in a batch, when no sequence's lookup can find a match with
-        whatever token comes next (the batch chose plain steps this time, so it would again)."""
+        sequence's policy is sure of it, or, in a batch, when no wider step could pay with the matches
+        lookup may find with whatever tokens come next (`batch_plain_next`)."""
         if any(s.settings.logprobs is not None for s in rows):
             return False  # (their log-probabilities are read first: started, the next pass would run before)
         if len(rows) == 1:
             (s,) = rows
             return s.policy.plain_next(len(s.cache.tokens) + 1, s.cache.index)
-        return not any(s.lookup and s.cache.index.possible() for s in rows)
+        indexes = [s.cache.index if s.lookup else None for s in rows]
+        context = max(len(s.cache.tokens) for s in rows) + 1
+        return batch_plain_next([s.policy for s in rows], indexes, context, self.pace)
 
     def close(self) -> None:
         """Take back whatever is under way and hand every cache back (a driver that stops early)."""

@@ -67,6 +67,10 @@ PROBE_FIRST, PROBE_MAX, PROBE_KEEP = 16, 1024, 0.25
 # Where the best option is expected to beat plain steps by less than PACE_CLOSE, they are probed: a run
 # of PACE_RUN (two where none was timed in that range yet), at once where their pace is not known yet.
 PACE_RUN, PACE_RUNS, PACE_CLOSE, PACE_PAIR = 4, 9, 2.0, 64
+# A batch speculates or steps plain in turns of BATCH_RUN steps, by the median of each way's last
+# BATCH_RUNS turns: plain unless speculating gave more than BATCH_MARGIN more, the other way tried
+# again every BATCH_PROBE turns (see BatchPace).
+BATCH_RUN, BATCH_RUNS, BATCH_PROBE, BATCH_MARGIN = 8, 3, 6, 0.05
 WIDTHS = (1, 2, 4, 8, 16, 32)  # the target pass widths priced, and so the only ones verified
 
 
@@ -393,6 +397,19 @@ class AdaptivePolicy:
         by_dflash = expected_tokens(self.dflash.rates(self.max[DFLASH])) if self.max[DFLASH] else [1.0]
         return by_lookup, by_dflash
 
+    def upcoming(self, index) -> tuple[list[float], list[float]]:
+        """`expectations` of the cycle after the next token, which is not known yet: lookup's by the
+        learnt chance that a match follows at each suffix length it may follow at (as `plain_next`
+        weighs them); `index` None: no lookup."""
+        by_lookup, rest = [1.0] * (self.max[LOOKUP] + 1), 1.0
+        if index is not None and self.max[LOOKUP]:
+            for n in index.possible() + ([PHRASES] if index.phrases else []):
+                chance = rest * self.follows[n].rates(1)[0]
+                rest -= chance
+                found = expected_tokens(self.lookup[min(n, 8)].rates(self.max[LOOKUP]))
+                by_lookup = [e + chance * (f - 1.0) for e, f in zip(by_lookup, found)]
+        return by_lookup, self.expectations(([], 0))[1]
+
     def choose(self, context: int, lookup: tuple[list[int], int]) -> Choice:
         """A plain step is priced as one of a run of them (each started before the last one's token is
         read): choosing plain leads to more plain steps while it pays, and pricing the first of them
@@ -658,7 +675,7 @@ class AdaptivePolicy:
 
 
 def choose_batch(
-    policies: list, contexts: list[int], lookups: list[tuple]
+    policies: list, contexts: list[int], lookups: list[tuple], pace: BatchPace | None = None
 ) -> tuple[list[Choice], list[bool]]:
     """The choices of a step over several sequences, and which of them verify in a pass of their own.
 
@@ -668,12 +685,14 @@ def choose_batch(
     match among sequences that have none, where a shared wide pass would compute every sequence's
     padding); the width with the most tokens per second wins (width 1 and no one alone: batched plain
     decoding). A sequence's parked option that is due a probe is tried in a step whose shared pass is
-    wider than one token, within that width. Policies that are not adaptive (a fixed block) choose
-    for themselves, together."""
+    wider than one token, within that width. Where `pace` has plain steps run, batched plain decoding
+    (see BatchPace). Policies that are not adaptive (a fixed block) choose for themselves, together."""
     if not all(isinstance(p, AdaptivePolicy) for p in policies):
         return [p.choose(c, f) for p, c, f in zip(policies, contexts, lookups)], [False] * len(policies)
     first, batch, context = policies[0], len(policies), max(contexts)  # (one pair: the same costs)
     costs = first.costs
+    if pace is not None and pace.start(batch, costs.batch_time(batch, 1, context)):
+        return [Choice(PLAIN, 0)] * batch, [False] * batch
     drafted = [0.0] + [first._draft_time(k, context) for k in range(1, first.max[DFLASH] + 1)]
     expected = [p.expectations(f) for p, f in zip(policies, lookups)]
     alone = [
@@ -682,15 +701,7 @@ def choose_batch(
     ]
     best = (0.0, None, None, 1)
     for width in costs.widths:
-        step = costs.batch_time(batch, width, context)
-        share, options = step / batch, []
-        for by_lookup, by_dflash in expected:
-            k = min(width - 1, len(by_lookup) - 1)
-            option = (by_lookup[k], Choice(LOOKUP, k) if k else Choice(PLAIN, 0), 0.0)
-            for j in costs.counts(min(width - 1, len(by_dflash) - 1)):
-                if by_dflash[j] - drafted[j] / share > option[0] - option[2] / share:
-                    option = (by_dflash[j], Choice(DFLASH, j), drafted[j])
-            options.append(option)
+        step, options = _within(costs, expected, drafted, width, context)
         tokens, seconds = sum(o[0] for o in options), step + sum(o[2] for o in options)
         solo = [False] * batch
         while True:  # the sequence whose pass alone adds the most over what the step makes, if any does
@@ -718,6 +729,101 @@ def choose_batch(
         if probe is not choices[b]:
             choices[b] = Choice(probe.source, min(probe.k, width - 1))
     return choices, solo
+
+
+def _within(costs, expected, drafted, width: int, context: int) -> tuple:
+    """A batched step of this width: -> (its seconds, each sequence's best option within it: (expected
+    tokens, choice, draft seconds), a draft pass counting as the tokens its time would buy)."""
+    step = costs.batch_time(len(expected), width, context)
+    share, options = step / len(expected), []
+    for by_lookup, by_dflash in expected:
+        k = min(width - 1, len(by_lookup) - 1)
+        option = (by_lookup[k], Choice(LOOKUP, k) if k else Choice(PLAIN, 0), 0.0)
+        for j in costs.counts(min(width - 1, len(by_dflash) - 1)):
+            if by_dflash[j] - drafted[j] / share > option[0] - option[2] / share:
+                option = (by_dflash[j], Choice(DFLASH, j), drafted[j])
+        options.append(option)
+    return step, options
+
+
+def batch_plain_next(policies: list, indexes: list, context: int, pace: BatchPace) -> bool:
+    """Whether a batch's next plain step is started before this step's tokens are read (as one
+    sequence's is: `AdaptivePolicy.plain_next`): unless a wider step could pay, with each sequence's
+    lookup weighed by the chance that a match follows whatever token comes next (`upcoming`).
+    Policies that are not adaptive: unless some sequence's lookup may find a match at all."""
+    if not all(isinstance(p, AdaptivePolicy) for p in policies):
+        return not any(index is not None and index.possible() for index in indexes)
+    first, batch = policies[0], len(policies)
+    if pace.plain(batch):
+        return True
+    costs = first.costs
+    drafted = [0.0] + [first._draft_time(k, context) for k in range(1, first.max[DFLASH] + 1)]
+    expected = [p.upcoming(index) for p, index in zip(policies, indexes)]
+    plain = batch / costs.batch_time(batch, 1, context)
+    for width in costs.widths[1:]:
+        step, options = _within(costs, expected, drafted, width, context)
+        if sum(o[0] for o in options) / (step + sum(o[2] for o in options)) > plain:
+            return False
+    return True
+
+
+class BatchPace:
+    """Whether a batch speculates at all, by what its steps really gave each way, by batch size (each
+    power of two): tokens per unit of time, the unit a plain step's price at the step's batch size and
+    context (`start`), the time from each step's launch to its tokens kept. The cost model prices one
+    pass; what speculating costs the steps around it (rows left ragged by a wider step write their
+    positions one row at a time, and the next plain step is not started ahead while a match may come)
+    it cannot, and where width is dear (a CPU) that decides. So a batch runs in turns of BATCH_RUN
+    steps: plain (batched plain decoding), or speculating (each step chosen by `choose_batch`); one
+    turn of each first, then plain unless speculating's last BATCH_RUNS turns (their median) gave more,
+    the other way again every BATCH_PROBE turns. Held by the engine: a batch's choice, not a
+    sequence's."""
+
+    def __init__(self):
+        self.rates: dict[tuple, list] = {}  # (bucket, plain) -> the last turns' tokens a unit (`start`)
+        self.turn: dict[int, list] = {}  # bucket -> [plain, steps left, tokens, units, turns since probe]
+        self.warm: set[tuple] = set()  # (bucket, plain) whose first step was left out
+        self.stepping: tuple | None = None  # the step under way: (bucket, plain, unit)
+
+    def plain(self, batch: int) -> bool:
+        """Whether a step of this batch size now is a plain one."""
+        bucket = batch.bit_length()
+        return self.turn.setdefault(bucket, [True, BATCH_RUN, 0, 0.0, 0])[0]
+
+    def start(self, batch: int, unit: float) -> bool:
+        """`plain`, for the step being launched (the one `timed` next); `unit`: what a plain step of
+        it costs by the cost model, the unit its time is counted in (so that turns at other contexts
+        and batch sizes within the bucket compare)."""
+        self.stepping = (batch.bit_length(), self.plain(batch), unit)
+        return self.stepping[1]
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """The step under way gave `tokens` in all in `seconds` (from its launch to its tokens kept)."""
+        if self.stepping is None:
+            return
+        (bucket, plain, unit), self.stepping = self.stepping, None
+        if (bucket, plain) not in self.warm:  # (kernels compiled on first use)
+            self.warm.add((bucket, plain))
+            return
+        turn = self.turn[bucket]
+        if turn[0] != plain:
+            return
+        turn[1:4] = [turn[1] - 1, turn[2] + tokens, turn[3] + seconds / unit]
+        if turn[1] > 0:
+            return
+        key = (bucket, plain)
+        self.rates[key] = [*self.rates.get(key, [])[1 - BATCH_RUNS :], turn[2] / turn[3]]
+        rates = {
+            way: statistics.median(self.rates[(bucket, way)])
+            for way in (False, True)
+            if (bucket, way) in self.rates
+        }
+        if len(rates) < 2:  # the other way not timed yet
+            way, best = not plain, plain
+        else:  # (plain steps unless speculating is clearly faster: they are never slower than mlx-lm's)
+            best = rates[False] <= (1 + BATCH_MARGIN) * rates[True]
+            way = not best if turn[4] + 1 >= BATCH_PROBE else best
+        self.turn[bucket] = [way, BATCH_RUN, 0, 0.0, 0 if way != best else turn[4] + 1]
 
 
 def _alone(costs, by_lookup, by_dflash, drafted, context) -> tuple | None:

@@ -58,7 +58,7 @@ def passes(request, monkeypatch):
     if request.param == "some alone":
         steps = []
 
-        def choose(policies, contexts, lookups):
+        def choose(policies, contexts, lookups, pace=None):
             steps.append(None)
             choices = [p.choose(c, f) for p, c, f in zip(policies, contexts, lookups)]
             return choices, [c.k > 0 and len(steps) % 2 == 0 for c in choices]

@@ -31,6 +31,7 @@ from dflash_mlx.policy import (
     PLAIN,
     WIDTHS,
     AdaptivePolicy,
+    BatchPace,
     Choice,
     CostModel,
     FixedPolicy,
@@ -436,6 +437,23 @@ def test_plain_steps_that_win_again_are_probed_soon_at_the_next_close_call():
     policy.wait[PLAIN] = 1024  # (they lost close calls for a long time)
     assert policy.choose(500, ([], 0)) == Choice(PLAIN, 0)  # the priors' odds do not pay a draft here
     assert policy.wait[PLAIN] == AdaptivePolicy(CPU, 15, lookup=False).wait[PLAIN]
+
+
+@pytest.mark.parametrize("gain, plain", [(1.5, False), (1.0, True), (1.03, True)])
+def test_a_batch_steps_plain_unless_speculating_gives_clearly_more(gain, plain):
+    # Every step takes its unit (a plain step's price, here growing with the context); a plain step
+    # gives each of 8 sequences a token, a speculating one `gain` tokens on average. A 3% gain is within
+    # the margin by which plain steps, never slower than mlx-lm's batching, are kept.
+    pace, ways = BatchPace(), []
+    for step in range(600):
+        unit = 0.1 * (1 + step / 100)
+        way = pace.start(8, unit)
+        ways.append(way)
+        pace.timed(8 if way else 8 * gain, unit)
+    later = ways[100:]
+    assert later.count(plain) > 0.8 * len(later)
+    assert later.count(not plain) > 0  # (the other way is tried now and then)
+    assert pace.plain(12) == pace.plain(8) and BatchPace().plain(8)  # (by size; plain until timed)
 
 
 def test_in_a_batch_a_parked_drafter_is_still_probed_now_and_then():

@@ -257,6 +257,7 @@ class Scheduler:
             short = [
                 j for j in prefilling if len(j.prompt) <= min(self._chunk(j), SHORT) and j.scores is None
             ]
+            self.engine.other_work()
             if first in short and len(short) > 1 and self._together(len(short)):
                 self._prefill_together([first] + [j for j in short if j is not first])
             else:
