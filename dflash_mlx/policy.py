@@ -805,9 +805,7 @@ class BatchPace:
         if (bucket, plain) not in self.warm:  # (kernels compiled on first use)
             self.warm.add((bucket, plain))
             return
-        turn = self.turn[bucket]
-        if turn[0] != plain:
-            return
+        turn = self.turn[bucket]  # (the way of the step under way: it changes only here)
         turn[1:4] = [turn[1] - 1, turn[2] + tokens, turn[3] + seconds / unit]
         if turn[1] > 0:
             return
