@@ -362,6 +362,10 @@ class AdaptivePolicy:
             context = min(context, self.draft_window + DraftCache.STEP)
         return self.costs.draft_time(k, context)
 
+    def draft_times(self, context: int) -> list[float]:
+        """A draft pass's seconds by proposals, 0 first (none: no pass)."""
+        return [0.0] + [self._draft_time(k, context) for k in range(1, self.max[DFLASH] + 1)]
+
     def _best(
         self, odds: _Odds, n: int, context: int, drafted: bool, pace: float = 1.0, extra: float = 0.0
     ) -> tuple[float, int]:
@@ -693,7 +697,7 @@ def choose_batch(
     costs = first.costs
     if pace is not None and pace.start(batch, costs.batch_time(batch, 1, context)):
         return [Choice(PLAIN, 0)] * batch, [False] * batch
-    drafted = [0.0] + [first._draft_time(k, context) for k in range(1, first.max[DFLASH] + 1)]
+    drafted = first.draft_times(context)
     expected = [p.expectations(f) for p, f in zip(policies, lookups)]
     alone = [
         _alone(costs, by_lookup, by_dflash, drafted, c)
@@ -757,7 +761,7 @@ def batch_plain_next(policies: list, indexes: list, context: int, pace: BatchPac
     if pace.plain(batch):
         return True
     costs = first.costs
-    drafted = [0.0] + [first._draft_time(k, context) for k in range(1, first.max[DFLASH] + 1)]
+    drafted = first.draft_times(context)
     expected = [p.upcoming(index) for p, index in zip(policies, indexes)]
     plain = batch / costs.batch_time(batch, 1, context)
     for width in costs.widths[1:]:
