@@ -7,7 +7,19 @@ import sys
 from dflash_mlx.files import is_write_error  # (the standard library alone: no MLX yet)
 
 
+def _open_standard_streams() -> None:
+    """A standard stream the caller closed (`>&-`) reads and writes /dev/null instead: else Python has
+    none (printing to it fails), and the next file opened would take its number, to be written into."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # (it takes the lowest free number: this one)
+            setattr(sys, name, open(fd, mode, closefd=False))
+
+
 def run() -> None:
+    _open_standard_streams()
     # Ctrl-C while MLX and mlx-lm load (a second or two): nothing had started, so no traceback. The
     # KeyboardInterrupt can surface as another error where it lands in an extension's initialisation,
     # hence the flag.

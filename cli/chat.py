@@ -292,7 +292,9 @@ def command(session, console: Console, line: str) -> str | None:
                 f"cycles {mix_text(mix) or '-'}[/dim]"
             )
         elif name == "/save":
-            if not arg:
+            if len(arg) > 1 and arg[0] == arg[-1] and arg[0] in "'\"":  # (a name quoted as in a shell)
+                arg = arg[1:-1]
+            if not arg.strip():
                 raise UserError("/save needs a file name")
             console.print(f"[dim]saved to {session.save(arg)}[/dim]")
         else:

@@ -36,12 +36,15 @@ from .options import (
 GRACE = 5  # seconds uvicorn gives open requests at Ctrl-C
 
 
-def _check_port(host: str, port: int) -> None:
+def _claim_port(host: str, port: int) -> socket.socket:
+    """The address, listened on from now: held through minutes of loading, it cannot be taken meanwhile
+    (a socket only bound can be, by one that allows reuse), and connections made meanwhile wait to be
+    answered once the server is up."""
     if not 1 <= port <= 65535:
         raise UserError(f"--port must be from 1 to 65535, got {port}")
     try:
-        with socket.create_server((host, port)):
-            pass
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)  # (uvicorn's backlog)
     except OSError as e:  # (the port taken or privileged; else the address is not one of this machine's)
         what = "another --port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "another --host"
         reason = str(e.strerror or e).split(" (while attempting")[0]
@@ -102,7 +105,7 @@ def serve(
             lookup=not no_lookup,
             draft_window=draft_window,
         ).answering()
-        _check_port(host, port)  # before minutes of loading, not after
+        sock = _claim_port(host, port)  # before minutes of loading, not after
         target, drafter, tokenizer = load_pair(model, draft)
         template = template_kwargs(model, think, tokenizer)
         if block_size is None:  # measured now, not in the first request's time
@@ -148,7 +151,7 @@ def serve(
         uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE)
     )
     try:  # (as uvicorn.run: the Ctrl-C it stopped on comes back once it has shut down)
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     if not server.started:

@@ -194,6 +194,13 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
                 out.append([{"role": "user", "content": human[0]["value"]}])
         else:
             raise UserError(f'{where}: expected a "prompt", "messages" or "conversations" field')
+        for m in out[-1] if out else []:
+            try:
+                m["content"].encode("utf-8")
+            except UnicodeEncodeError as e:  # (JSON's \ud800 escapes decode to lone surrogates)
+                odd = m["content"][e.start]
+                message = f"{where}: an unpaired UTF-16 surrogate ({odd!r}) is not text: remove it"
+                raise UserError(message) from None
     if not out:
         why = " (its conversations have no human turn)" if where else ": the file is empty"
         raise UserError(f"{path}: no prompts{why}")

@@ -25,7 +25,7 @@ from .platform import cache_home
 def atomic_folder(dest: str | Path, force: bool = False):
     """Yield a temporary folder; on success it replaces `dest`, on failure it disappears."""
     dest = Path(dest).expanduser()
-    _check_name(dest)
+    check_utf8_name(dest)
     if Path.cwd().resolve().is_relative_to(dest.resolve()):
         raise UserError(f"{dest} is the current folder or holds it: give the name of a new folder")
     if dest.exists() and not force:
@@ -125,13 +125,15 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _check_name(path: Path) -> None:
-    """MLX takes only UTF-8 paths (another name fails inside it with std::bad_cast): say so first."""
+def check_utf8_name(path: Path, reading: bool = False) -> None:
+    """MLX takes only UTF-8 paths (another name fails inside it with std::bad_cast, or reads as a
+    damaged file): say so first."""
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:  # (the name's stray bytes arrive as lone surrogates)
         shown = os.fsencode(path).decode("utf-8", "replace")
-        raise UserError(f"cannot write {shown}: MLX needs a name in UTF-8, give another") from None
+        doing, advice = ("read", "rename it") if reading else ("write", "give another")
+        raise UserError(f"cannot {doing} {shown}: MLX needs a name in UTF-8, {advice}") from None
 
 
 def _remove(path: Path) -> None:
@@ -148,7 +150,7 @@ def atomic_file(dest: str | Path):
     A link is written through (the file it names is replaced, the link kept), an existing file keeps
     its permissions, and what is not a regular file (a folder, a device) is refused."""
     dest = Path(dest).expanduser()
-    _check_name(dest)
+    check_utf8_name(dest)
     if dest.is_symlink():
         dest = dest.resolve()
     if dest.exists() and not dest.is_file():
@@ -179,7 +181,7 @@ def check_writable(folder: str | Path, flag: str = "") -> None:
     if not str(folder).strip():  # ("" is the current folder; blanks, a folder named by mistake)
         raise UserError(f"{flag or 'the folder'} needs a folder's name")
     folder = Path(folder).expanduser()
-    _check_name(folder)
+    check_utf8_name(folder)
     named = f"{flag} {folder}".strip()
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{named} is a file: give a folder")

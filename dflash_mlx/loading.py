@@ -36,7 +36,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer a
 
 from .data import tokenizer_fingerprint
 from .errors import NotFound, UserError
-from .files import atomic_folder, is_write_error, one_at_a_time
+from .files import atomic_folder, check_utf8_name, is_write_error, one_at_a_time
 from .gguf import convert_gguf
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .models.formats import drafter_format
@@ -198,6 +198,7 @@ def resolve(name: str) -> Path:
     if path.exists():
         if not path.is_dir():
             raise _a_file(name)
+        check_utf8_name(path, reading=True)
         return path
     check_name(name)
     try:

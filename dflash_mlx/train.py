@@ -57,7 +57,7 @@ from .loading import read_config
 from .models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from .models.targets import Target
 from .pairing import check_block_size, check_pair, prepare
-from .platform import backend
+from .platform import backend, machine_memory
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay per block size
 
@@ -137,6 +137,21 @@ def drafter_config(target: Target, tokenizer, cfg: TrainConfig) -> DFlashConfig:
         rope_scaling=getattr(a, "rope_scaling", None),
         max_position_embeddings=getattr(a, "max_position_embeddings", None) or 32768,
     )
+
+
+def check_fits(draft: DFlashDraftModel) -> None:
+    """A new drafter too big to train here (a mistyped --layers): one line now, before its weights are
+    made, not the machine's memory running out later. Training holds each weight four times in float32:
+    itself, its gradient and Adam's two moments."""
+    n = sum(v.size for _, v in tree_flatten(draft.parameters()))  # (shapes only: nothing made yet)
+    need, memory = 16 * n, machine_memory()
+    if need > memory / 2:
+        c = draft.config
+        raise UserError(
+            f"a drafter of {c.num_hidden_layers} layers and MLP width {c.intermediate_size} "
+            f"({n / 1e6:,.0f}M weights) needs about {need / 2**30:.0f} GiB to train, more than half "
+            f"this machine's {memory / 2**30:.0f}: give fewer --layers or a smaller --intermediate-size"
+        )
 
 
 def pick_mask_token(tokenizer) -> int:
@@ -546,6 +561,7 @@ def train(
         if draft is None:
             mx.random.seed(cfg.seed)
             draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
+            check_fits(draft)
         elif type(draft) is not DFlashDraftModel:
             raise UserError(f"training starts from a DFlash drafter, not a {type(draft).__name__}")
         elif cfg.block_size != draft.config.block_size:  # a starting drafter brings its own architecture

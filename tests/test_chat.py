@@ -158,6 +158,17 @@ def test_save_writes_the_whole_conversation_at_a_home_path(smollm2, tmp_path, mo
     saved = json.loads((tmp_path / "chat.json").read_text())
     assert saved["messages"] == session.messages and len(saved["turns"]) == 1
     assert [p.name for p in tmp_path.iterdir()] == ["chat.json"]  # no temporary file left
+    # /save takes a name with spaces as it is, or quoted as in a shell
+    import io
+
+    from rich.console import Console
+
+    from cli.chat import command
+
+    for line in ('/save "~/my chat.json"', "/save ~/my chat 2.json", "/save '~/my chat 3.json'"):
+        assert command(session, Console(file=io.StringIO()), line) is None
+    saved = {p.name for p in tmp_path.iterdir()}
+    assert saved == {"chat.json", "my chat.json", "my chat 2.json", "my chat 3.json"}
 
 
 @pytest.mark.parametrize(

@@ -451,6 +451,10 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     p = subprocess.Popen(cmd + ["-p", "w5", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()
     assert p.wait(timeout=120) == 141 and p.stderr.read() == b""
+    # stdout closed by the caller (`>&-`): the answer goes nowhere, as asked, and nothing fails
+    entry = [sys.executable, "-c", "from dflash_mlx.cli import run; run()"]
+    r = subprocess.run(entry + cmd[3:] + ["-p", "w5"], capture_output=True, preexec_fn=lambda: os.close(1))
+    assert r.returncode == 0 and b"tokens/s" in r.stderr and b"Traceback" not in r.stderr, r.stderr
     # the chat says so and goes on (its piped input arrives the same way)
     chat = cli + shlex.split(f"chat -m {root}/target -d {root}/draft --max-tokens 4")
     r = subprocess.run(
@@ -462,6 +466,17 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     )
     assert "block size must be between 1 and 256, got 300" in out and "0 answers" in out
     assert "/block takes a block size of 1 to 256, or 0 to choose each cycle" in out
+
+
+def test_a_model_folder_whose_name_is_not_utf8_is_named_as_such(pair, tmp_path):
+    root, _ = pair
+    for which in ("target", "draft"):  # (MLX would fail inside, as if the weights were damaged)
+        stray = tmp_path / f"{which}-caf\udce9"  # (a name with a stray byte, as Python reads it)
+        shutil.copytree(root / which, stray)
+        names = {"target": root / "target", "draft": root / "draft", which: stray}
+        r = run("generate -p w5 --no-chat-template -m", names["target"], "-d", names["draft"])
+        assert r.exit_code == 1, r.output
+        assert f"cannot read {tmp_path}/{which}-caf\ufffd: MLX needs a name in UTF-8, rename it" in r.stderr
 
 
 def test_a_prompt_that_fills_the_context_is_refused_and_answers_stop_at_its_end(pair):
@@ -570,6 +585,7 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
 
     root, _ = pair
     (tmp_path / "afile").write_text("")
+    (tmp_path / "lone.jsonl").write_text('{"prompt": "w5"}\n{"prompt": "w5 \\ud800 w6"}\n')  # (JSON's escape)
     with monkeypatch.context() as m:
         m.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
         for args, message in (
@@ -579,6 +595,10 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
             (f"-o {tmp_path}/afile/sub", f"cannot write to --out {tmp_path}/afile/sub"),
             ("-o '  '", "--out needs a folder's name"),
             (f"--prompts {tmp_path}", f"{tmp_path} is a folder: give a .jsonl file of prompts"),
+            (
+                f"--prompts {tmp_path}/lone.jsonl",
+                "lone.jsonl, line 2: an unpaired UTF-16 surrogate ('\\ud800') is not text: remove it",
+            ),
         ):
             r = run(f"bench -m {root}/target -d {root}/draft {args}")
             assert r.exit_code == 1 and message in r.stderr, (args, r.output)

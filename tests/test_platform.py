@@ -175,3 +175,15 @@ def test_the_home_folder_set_empty_is_the_default_and_a_relative_one_is_made_abs
     assert cache_home() == tmp_path / "here" and cache_home().is_absolute()
     monkeypatch.setenv("DFLASH_MLX_HOME", "~/h")
     assert cache_home() == Path(tmp_path, "h")
+
+
+def test_doctor_says_when_the_home_cannot_keep_anything(monkeypatch, tmp_path):
+    from dflash_mlx.platform import home_advice, report
+
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path / "not-yet" / "home"))
+    assert home_advice() is None  # (made when first needed)
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path / "afile" / "home"))
+    advice = report()["advice"]
+    assert f"the home {tmp_path}/afile/home ({tmp_path}/afile is a file) cannot keep" in " ".join(advice)
+    assert report()["facts"]["home"] == f"{tmp_path}/afile/home"

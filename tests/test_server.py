@@ -951,6 +951,27 @@ def test_a_target_with_recurrent_layers_reuses_a_cache_back_to_where_its_state_w
     assert pool.take(prompt[:10] + [9]).reused == 0  # before it: nothing to go back to
 
 
+def test_the_serve_command_holds_its_port_from_before_loading():
+    """The port is checked and held before minutes of loading: nothing can take it meanwhile."""
+    from cli.serve import _claim_port
+    from dflash_mlx.errors import UserError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    held = _claim_port("127.0.0.1", port)
+    try:
+        with pytest.raises(UserError, match=f"cannot listen on 127.0.0.1:{port} .*: choose another --port"):
+            _claim_port("127.0.0.1", port)
+        with pytest.raises(OSError):  # (as another server would bind it, allowing reuse)
+            with socket.socket() as other:
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                other.bind(("127.0.0.1", port))
+                other.listen()
+    finally:
+        held.close()
+
+
 def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
     from mlx_lm.utils import save_config, save_model
     from test_drafter import write_zlab_checkpoint

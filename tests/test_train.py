@@ -595,6 +595,10 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
         train(
             Target(model), make_tokenizer(), seqs, tmp_path / "z", TrainConfig(num_layers=0, mask_token_id=95)
         )
+    huge = TrainConfig(num_layers=999, intermediate_size=1 << 22, mask_token_id=95)  # (a typo's size)
+    with pytest.raises(ValueError, match=r"needs about \d+ GiB to train, more than half this machine's"):
+        train(Target(model), make_tokenizer(), seqs, tmp_path / "huge", huge)
+    assert not (tmp_path / "huge").exists()
     for bad, message in (
         ({"steps": 0}, "steps must be at least 1"),
         ({"checkpoint_every": 0}, "checkpoint-every"),
