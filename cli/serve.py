@@ -43,8 +43,8 @@ def _claim_port(host: str, port: int) -> socket.socket:
     if not 1 <= port <= 65535:
         raise UserError(f"--port must be from 1 to 65535, got {port}")
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family, backlog=2048)  # (uvicorn's backlog)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (as uvicorn chooses, and its backlog)
+        return socket.create_server((host, port), family=family, backlog=2048)
     except OSError as e:  # (the port taken or privileged; else the address is not one of this machine's)
         what = "another --port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "another --host"
         reason = str(e.strerror or e).split(" (while attempting")[0]
