@@ -158,7 +158,7 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
             raise UserError(f"{path}, line {n}: not JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise UserError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
-        where = f"{path}, line {n}"
+        where, before = f"{path}, line {n}", len(out)
         if "prompt" in row:
             if not isinstance(row["prompt"], str) or not row["prompt"].strip():
                 raise UserError(f'{where}: "prompt" must be a string with some text')
@@ -194,7 +194,7 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
                 out.append([{"role": "user", "content": human[0]["value"]}])
         else:
             raise UserError(f'{where}: expected a "prompt", "messages" or "conversations" field')
-        for m in out[-1] if out else []:
+        for m in out[-1] if len(out) > before else []:  # (the row's messages, if it gave a prompt)
             try:
                 m["content"].encode("utf-8")
             except UnicodeEncodeError as e:  # (JSON's \ud800 escapes decode to lone surrogates)
