@@ -12,8 +12,10 @@ overwritten by its next block. Rotary positions are each row's length (`offset`)
 attention layers already take as an array for its own batches.
 
 `merge` lends the KV caches of several sequences to one batch (their positions copied in), and
-`split` hands a row back. Only plain attention caches batch: a target with recurrent layers runs its
-sequences one at a time.
+`split` hands a row back. Sequences come and go while the others step on: `join` copies only the new
+rows in (the buffer keeps room for more rows, grown by doubling) and `leave` hands rows back and fills
+their places with the batch's last rows, so a server's batch is not rebuilt whenever one answer ends.
+Only plain attention caches batch: a target with recurrent layers runs its sequences one at a time.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ STEP = 256  # positions the buffer grows by
 
 
 class RaggedKVCache:
-    """One attention layer's keys and values for rows of their own spans (see the module's text)."""
+    """One attention layer's keys and values for rows of their own spans (see the module's text). The
+    buffer may hold more rows than the batch (room for rows that `join`): passes use the first
+    len(ends)."""
 
     def __init__(self, keys: mx.array, values: mx.array, starts: list[int], ends: list[int]):
         self.keys, self.values = keys, values
@@ -64,7 +68,7 @@ class RaggedKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write each row's new positions at its end; -> the buffer up to the furthest new end (what
         lies outside a row's span is masked)."""
-        width = keys.shape[2]
+        width, rows = keys.shape[2], len(self.ends)
         end = max(self.ends) + width
         if self.keys is None:  # (rows with nothing processed yet: see `merge`)
             b, h, _, d = keys.shape
@@ -79,14 +83,14 @@ class RaggedKVCache:
             self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
         first = self.ends[0]
         if all(e == first for e in self.ends):
-            self.keys[..., first : first + width, :] = keys
-            self.values[..., first : first + width, :] = values
+            self.keys[:rows, :, first : first + width, :] = keys
+            self.values[:rows, :, first : first + width, :] = values
         else:  # (a scatter would copy the whole buffer; row by row updates it in place)
             for b, e in enumerate(self.ends):
                 self.keys[b : b + 1, :, e : e + width, :] = keys[b : b + 1]
                 self.values[b : b + 1, :, e : e + width, :] = values[b : b + 1]
         self.ends = [e + width for e in self.ends]
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return self.keys[:rows, :, :end, :], self.values[:rows, :, :end, :]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """(rows, 1, n, furthest end + n): query j of row b (at buffer index ends[b] + j) sees its row's
@@ -195,3 +199,73 @@ def split(batch: list[RaggedKVCache], row: int, into: list[KVCache]) -> None:
         own.values = mx.contiguous(c.values[row : row + 1, :, start:end, :])
         own.offset = end - start
     mx.eval([(c.keys, c.values) for c in into])
+
+
+def join(batch: list[RaggedKVCache], caches: list[list[KVCache]]) -> None:
+    """Add sequences' caches (one list per sequence) to the batch as its last rows, copying only their
+    positions: each new row ends where the batch's longest does (the whole batch moves right first
+    for a longer one), so rows that step alike keep being written with one slice."""
+    for c, layer in zip(batch, zip(*caches)):
+        lengths = [own.offset if own.keys is not None else 0 for own in layer]
+        shaped = next((own.keys for own in layer if own.keys is not None), c.keys)
+        shift = max(0, max(lengths) - max(c.ends))
+        rows = len(c.ends) + len(layer)
+        if shaped is not None:
+            _room(c, rows, shift, shaped)
+        end = max(c.ends)
+        for own, length in zip(layer, lengths):
+            if length:
+                row = len(c.ends)
+                c.keys[row : row + 1, :, end - length : end, :] = own.keys[..., :length, :]
+                c.values[row : row + 1, :, end - length : end, :] = own.values[..., :length, :]
+            c.starts = c.starts + [end - length]
+            c.ends = c.ends + [end]
+    mx.eval([c.state for c in batch if c.keys is not None])
+
+
+def _room(c: RaggedKVCache, rows: int, shift: int, like: mx.array) -> None:
+    """Make the buffer hold `rows` rows (doubling its room) with every span `shift` positions
+    further right."""
+    c.starts, c.ends = [s + shift for s in c.starts], [e + shift for e in c.ends]
+    if c.keys is None:
+        _, heads, _, dims = like.shape
+        size = max(-(-max(c.ends) // STEP) * STEP, STEP)
+        c.keys, c.values = (mx.zeros((rows, heads, size, dims), like.dtype) for _ in range(2))
+        return
+    more = 0 if rows <= c.keys.shape[0] else max(rows, 2 * c.keys.shape[0]) - c.keys.shape[0]
+    if more or shift:
+        pad = [(0, more), (0, 0), (shift, 0), (0, 0)]
+        c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
+
+
+def leave(batch: list[RaggedKVCache], gone: list[int], into: list[list[KVCache]]) -> list[int]:
+    """Hand rows `gone` back (row gone[i] into the caches into[i]) and fill the places they leave
+    among the rows that stay with the batch's last rows: -> the rows that stay, in their new order
+    (as indices of the old). Left padding no row needs any more goes once it reaches STEP."""
+    for row, own in zip(gone, into):
+        split(batch, row, own)
+    count = len(batch[0].ends) - len(gone)
+    order = list(range(count))
+    holes = [b for b in order if b in gone]
+    movers = [b for b in range(count, len(batch[0].ends)) if b not in gone]
+    for hole, mover in zip(holes, movers):
+        order[hole] = mover
+    for c in batch:
+        spans = [(c.starts[m], c.ends[m]) for m in movers]
+        if c.keys is not None and movers:  # (each moving row copied out first: see `split`)
+            moved = [
+                (mx.contiguous(c.keys[m : m + 1, :, s:e, :]), mx.contiguous(c.values[m : m + 1, :, s:e, :]))
+                for m, (s, e) in zip(movers, spans)
+            ]
+            mx.eval(moved)
+            for hole, (s, e), (k, v) in zip(holes, spans, moved):
+                c.keys[hole : hole + 1, :, s:e, :] = k
+                c.values[hole : hole + 1, :, s:e, :] = v
+        c.starts, c.ends = [c.starts[b] for b in order], [c.ends[b] for b in order]
+        unused = min(c.starts, default=0)
+        if unused >= STEP and c.keys is not None:
+            c.keys = mx.contiguous(c.keys[:, :, unused:, :])
+            c.values = mx.contiguous(c.values[:, :, unused:, :])
+            c.starts, c.ends = [s - unused for s in c.starts], [e - unused for e in c.ends]
+    mx.eval([c.state for c in batch if c.keys is not None])
+    return order

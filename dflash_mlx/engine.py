@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .batching import RowView, batchable, merge, split
+from .batching import RowView, batchable, join, leave, merge, split
 from .cache import SpeculativeCache
 from .drafters import DFlashDrafter, from_logits, propose_together
 from .errors import UserError
@@ -294,21 +294,29 @@ class Engine:
 
     def _regroup(self) -> None:
         """Let finished and removed rows go (their caches handed back), new ones in; lend the caches to
-        a batch while two or more rows can step together."""
+        a batch while two or more rows can step together. Rows that stay stay in the batch: only the
+        rows that come and go are copied (`join`, `leave`)."""
         gone = [s for s in self.rows if s.finish is not None or s.removed]
         for s in gone:  # an answer's end: what its policy learnt is kept for the next process
             keep_learnt(s.policy)
-        if not gone and not self.joining:
-            return
-        if self.batch is not None:
-            for s in self.rows:
-                split(self.batch, self.rows.index(s), s.cache.target_cache)
-            self.batch = None
-        self.rows = [s for s in self.rows if s not in gone] + [s for s in self.joining if not s.removed]
+        new = [s for s in self.joining if not s.removed]
         self.joining = []
-        caches = [s.cache.target_cache for s in self.rows]
-        if len(self.rows) > 1 and batchable(caches[0]):
-            self.batch = merge(caches)
+        if not gone and not new:
+            return
+        if self.batch is None:
+            self.rows = [s for s in self.rows if s not in gone]
+        else:
+            if gone:
+                rows = [self.rows.index(s) for s in gone]
+                order = leave(self.batch, rows, [s.cache.target_cache for s in gone])
+                self.rows = [self.rows[b] for b in order]
+            if new:
+                join(self.batch, [s.cache.target_cache for s in new])
+        self.rows += new
+        if self.batch is None and len(self.rows) > 1 and batchable(self.rows[0].cache.target_cache):
+            self.batch = merge([s.cache.target_cache for s in self.rows])
+        elif self.batch is not None and len(self.rows) < 2:  # (one row steps on its own cache)
+            self._unbatch()
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -501,6 +509,9 @@ class Engine:
     def close(self) -> None:
         """Take back whatever is under way and hand every cache back (a driver that stops early)."""
         self._drop_step()
+        self._unbatch()
+
+    def _unbatch(self) -> None:
         if self.batch is not None:
             for b, s in enumerate(self.rows):
                 split(self.batch, b, s.cache.target_cache)

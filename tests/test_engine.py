@@ -185,6 +185,66 @@ def test_a_batch_samples_each_sequence_from_its_own_distribution(monkeypatch):
     assert p > 1e-3, f"chi-square p-value {p:.2e}: a batch does not sample from the target's distribution"
 
 
+def test_rows_come_and_go_without_the_batch_being_rebuilt(per_row_scripts, monkeypatch):
+    """A longer prompt joining moves the batch right, rows ending leave holes that the last rows fill,
+    the room for rows doubles, and left padding no row needs goes (STEP made small to reach it): every
+    answer and cache stays what it is alone, and the batch is made once."""
+    import dflash_mlx.batching as batching
+
+    monkeypatch.setattr(batching, "STEP", 16)
+    merges = []
+    monkeypatch.setattr(engine, "merge", lambda caches: merges.append(len(caches)) or batching.merge(caches))
+    model = make_target("llama")
+    draft = OracleDraft(draft_config(block_size=8), None, [None, 0, 3])
+    target = prepare(model, draft)
+    plans = [(40, 6, 0), (3, 40, 0), (4, 30, 0), (60, 12, 4), (6, 30, 5), (1, 12, 5), (5, 9, 6)]
+    joins, wants = {}, {}
+    for i, (length, max_tokens, at) in enumerate(plans):
+        prompt = prompt_of(length, seed=70 + i)
+        ref = greedy_reference(model, prompt, max_tokens)
+        cache = SpeculativeCache(target, draft)
+        cache.index = OracleIndex(prompt + ref, [None, 2])
+        draft.follow(cache, prompt + ref)
+        seq = Sequence(cache, GenerationSettings(max_tokens=max_tokens), max_tokens)
+        joins.setdefault(at, []).append((seq, prompt))
+        wants[seq] = ref
+    e = Engine(target, draft)
+    out = drive(e, joins)
+    assert merges == [3]
+    for seq, ref in wants.items():
+        assert out[seq] == ref
+        fresh = SpeculativeCache(target, draft)
+        fresh.prefill(seq.cache.tokens[: seq.cache.processed])
+        assert_same_caches(seq.cache, fresh)
+
+
+def test_join_and_leave_keep_each_rows_positions():
+    import dflash_mlx.batching as batching
+
+    def own(length, seed):
+        c = batching.KVCache()
+        if length:
+            k = mx.random.normal((1, 2, length, 4), key=mx.random.key(seed))
+            c.update_and_fetch(k, -k)
+        return c
+
+    caches = [[own(n, n)] for n in (5, 9)]
+    batch = batching.merge(caches)
+    batch[0].trim([0, 2])  # ragged rows
+    batching.join(batch, [[own(12, 1)], [own(0, 2)], [own(3, 3)]])  # 12 > 7: the batch moves right
+    c = batch[0]
+    assert c.keys.shape[0] == 5 and c.offset.tolist() == [5, 7, 12, 0, 3] and max(c.ends) == 12
+    order = batching.leave(batch, [0, 3], [[batching.KVCache()], [batching.KVCache()]])
+    assert order == [4, 1, 2] and c.offset.tolist() == [3, 7, 12] and c.keys.shape[0] == 5
+    want = [own(3, 3), own(9, 9), own(12, 1)]
+    want[1].trim(2)
+    for row, w in enumerate(want):
+        back = batching.KVCache()
+        batching.split(batch, row, [back])
+        assert mx.array_equal(back.keys, w.keys[..., : w.offset, :]).item()
+        assert mx.array_equal(back.values, w.values[..., : w.offset, :]).item()
+
+
 def test_a_ragged_batch_attends_each_row_to_its_own_span():
     import mlx.core as mx
 
