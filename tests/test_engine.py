@@ -187,8 +187,8 @@ def test_a_batch_samples_each_sequence_from_its_own_distribution(monkeypatch):
 
 def test_rows_come_and_go_without_the_batch_being_rebuilt(per_row_scripts, monkeypatch):
     """A longer prompt joining moves the batch right, rows ending leave holes that the last rows fill,
-    the room for rows doubles, and left padding no row needs goes (STEP made small to reach it): every
-    answer and cache stays what it is alone, and the batch is made once."""
+    the room for rows doubles, positions left of every row's span go (and, STEP made small, the buffer
+    grows): every answer and cache stays what it is alone, and the batch is made once."""
     import dflash_mlx.batching as batching
 
     monkeypatch.setattr(batching, "STEP", 16)
