@@ -13,7 +13,7 @@ attention layers already take as an array for its own batches.
 
 `merge` lends the KV caches of several sequences to one batch (their positions copied in), and
 `split` hands a row back. Sequences come and go while the others step on: `join` copies only the new
-rows in (the buffer keeps room for more rows, grown by doubling) and `leave` hands rows back and fills
+rows in (the buffer keeps room for a few more rows) and `leave` hands rows back and fills
 their places with the batch's last rows, so a server's batch is not rebuilt whenever one answer ends.
 Only plain attention caches batch: a target with recurrent layers runs its sequences one at a time.
 """
@@ -228,15 +228,15 @@ def join(batch: list[RaggedKVCache], caches: list[list[KVCache]]) -> None:
 
 
 def _room(c: RaggedKVCache, rows: int, shift: int, like: mx.array) -> None:
-    """Make the buffer hold `rows` rows (doubling its room) with every span `shift` positions
-    further right."""
+    """Make the buffer hold `rows` rows (room made four rows at a time) with every span `shift`
+    positions further right."""
     c.starts, c.ends = [s + shift for s in c.starts], [e + shift for e in c.ends]
     if c.keys is None:
         _, heads, _, dims = like.shape
         size = max(-(-max(c.ends) // STEP) * STEP, STEP)
         c.keys, c.values = (mx.zeros((rows, heads, size, dims), like.dtype) for _ in range(2))
         return
-    more = 0 if rows <= c.keys.shape[0] else max(rows, 2 * c.keys.shape[0]) - c.keys.shape[0]
+    more = max(0, -(-rows // 4) * 4 - c.keys.shape[0]) if rows > c.keys.shape[0] else 0
     if more or shift:
         pad = [(0, more), (0, 0), (shift, 0), (0, 0)]
         c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
@@ -246,7 +246,7 @@ def leave(batch: list[RaggedKVCache], gone: list[int], into: list[list[KVCache]]
     """Hand rows `gone` back (row gone[i] into the caches into[i]) and fill the places they leave
     among the rows that stay with the batch's last rows: -> the rows that stay, in their new order
     (as indices of the old). Once UNUSED positions lie left of every staying row's span, the batch is
-    copied once instead, in its new order, without them."""
+    copied once instead, in its new order, without them (nor room for more rows)."""
     for row, own in zip(gone, into):
         split(batch, row, own)
     count = len(batch[0].ends) - len(gone)
@@ -258,7 +258,7 @@ def leave(batch: list[RaggedKVCache], gone: list[int], into: list[list[KVCache]]
     for c in batch:
         unused = min((c.starts[b] for b in order), default=0)
         if c.keys is not None and unused >= UNUSED:
-            index = mx.array(order + [b for b in range(c.keys.shape[0]) if b not in order])
+            index = mx.array(order)
             c.keys = mx.contiguous(c.keys[index, :, unused:, :])
             c.values = mx.contiguous(c.values[index, :, unused:, :])
             c.starts, c.ends = [c.starts[b] - unused for b in order], [c.ends[b] - unused for b in order]
