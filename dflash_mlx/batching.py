@@ -165,34 +165,12 @@ def batchable(cache: list) -> bool:
 
 def merge(caches: list[list[KVCache]]) -> list[RaggedKVCache]:
     """One batch of the sequences' target caches (row b: caches[b]), their positions copied in,
-    right-aligned. A cache with nothing processed yet joins as an empty row (prompts prefilled
-    together: cache.py); while every row is empty the buffer is made by the first pass."""
-    out = []
-    for layer in zip(*caches):
-        lengths = [c.offset if c.keys is not None else 0 for c in layer]
-        longest = max(lengths)
-        starts = [longest - length for length in lengths]
-        shaped = next((c for c in layer if c.keys is not None), None)
-        if shaped is None:
-            out.append(RaggedKVCache(None, None, starts, [longest] * len(layer)))
-            continue
-        size = max(-(-longest // STEP) * STEP, STEP)
-        _, heads, _, dims = shaped.keys.shape
-        empty = mx.zeros((1, heads, size, dims), shaped.keys.dtype)
-        rows_k, rows_v = [], []
-        for c, length in zip(layer, lengths):
-            if c.keys is None:
-                rows_k.append(empty)
-                rows_v.append(empty)
-                continue
-            pad = [(0, 0), (0, 0), (longest - length, size - longest), (0, 0)]
-            rows_k.append(mx.pad(c.keys[..., :length, :], pad))
-            rows_v.append(mx.pad(c.values[..., :length, :], pad))
-        out.append(
-            RaggedKVCache(mx.concatenate(rows_k), mx.concatenate(rows_v), starts, [longest] * len(layer))
-        )
-    mx.eval([c.state for c in out if c.keys is not None])
-    return out
+    right-aligned (`join` to a batch of no rows). A cache with nothing processed yet joins as an empty
+    row (prompts prefilled together: cache.py); while every row is empty the buffer is made by the
+    first pass."""
+    batch = [RaggedKVCache(None, None, [], []) for _ in caches[0]]
+    join(batch, caches)
+    return batch
 
 
 def split(batch: list[RaggedKVCache], row: int, into: list[KVCache]) -> None:
@@ -212,11 +190,9 @@ def join(batch: list[RaggedKVCache], caches: list[list[KVCache]]) -> None:
     for c, layer in zip(batch, zip(*caches)):
         lengths = [own.offset if own.keys is not None else 0 for own in layer]
         shaped = next((own.keys for own in layer if own.keys is not None), c.keys)
-        shift = max(0, max(lengths) - max(c.ends))
-        rows = len(c.ends) + len(layer)
+        end = max(c.ends + lengths)
         if shaped is not None:
-            _room(c, rows, shift, shaped)
-        end = max(c.ends)
+            _room(c, len(c.ends) + len(layer), end - max(c.ends, default=end), end, shaped)
         for own, length in zip(layer, lengths):
             if length:
                 row = len(c.ends)
@@ -227,16 +203,16 @@ def join(batch: list[RaggedKVCache], caches: list[list[KVCache]]) -> None:
     mx.eval([c.state for c in batch if c.keys is not None])
 
 
-def _room(c: RaggedKVCache, rows: int, shift: int, like: mx.array) -> None:
-    """Make the buffer hold `rows` rows (room made four rows at a time) with every span `shift`
-    positions further right."""
+def _room(c: RaggedKVCache, rows: int, shift: int, end: int, like: mx.array) -> None:
+    """Make the buffer hold `rows` rows (room made four rows at a time) and positions up to `end`, with
+    every span `shift` positions further right."""
     c.starts, c.ends = [s + shift for s in c.starts], [e + shift for e in c.ends]
     if c.keys is None:
         _, heads, _, dims = like.shape
-        size = max(-(-max(c.ends) // STEP) * STEP, STEP)
+        size = max(-(-end // STEP) * STEP, STEP)
         c.keys, c.values = (mx.zeros((rows, heads, size, dims), like.dtype) for _ in range(2))
         return
-    more = max(0, -(-rows // 4) * 4 - c.keys.shape[0]) if rows > c.keys.shape[0] else 0
+    more = -(-rows // 4) * 4 - c.keys.shape[0] if rows > c.keys.shape[0] else 0
     if more or shift:
         pad = [(0, more), (0, 0), (shift, 0), (0, 0)]
         c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
