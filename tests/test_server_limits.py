@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from serving import serving
 from test_server import (  # noqa: F401  (tiny: a fixture)
     Failing,
@@ -33,6 +34,7 @@ from dflash_mlx.server.app import create_app
 from dflash_mlx.server.metrics import Metrics
 from dflash_mlx.server.pool import PromptCachePool
 from dflash_mlx.server.scheduler import MAX_BACKLOG, RETRY_SHORT, Finished, Request, Scheduler, Started
+from dflash_mlx.server.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
 from dflash_mlx.settings import GenerationSettings
 from dflash_mlx.speculative import GenerationResponse
 
@@ -497,6 +499,48 @@ def test_stop_strings_are_limited_in_number(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
     r = post(url, "/v1/messages", request("/v1/messages", "w5", stop_sequences=["x"] * 65))
     assert r.status_code == 400
+
+
+WRONG = 20_000  # items of a list that are all of the wrong kind
+MESSAGE = {"role": "user", "content": "w5"}
+
+
+@pytest.mark.parametrize(
+    "schema, body",
+    [
+        (ChatCompletionRequest, {"messages": [1] * WRONG}),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": [1] * WRONG}]}),
+        (ChatCompletionRequest, {"messages": [{"role": "assistant", "tool_calls": [1] * WRONG}]}),
+        (ChatCompletionRequest, {"messages": [MESSAGE], "stop": [1] * WRONG}),
+        (ChatCompletionRequest, {"messages": [MESSAGE], "tools": [1] * WRONG}),
+        (ChatCompletionRequest, {"messages": [MESSAGE], "logit_bias": {f"x{i}": 1 for i in range(WRONG)}}),
+        (CompletionRequest, {"prompt": [[1, "x"]] * WRONG}),
+        (MessagesRequest, {"max_tokens": 1, "messages": [1] * WRONG}),
+        (MessagesRequest, {"max_tokens": 1, "messages": [{"role": "user", "content": [1] * WRONG}]}),
+        (MessagesRequest, {"max_tokens": 1, "messages": [MESSAGE], "system": [1] * WRONG}),
+        (MessagesRequest, {"max_tokens": 1, "messages": [MESSAGE], "stop_sequences": [1] * WRONG}),
+        (MessagesRequest, {"max_tokens": 1, "messages": [MESSAGE], "tools": [1] * WRONG}),
+    ],
+)
+def test_a_list_of_wrong_items_is_refused_at_its_first(schema, body):
+    # pydantic reports every wrong item by default: a body of millions of them held the server for 30 s
+    with pytest.raises(ValidationError) as e:
+        schema.model_validate({"model": "tiny", **body})
+    assert e.value.error_count() <= 4  # (one for each member of a union the value could be)
+
+
+def test_a_body_of_too_many_objects_is_a_413_before_it_is_validated(tiny):  # noqa: F811
+    with serving(create_app(*tiny, config(max_body_objects=100))) as url:
+        many = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "nobody"}] * 100}
+        r = post(url, "/v1/chat/completions", many)  # 101 objects, none of them a valid message
+        assert r.status_code == 413 and "over 100 JSON objects" in r.json()["error"]["message"], r.text
+        r = post(url, "/v1/messages", many)
+        assert r.status_code == 413 and r.json()["type"] == "error", r.text
+        braces = {"role": "user", "content": "{" * 20}  # braces in text are not objects
+        r = post(url, "/v1/chat/completions", dict(many, messages=[braces] * 99))
+        assert r.status_code == 200, r.text
+        r = post(url, "/v1/chat/completions", b"{" * 200)  # not JSON: said so, as at any size
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
 
 
 def test_the_pool_keeps_one_cache_for_repeats_and_none_for_failed_requests(tiny, server, monkeypatch):  # noqa: F811

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import json
 import logging
 import re
 import time
@@ -54,19 +55,22 @@ class ServerConfig:
     max_waiting: int = 16
     cache_bytes: int = 4 << 30
     max_body_bytes: int = 8 << 20
+    max_body_objects: int = 1 << 15  # JSON objects in a body (messages, content parts, tools, ...)
     request_timeout: float | None = None  # seconds from arrival after which an answer ends ("length")
     client_templates: bool = False  # whether requests may bring their own chat template
 
 
 class Guard:
     """ASGI middleware in front of every route: the API key (every path but /health), a cap on the
-    request body's size (read whole before the route runs, so an oversized body gets its 413), the
+    request body's size and its count of JSON objects (read whole before the route runs, so an oversized
+    body gets its 413 before validation would hold the event loop for seconds), the
     count of answers by status, and a 500 for an error inside a route (Starlette's own handler for
     those re-raises them, and uvicorn then drops the connection). Plain ASGI rather than Starlette's
     BaseHTTPMiddleware, which gets in the way of streaming and of noticing that a client has gone."""
 
-    def __init__(self, app, api_key: str | None, max_body: int, metrics: Metrics):
-        self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body, metrics
+    def __init__(self, app, api_key: str | None, max_body: int, max_objects: int, metrics: Metrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+        self.max_body, self.max_objects = max_body, max_objects
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -103,6 +107,10 @@ class Guard:
             if body > self.max_body:
                 reply = error_response(path, 413, f"the request body is over {self.max_body} bytes")
                 return await reply(scope, receive, counted_send)
+        if body and _objects_over(b"".join(m.get("body", b"") for m in messages), self.max_objects):
+            kinds = "messages, parts, tools"
+            message = f"the request body holds over {self.max_objects} JSON objects ({kinds}): send fewer"
+            return await error_response(path, 413, message)(scope, receive, counted_send)
 
         async def replay():
             return messages.pop(0) if messages else await receive()
@@ -126,6 +134,25 @@ class Guard:
         scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
         bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
         return bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), key)
+
+
+def _objects_over(body: bytes, limit: int) -> bool:
+    """Whether the JSON in `body` holds more than `limit` objects (False if it is not JSON: the route
+    says why). pydantic validates each in microseconds but holds the GIL throughout, so a body of a
+    quarter of a million small messages would stall every other client for seconds."""
+    if body.count(b"{") <= limit:  # (braces inside strings count too: this bounds the objects)
+        return False
+    try:
+        stack, seen = [json.loads(body)], 0
+    except (ValueError, RecursionError):
+        return False
+    while stack and seen <= limit:
+        value = stack.pop()
+        if isinstance(value, dict):
+            seen += 1
+            value = value.values()
+        stack.extend(v for v in value if isinstance(v, (dict, list)))
+    return seen > limit
 
 
 class Generation:
@@ -296,7 +323,13 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         prompts.close()
 
     app = FastAPI(title="dflash-mlx", lifespan=lifespan, default_response_class=Json)
-    app.add_middleware(Guard, api_key=config.api_key, max_body=config.max_body_bytes, metrics=metrics)
+    app.add_middleware(
+        Guard,
+        api_key=config.api_key,
+        max_body=config.max_body_bytes,
+        max_objects=config.max_body_objects,
+        metrics=metrics,
+    )
     app.state.scheduler, app.state.pool, app.state.metrics = scheduler, pool, metrics
 
     @app.exception_handler(ApiError)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, field_validator
 
@@ -19,6 +19,10 @@ from ..settings import MAX_LOGPROBS
 
 # Numbers and flags as JSON writes them: pydantic's lax mode would read true as 1 and "0.5" as 0.5.
 Number = Annotated[float, Strict()]  # (an integer is a number too)
+# A list whose first wrong item ends its validation: pydantic reports every wrong item by default,
+# and a body of a million wrong items held the event loop for half a minute.
+T = TypeVar("T")
+Items = Annotated[list[T], Field(fail_fast=True)]
 
 
 class _Body(BaseModel):
@@ -57,8 +61,8 @@ class ToolCallIn(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCallIn] | None = None
+    content: str | Items[TextPart] | None = None
+    tool_calls: Items[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
@@ -99,14 +103,16 @@ def _unread(messages, unread: Callable[[str], bool], parts: str) -> tuple[str, s
 
 
 class _OpenAI(_Sampling):
-    stop: str | list[str] | None = Field(None, union_mode="left_to_right")
+    stop: str | Items[str] | None = Field(None, union_mode="left_to_right")
     n: StrictInt | None = 1
     stream_options: StreamOptions | None = None
     # OpenAI's penalties and biases (in its ranges), and mlx-lm's server's repetition penalty and
     # windows: what mlx-lm's logits processors take (settings.py)
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[int, Annotated[Number, Field(ge=-100, le=100)]] | None = None  # (keys: JSON's strings)
+    logit_bias: (
+        Annotated[dict[int, Annotated[Number, Field(ge=-100, le=100)]], Field(fail_fast=True)] | None
+    ) = None  # (keys: JSON's strings)
     repetition_penalty: Number | None = Field(None, ge=0.01, le=100)
     repetition_context_size: StrictInt | None = Field(None, ge=1, le=2**30)
     presence_context_size: StrictInt | None = Field(None, ge=1, le=2**30)
@@ -157,12 +163,12 @@ def _function_name(function) -> str | None:
 
 
 class ChatCompletionRequest(_OpenAI):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Items[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    tools: list[dict] | None = None
+    tools: Items[dict] | None = None
     tool_choice: Literal["auto", "none", "required"] | dict | None = None
     chat_template_kwargs: dict | None = None  # what vLLM and mlx-lm's server take for e.g. enable_thinking
 
@@ -230,7 +236,7 @@ class ChatCompletionRequest(_OpenAI):
 
 class CompletionRequest(_OpenAI):
     # one prompt: text or token ids, alone or as a list of one (a list of several is refused: `one`)
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(union_mode="left_to_right")
+    prompt: str | Items[StrictInt] | Items[str] | Items[Items[StrictInt]] = Field(union_mode="left_to_right")
     max_tokens: StrictInt | None = Field(16, ge=0)  # (0 with echo: the prompt scored, nothing generated)
     logprobs: StrictInt | None = Field(None, ge=0, le=5)  # (the legacy API's: the most likely beside each)
     echo: StrictBool | None = False  # the prompt given back before the answer (with logprobs: scored)
@@ -267,12 +273,12 @@ class Block(_Body):
     name: str | None = None
     input: dict | None = None
     tool_use_id: str | None = None
-    content: str | list[Block] | None = None
+    content: str | Items[Block] | None = None
 
 
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: str | Items[Block]
 
 
 class AnthropicTool(_Body):
@@ -289,10 +295,10 @@ def _media(kind: str) -> bool:
 class TokenCountRequest(_Sampling):
     """A messages request as Anthropic's token counting takes it: without max_tokens."""
 
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[Block] | None = None
-    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOPS)
-    tools: list[AnthropicTool] | None = None
+    messages: Items[AnthropicMessage] = Field(min_length=1)
+    system: str | Items[Block] | None = None
+    stop_sequences: Items[str] | None = Field(None, max_length=MAX_STOPS)
+    tools: Items[AnthropicTool] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None  # {"type": "enabled" | "disabled", ...}
 
