@@ -467,6 +467,8 @@ def test_allowed_tools_in_mode_auto_offer_the_model_those_tools_alone(scripted):
     alone, both = prompt_tokens(TOOLS), prompt_tokens(TOOLS + [other])
     assert alone[0] < both[0]  # (the template names each tool it is given)
     assert prompt_tokens(TOOLS + [other], {"type": "allowed_tools", "allowed_tools": allowed}) == alone
+    odd = {"type": "function", "function": {"name": ["get_weather"]}}  # (a name that is no name: not allowed)
+    assert prompt_tokens(TOOLS + [odd], {"type": "allowed_tools", "allowed_tools": allowed}) == alone
     assert alone[1] == ["get_weather"]
     for mode, tools in (("required", allowed["tools"]), ("auto", "get_weather"), ("auto", [{"type": 3}])):
         choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}

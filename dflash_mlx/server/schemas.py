@@ -159,7 +159,8 @@ PROCESSORS = (  # the fields above that settings.py turns into logits processors
 
 
 def _function_name(function) -> str | None:
-    return function.get("name") if isinstance(function, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
 
 
 class ChatCompletionRequest(_OpenAI):
