@@ -815,6 +815,7 @@ def test_past_the_slots_and_the_queue_requests_get_429(tiny, monkeypatch):
                 pass
             refused = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
             assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+            assert refused.headers["retry-after"] == "1"  # (what clients wait before they try again)
             release.set()
         client, _ = clients(url)
         assert client.chat.completions.create(model="tiny", messages=body["messages"], max_tokens=4).choices

@@ -8,8 +8,10 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import socket
 import threading
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -529,18 +531,46 @@ def test_a_list_of_wrong_items_is_refused_at_its_first(schema, body):
     assert e.value.error_count() <= 4  # (one for each member of a union the value could be)
 
 
-def test_a_body_of_too_many_objects_is_a_413_before_it_is_validated(tiny):  # noqa: F811
-    with serving(create_app(*tiny, config(max_body_objects=100))) as url:
-        many = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "nobody"}] * 100}
-        r = post(url, "/v1/chat/completions", many)  # 101 objects, none of them a valid message
-        assert r.status_code == 413 and "over 100 JSON objects" in r.json()["error"]["message"], r.text
-        r = post(url, "/v1/messages", many)
+def test_a_body_of_too_many_json_items_is_a_413_before_it_is_validated(tiny):  # noqa: F811
+    with serving(create_app(*tiny, config(max_body_items=100))) as url:
+        base = {"model": "tiny", "max_tokens": 1}  # (with messages: an object, 3 keys and an array)
+        for many in (
+            {"messages": [{"role": "nobody"}] * 50},  # objects (none of them a valid message)
+            {"messages": [MESSAGE], "metadata": [[]] * 100},  # arrays
+            {"messages": [MESSAGE], "chat_template_kwargs": {f"k{i}": 0 for i in range(100)}},  # keys
+        ):
+            r = post(url, "/v1/chat/completions", base | many)
+            message = r.json()["error"]["message"]
+            assert r.status_code == 413 and "over 100 JSON objects, arrays and keys" in message, r.text
+        r = post(url, "/v1/messages", base | many)
         assert r.status_code == 413 and r.json()["type"] == "error", r.text
-        braces = {"role": "user", "content": "{" * 20}  # braces in text are not objects
-        r = post(url, "/v1/chat/completions", dict(many, messages=[braces] * 99))
+        text = {"role": "user", "content": '{[:"\\' * 10}  # braces, colons and escapes in text are text
+        r = post(url, "/v1/chat/completions", base | {"messages": [text] * 20})  # (65 items in all)
         assert r.status_code == 200, r.text
-        r = post(url, "/v1/chat/completions", b"{" * 200)  # not JSON: said so, as at any size
-        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
+
+
+def test_a_body_that_stops_halfway_gets_a_408_and_one_too_long_a_413_before_it_is_sent(tiny):  # noqa: F811
+    with serving(create_app(*tiny, config(body_seconds=0.5, max_body_bytes=1000))) as url:
+        where = urllib.parse.urlsplit(url)
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        for request_head, wanted in (
+            (head + b'Content-Length: 100\r\n\r\n{"model": ', b"did not arrive within 0.5 s"),
+            (head + b"Content-Length: 100000000\r\n\r\n", b"over 1000 bytes"),
+        ):
+            with socket.create_connection((where.hostname, where.port), timeout=30) as s:
+                s.sendall(request_head)
+                reply = b""
+                while wanted not in reply and (part := s.recv(65536)):
+                    reply += part
+            assert reply.split(b" ")[1] in (b"408", b"413") and wanted in reply, reply
+
+
+def test_a_long_value_a_client_sent_comes_back_cut_short(server):
+    url, _ = server
+    r = post(url, "/v1/chat/completions", request("/v1/chat/completions", "w5", model="m" * 100_000))
+    assert r.status_code == 404 and len(r.text) < 500 and "'mm" in r.text and "m...m" in r.text
+    r = post(url, "/v1/chat/completions", request("/v1/chat/completions", "w5", logit_bias={"9" * 3000: 1}))
+    assert r.status_code == 400 and len(r.json()["error"]["param"]) <= 103, r.text
 
 
 def test_the_pool_keeps_one_cache_for_repeats_and_none_for_failed_requests(tiny, server, monkeypatch):  # noqa: F811

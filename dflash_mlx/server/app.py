@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import logging
 import re
 import time
@@ -34,7 +33,7 @@ from ..pairing import context_length, context_room
 from ..settings import GenerationSettings
 from ..speculative import GenerationResponse
 from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_reasoning
-from .errors import ANTHROPIC, INTERNAL, ApiError, Json, dumps, error_body, error_response
+from .errors import ANTHROPIC, INTERNAL, ApiError, Json, dumps, error_body, error_response, shown
 from .metrics import Metrics
 from .pool import PromptCachePool
 from .prompts import Prompts
@@ -55,22 +54,23 @@ class ServerConfig:
     max_waiting: int = 16
     cache_bytes: int = 4 << 30
     max_body_bytes: int = 8 << 20
-    max_body_objects: int = 1 << 15  # JSON objects in a body (messages, content parts, tools, ...)
+    max_body_items: int = 1 << 16  # JSON objects, arrays and keys in a body
+    body_seconds: float = 60.0  # for a request's body to arrive
     request_timeout: float | None = None  # seconds from arrival after which an answer ends ("length")
     client_templates: bool = False  # whether requests may bring their own chat template
 
 
 class Guard:
     """ASGI middleware in front of every route: the API key (every path but /health), a cap on the
-    request body's size and its count of JSON objects (read whole before the route runs, so an oversized
-    body gets its 413 before validation would hold the event loop for seconds), the
+    request body's size, its count of JSON objects, arrays and keys, and the time it takes to arrive
+    (read whole before the route runs, so an oversized body gets its 413 before validating it would
+    hold the event loop for seconds, and a body that stops halfway does not hold its connection), the
     count of answers by status, and a 500 for an error inside a route (Starlette's own handler for
     those re-raises them, and uvicorn then drops the connection). Plain ASGI rather than Starlette's
     BaseHTTPMiddleware, which gets in the way of streaming and of noticing that a client has gone."""
 
-    def __init__(self, app, api_key: str | None, max_body: int, max_objects: int, metrics: Metrics):
-        self.app, self.api_key, self.metrics = app, api_key, metrics
-        self.max_body, self.max_objects = max_body, max_objects
+    def __init__(self, app, config: ServerConfig, metrics: Metrics):
+        self.app, self.config, self.metrics = app, config, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -84,7 +84,7 @@ class Guard:
             await send(message)
 
         headers = dict(scope["headers"])
-        if self.api_key and path != "/health" and not self._authorized(headers):
+        if self.config.api_key and path != "/health" and not self._authorized(headers):
             message = "a valid API key is needed: Authorization: Bearer <key>"
             reply = error_response(path, 401, message, code="invalid_api_key")
             return await reply(scope, receive, counted_send)
@@ -95,21 +95,27 @@ class Guard:
             # (curl -d sends a form's type); FastAPI reads a body as JSON only when labelled so
             kept = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = dict(scope, headers=[*kept, (b"content-type", b"application/json")])
-        body, more, messages = 0, True, []
+        config, body, more, messages = self.config, 0, True, []
+        too_large = error_response(path, 413, f"the request body is over {config.max_body_bytes} bytes")
+        if int(headers.get(b"content-length", 0)) > config.max_body_bytes:
+            return await too_large(scope, receive, counted_send)
+        deadline = time.monotonic() + config.body_seconds
         while more and scope["method"] in ("POST", "PUT", "PATCH"):
-            message = await receive()
-            if message["type"] != "http.request":
-                messages.append(message)
-                break
+            try:
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except asyncio.TimeoutError:  # (not yet TimeoutError itself on Python 3.10)
+                message = f"the request body did not arrive within {config.body_seconds:g} s"
+                return await error_response(path, 408, message)(scope, receive, counted_send)
             messages.append(message)
+            if message["type"] != "http.request":
+                break
             body += len(message.get("body", b""))
             more = message.get("more_body", False)
-            if body > self.max_body:
-                reply = error_response(path, 413, f"the request body is over {self.max_body} bytes")
-                return await reply(scope, receive, counted_send)
-        if body and _objects_over(b"".join(m.get("body", b"") for m in messages), self.max_objects):
-            kinds = "messages, parts, tools"
-            message = f"the request body holds over {self.max_objects} JSON objects ({kinds}): send fewer"
+            if body > config.max_body_bytes:
+                return await too_large(scope, receive, counted_send)
+        if body and _structure_over(b"".join(m.get("body", b"") for m in messages), config.max_body_items):
+            many = f"over {config.max_body_items} JSON objects, arrays and keys"
+            message = f"the request body holds {many}: send fewer messages, parts or tools"
             return await error_response(path, 413, message)(scope, receive, counted_send)
 
         async def replay():
@@ -130,29 +136,22 @@ class Guard:
                 await error_response(path, 500, INTERNAL)(scope, receive, counted_send)
 
     def _authorized(self, headers: dict) -> bool:
-        key = self.api_key.encode()
+        key = self.config.api_key.encode()
         scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
         bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
         return bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), key)
 
 
-def _objects_over(body: bytes, limit: int) -> bool:
-    """Whether the JSON in `body` holds more than `limit` objects (False if it is not JSON: the route
-    says why). pydantic validates each in microseconds but holds the GIL throughout, so a body of a
-    quarter of a million small messages would stall every other client for seconds."""
-    if body.count(b"{") <= limit:  # (braces inside strings count too: this bounds the objects)
-        return False
-    try:
-        stack, seen = [json.loads(body)], 0
-    except (ValueError, RecursionError):
-        return False
-    while stack and seen <= limit:
-        value = stack.pop()
-        if isinstance(value, dict):
-            seen += 1
-            value = value.values()
-        stack.extend(v for v in value if isinstance(v, (dict, list)))
-    return seen > limit
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string
+
+
+def _structure_over(body: bytes, limit: int) -> bool:
+    """Whether the JSON text `body` holds more than `limit` objects, arrays and keys. Validating each
+    takes microseconds on the event loop (pydantic holds the GIL throughout), so millions of tiny ones
+    in an 8 MB body would stall every other client for seconds. Counted in the text at C speed, with
+    strings left out where there are many braces (a brace in a string is text), and without a parse."""
+    count = lambda text: text.count(b"{") + text.count(b"[") + text.count(b":")  # noqa: E731
+    return count(body) > limit and count(_STRING.sub(b"", body)) > limit
 
 
 class Generation:
@@ -323,13 +322,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         prompts.close()
 
     app = FastAPI(title="dflash-mlx", lifespan=lifespan, default_response_class=Json)
-    app.add_middleware(
-        Guard,
-        api_key=config.api_key,
-        max_body=config.max_body_bytes,
-        max_objects=config.max_body_objects,
-        metrics=metrics,
-    )
+    app.add_middleware(Guard, config=config, metrics=metrics)
     app.state.scheduler, app.state.pool, app.state.metrics = scheduler, pool, metrics
 
     @app.exception_handler(ApiError)
@@ -349,6 +342,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         # content parts with a bad part), not the other branch's "should be a valid string".
         where = max((_field(x.get("loc", ())) for x in errors), key=lambda f: f.count(".") + f.count("["))
         wants = dict.fromkeys(_wanted(x) for x in errors if _field(x.get("loc", ())) == where)
+        where = shown(where)
         message = f"{where or 'body'}: {' or '.join(wants)}"
         return error_response(request.url.path, 400, message, param=where or None)
 
@@ -373,7 +367,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         if name != config.model_id:
             raise ApiError(
                 404,
-                f"model {name!r} is not served here; this server serves {config.model_id!r}",
+                f"model {shown(name)!r} is not served here; this server serves {config.model_id!r}",
                 param="model",
                 code="model_not_found",
             )

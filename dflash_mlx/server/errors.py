@@ -29,6 +29,12 @@ _ANTHROPIC_TYPES = {
 }
 
 
+def shown(text: str, most: int = 100) -> str:
+    """A client's text as an error message quotes it: cut in the middle past `most` characters (a
+    megabyte-long model name need not come back whole)."""
+    return text if len(text) <= most else f"{text[: most // 2]}...{text[-most // 2 :]}"
+
+
 def error_body(path: str, status: int, message: str, param=None, code=None) -> dict:
     if path.startswith(ANTHROPIC):
         return {
@@ -62,4 +68,5 @@ class Json(JSONResponse):
 
 
 def error_response(path: str, status: int, message: str, **kw) -> Json:
-    return Json(error_body(path, status, message, **kw), status_code=status)
+    headers = {"Retry-After": "1"} if status == 429 else None  # (busy: seconds, as clients read it)
+    return Json(error_body(path, status, message, **kw), status_code=status, headers=headers)
