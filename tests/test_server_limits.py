@@ -340,6 +340,7 @@ def test_a_body_json_cannot_read_is_a_400_that_says_why(server):
     good = json.dumps(request(path, "w5"))[:-1].encode()  # (without its closing brace)
     for body, says in (
         (b'{"model": "tiny", "messages": [{"role": "user", "content": "caf\xe9"}]}', "is not UTF-8 text"),
+        (json.dumps(request(path, "w5")).encode("utf-16"), "is not UTF-8 text"),  # (json reads UTF-16)
         (good + b', "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
         (good + b', "x": ' + b"9" * 5000 + b"}", "a number too long to read"),
         (
@@ -553,24 +554,30 @@ def test_a_body_that_stops_halfway_gets_a_408_and_one_too_long_a_413_before_it_i
     with serving(create_app(*tiny, config(body_seconds=0.5, max_body_bytes=1000))) as url:
         where = urllib.parse.urlsplit(url)
         head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        for request_head, wanted in (
-            (head + b'Content-Length: 100\r\n\r\n{"model": ', b"did not arrive within 0.5 s"),
-            (head + b"Content-Length: 100000000\r\n\r\n", b"over 1000 bytes"),
+        for request_head, status, wanted in (
+            (head + b'Content-Length: 100\r\n\r\n{"model": ', b"408", b"did not arrive within 0.5 s"),
+            (head + b"Content-Length: 100000000\r\n\r\n", b"413", b"over 1000 bytes"),
         ):
             with socket.create_connection((where.hostname, where.port), timeout=30) as s:
                 s.sendall(request_head)
                 reply = b""
                 while wanted not in reply and (part := s.recv(65536)):
                     reply += part
-            assert reply.split(b" ")[1] in (b"408", b"413") and wanted in reply, reply
+            assert reply.split(b" ")[1] == status and wanted in reply, reply
 
 
 def test_a_long_value_a_client_sent_comes_back_cut_short(server):
     url, _ = server
     r = post(url, "/v1/chat/completions", request("/v1/chat/completions", "w5", model="m" * 100_000))
     assert r.status_code == 404 and len(r.text) < 500 and "'mm" in r.text and "m...m" in r.text
-    r = post(url, "/v1/chat/completions", request("/v1/chat/completions", "w5", logit_bias={"9" * 3000: 1}))
-    assert r.status_code == 400 and len(r.json()["error"]["param"]) <= 103, r.text
+    r = post(url, "/v1/chat/completions", request("/v1/chat/completions", "w5", logit_bias={"x" * 3000: 1}))
+    param = r.json()["error"]["param"]
+    assert (
+        r.status_code == 400 and param.startswith("logit_bias.x") and "x...x" in param and len(param) == 103
+    )
+    part = {"role": "user", "content": [{"type": "y" * 3000}]}
+    r = post(url, "/v1/chat/completions", dict(request("/v1/chat/completions", "w5"), messages=[part]))
+    assert r.status_code == 400 and len(r.text) < 500 and "y...y" in r.text, r.text
 
 
 def test_the_pool_keeps_one_cache_for_repeats_and_none_for_failed_requests(tiny, server, monkeypatch):  # noqa: F811

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
 
 from ..sampling import MAX_TEMPERATURE
 from ..settings import MAX_LOGPROBS
+from .errors import shown
 
 # Numbers and flags as JSON writes them: pydantic's lax mode would read true as 1 and "0.5" as 0.5.
 Number = Annotated[float, Strict()]  # (an integer is a number too)
@@ -89,7 +90,7 @@ def _not_text(content, where: str, unread: Callable[[str], bool], parts: str) ->
     message's, named `where`), if any, a tool result's own parts too."""
     for j, part in enumerate(content if isinstance(content, list) else []):
         if unread(part.type):
-            return f"{where}[{j}]", f"this model reads text only, not {part.type!r} {parts}"
+            return f"{where}[{j}]", f"this model reads text only, not {shown(part.type)!r} {parts}"
         if found := _not_text(getattr(part, "content", None), f"{where}[{j}].content", unread, parts):
             return found
     return None
