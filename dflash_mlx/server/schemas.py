@@ -21,7 +21,7 @@ from .errors import shown
 # Numbers and flags as JSON writes them: pydantic's lax mode would read true as 1 and "0.5" as 0.5.
 Number = Annotated[float, Strict()]  # (an integer is a number too)
 # A list whose first wrong item ends its validation: pydantic reports every wrong item by default,
-# and a body of a million wrong items held the event loop for half a minute.
+# which for millions of them holds the event loop for many seconds.
 T = TypeVar("T")
 Items = Annotated[list[T], Field(fail_fast=True)]
 
