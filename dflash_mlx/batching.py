@@ -26,8 +26,7 @@ from mlx_lm.models.cache import KVCache
 
 STEP = 256  # positions the buffer grows by
 # Positions left of every row's span that `leave` drops: each costs every pass of the batch attention
-# over it (+8% a step at 8 rows of ~160 positions with 128 such on a CPU), dropping them a copy of the
-# batch (about a third of a step there).
+# over it, and dropping them costs one copy of the batch (figures: docs/performance.md).
 UNUSED = 32
 
 
@@ -192,7 +191,7 @@ def join(batch: list[RaggedKVCache], caches: list[list[KVCache]]) -> None:
         shaped = next((own.keys for own in layer if own.keys is not None), c.keys)
         end = max(c.ends + lengths)
         if shaped is not None:
-            _room(c, len(c.ends) + len(layer), end - max(c.ends, default=end), end, shaped)
+            _room(c, len(c.ends) + len(layer), end, shaped)
         for own, length in zip(layer, lengths):
             if length:
                 row = len(c.ends)
@@ -203,9 +202,10 @@ def join(batch: list[RaggedKVCache], caches: list[list[KVCache]]) -> None:
     mx.eval([c.state for c in batch if c.keys is not None])
 
 
-def _room(c: RaggedKVCache, rows: int, shift: int, end: int, like: mx.array) -> None:
-    """Make the buffer hold `rows` rows (room made four rows at a time) and positions up to `end`, with
-    every span `shift` positions further right."""
+def _room(c: RaggedKVCache, rows: int, end: int, like: mx.array) -> None:
+    """Make the buffer hold `rows` rows (room made four rows at a time) and positions up to `end`, the
+    spans moved right so that the longest ends there."""
+    shift = end - max(c.ends, default=end)
     c.starts, c.ends = [s + shift for s in c.starts], [e + shift for e in c.ends]
     if c.keys is None:
         _, heads, _, dims = like.shape

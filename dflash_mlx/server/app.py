@@ -97,10 +97,10 @@ class Guard:
             kept = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = dict(scope, headers=[*kept, (b"content-type", b"application/json")])
         config, body, more, messages = self.config, 0, True, []
-        too_large = error_response(path, 413, f"the request body is over {config.max_body_bytes} bytes")
+        too_large = f"the request body is over {config.max_body_bytes} bytes"
         length = headers.get(b"content-length", b"").strip()
         if length.isdigit() and int(length) > config.max_body_bytes:
-            return await too_large(scope, receive, counted_send)
+            return await error_response(path, 413, too_large)(scope, receive, counted_send)
         deadline = time.monotonic() + config.body_seconds
         while more and scope["method"] in ("POST", "PUT", "PATCH"):
             try:
@@ -114,10 +114,11 @@ class Guard:
             body += len(message.get("body", b""))
             more = message.get("more_body", False)
             if body > config.max_body_bytes:
-                return await too_large(scope, receive, counted_send)
-        if any(b"\0" in m.get("body", b"") for m in messages):  # (UTF-16 or 32: JSON reads them too)
+                return await error_response(path, 413, too_large)(scope, receive, counted_send)
+        data = b"".join(m.get("body", b"") for m in messages)
+        if b"\0" in data:  # (UTF-16 or 32: Python's JSON reads them too)
             return await error_response(path, 400, NOT_UTF8)(scope, receive, counted_send)
-        if body and _structure_over(b"".join(m.get("body", b"") for m in messages), config.max_body_items):
+        if data and _structure_over(data, config.max_body_items):
             many = f"over {config.max_body_items} JSON objects, arrays and keys"
             message = f"the request body holds {many}: send fewer messages, parts or tools"
             return await error_response(path, 413, message)(scope, receive, counted_send)
