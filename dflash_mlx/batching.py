@@ -12,7 +12,8 @@ overwritten by its next block. Rotary positions are each row's length (`offset`)
 attention layers already take as an array for its own batches.
 
 `merge` lends the KV caches of several sequences to one batch (their positions copied in), and
-`split` hands a row back. Sequences come and go while the others step on: `join` copies only the new
+`split` hands a row back; `align` moves rows left ragged by a speculative step back in line before a
+run of plain steps. Sequences come and go while the others step on: `join` copies only the new
 rows in (the buffer keeps room for a few more rows) and `leave` hands rows back and fills
 their places with the batch's last rows, so a server's batch is not rebuilt whenever one answer ends.
 Only plain attention caches batch: a target with recurrent layers runs its sequences one at a time.
@@ -216,6 +217,31 @@ def _room(c: RaggedKVCache, rows: int, end: int, like: mx.array) -> None:
     if more or shift:
         pad = [(0, more), (0, 0), (shift, 0), (0, 0)]
         c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
+
+
+def align(batch: list[RaggedKVCache]) -> None:
+    """Move each row that ends short of the longest right, its positions copied, so that every row ends
+    at the same place again: after a speculative step rows keep different numbers of positions, and
+    then every later pass writes its rows one at a time and attends over the spread between them
+    (plain steps after speculative ones ran about 5% slower on a CPU, 8 rows: docs/performance.md)."""
+    moves = []  # per layer: (row, its span's start, how far it moves, its keys, its values)
+    for c in batch:
+        end, layer = max(c.ends, default=0), []
+        for b, (s, e) in enumerate(zip(c.starts, c.ends)):
+            if e < end:
+                span = (slice(b, b + 1), slice(None), slice(s, e))
+                layer.append((b, s, end - e, mx.contiguous(c.keys[span]), mx.contiguous(c.values[span])))
+        moves.append(layer)
+    if not any(moves):
+        return
+    mx.eval([(k, v) for layer in moves for *_, k, v in layer])  # (copied out first: see `split`)
+    for c, layer in zip(batch, moves):
+        for b, s, shift, k, v in layer:
+            span = (slice(b, b + 1), slice(None), slice(s + shift, s + shift + k.shape[2]))
+            c.keys[span], c.values[span] = k, v
+        c.starts = [s + max(c.ends) - e for s, e in zip(c.starts, c.ends)]
+        c.ends = [max(c.ends)] * len(c.ends)
+    mx.eval([c.state for c in batch])
 
 
 def leave(batch: list[RaggedKVCache], gone: list[int], into: list[list[KVCache]]) -> list[int]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .batching import RowView, batchable, join, leave, merge, split
+from .batching import RowView, align, batchable, join, leave, merge, split
 from .cache import SpeculativeCache
 from .drafters import DFlashDrafter, from_logits, propose_together
 from .errors import UserError
@@ -427,6 +427,8 @@ class Engine:
         ahead = 0.0  # the seconds spent here starting the next step (see `_time`)
         if plain and going and same:  # build the next plain step on tokens not yet read
             self._keep(rows, [1] * len(rows))
+            if self.batch is not None and self.pace.plain(len(rows)):  # a run of plain steps:
+                align(self.batch)  # rows a speculative step left ragged go back in line first
             self.ready = self._build_plain(rows, mx.stack([c.nxt for c in cycles]))
             if self._plain_next(rows):
                 tic = time.perf_counter()

@@ -245,6 +245,36 @@ def test_join_and_leave_keep_each_rows_positions():
         assert mx.array_equal(back.values, w.values[..., : w.offset, :]).item()
 
 
+def test_align_puts_ragged_rows_back_in_line_keeping_their_positions():
+    import dflash_mlx.batching as batching
+
+    def own(length, seed):
+        c = batching.KVCache()
+        k = mx.random.normal((1, 2, length, 4), key=mx.random.key(seed))
+        c.update_and_fetch(k, -k)
+        return c
+
+    batch = batching.merge([[own(n, n)] for n in (5, 9, 7)])
+    batch[0].trim([0, 3, 1])  # as a speculative step leaves them: lengths 5, 6, 6, ends apart
+    c = batch[0]
+    assert c.ends == [9, 6, 8]
+    before = []
+    for row in range(3):
+        before.append(batching.KVCache())
+        batching.split(batch, row, [before[-1]])
+    batching.align(batch)
+    assert c.ends == [9, 9, 9] and c.offset.tolist() == [5, 6, 6]
+    mask = c.make_mask(1)[:, 0, 0]  # each row sees its own span, nothing a move left behind
+    assert mask.sum(axis=-1).tolist() == [6, 7, 7] and mask[:, 9].tolist() == [True] * 3
+    new = mx.random.normal((3, 2, 1, 4), key=mx.random.key(9))
+    c.update_and_fetch(new, -new)  # (one slice for every row now)
+    for row, want in enumerate(before):
+        back = batching.KVCache()
+        batching.split(batch, row, [back])
+        assert mx.array_equal(back.keys, mx.concatenate([want.keys, new[row : row + 1]], axis=2)).item()
+        assert mx.array_equal(back.values, mx.concatenate([want.values, -new[row : row + 1]], axis=2)).item()
+
+
 def test_a_ragged_batch_attends_each_row_to_its_own_span():
     import mlx.core as mx
 
