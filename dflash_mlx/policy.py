@@ -776,7 +776,8 @@ class BatchPace:
     power of two): tokens per unit of time, the unit a plain step's price at the step's batch size and
     context (`start`), the time from each step's launch to its tokens kept. The cost model prices one
     pass; what speculating costs the steps around it (rows left ragged by a wider step write their
-    positions one row at a time, and the next plain step is not started ahead while a match may come)
+    positions one row at a time until a run of plain steps puts them back in line, `align`, and the
+    next plain step is not started ahead while a match may come)
     it cannot, and where width is dear (a CPU) that decides. So a batch runs in turns of BATCH_RUN
     steps: plain (batched plain decoding), or speculating (each step chosen by `choose_batch`); one
     turn of each first, then plain unless speculating's last BATCH_RUNS turns (their median) gave more,
