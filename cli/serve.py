@@ -117,6 +117,7 @@ def serve(
         import uvicorn
 
         from dflash_mlx.server.app import ServerConfig, create_app
+        from dflash_mlx.server.connections import protocol
 
         config = ServerConfig(
             model_id=name or model,
@@ -148,7 +149,14 @@ def serve(
             super().handle_exit(sig, frame)
 
     server = Server(
-        uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE)
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=GRACE,
+            http=protocol(config.head_seconds),
+        )
     )
     try:  # (as uvicorn.run: the Ctrl-C it stopped on comes back once it has shut down)
         server.run(sockets=[sock])

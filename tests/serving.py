@@ -16,6 +16,8 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import save_config, save_model
 from tiny import CONFIGS, VOCAB, make_target
 
+from dflash_mlx.server.connections import protocol
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}w3 {% elif m['role'] == 'user' %}w4 "
     "{% else %}w5 {% endif %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w5 {% endif %}"
@@ -27,7 +29,8 @@ def serving(app):
     """The app served on 127.0.0.1 at a free port, for the length of the block: -> its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    http = protocol(app.state.config.head_seconds)  # (as `dflash-mlx serve` runs it)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, http=http))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -566,6 +566,30 @@ def test_a_body_that_stops_halfway_gets_a_408_and_one_too_long_a_413_before_it_i
             assert reply.split(b" ")[1] == status and wanted in reply, reply
 
 
+def test_a_connection_that_sends_no_request_head_in_time_is_closed_and_one_that_did_is_not(tiny):  # noqa: F811
+    with serving(create_app(*tiny, config(head_seconds=0.3, body_seconds=10))) as url:
+        where = urllib.parse.urlsplit(url)
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        for sent in (b"", head):  # nothing at all; headers that stop halfway
+            with socket.create_connection((where.hostname, where.port), timeout=30) as s:
+                s.sendall(sent)
+                tic = time.monotonic()
+                assert s.recv(65536) == b"" and time.monotonic() - tic < 10  # closed, well before uvicorn's
+        body = json.dumps(request("/v1/chat/completions", "w5", max_tokens=3)).encode()
+        with socket.create_connection((where.hostname, where.port), timeout=30) as s:
+            s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body))
+            time.sleep(1)  # the head is in: its body has its own time
+            s.sendall(body)
+            reply = b""
+            while b"chat.completion" not in reply and (part := s.recv(65536)):
+                reply += part
+            assert reply.startswith(b"HTTP/1.1 200"), reply
+            tic = time.monotonic()  # the next request's head must come in time again
+            while s.recv(65536):
+                pass
+            assert time.monotonic() - tic < 10
+
+
 def test_a_long_value_a_client_sent_comes_back_cut_short(server):
     url, _ = server
     r = post(url, "/v1/chat/completions", request("/v1/chat/completions", "w5", model="m" * 100_000))

@@ -56,6 +56,7 @@ class ServerConfig:
     cache_bytes: int = 4 << 30
     max_body_bytes: int = 8 << 20
     max_body_items: int = 1 << 16  # JSON objects, arrays and keys in a body
+    head_seconds: float = 60.0  # for a request's headers to arrive (connections.py)
     body_seconds: float = 60.0  # for a request's body to arrive
     request_timeout: float | None = None  # seconds from arrival after which an answer ends ("length")
     client_templates: bool = False  # whether requests may bring their own chat template
@@ -334,6 +335,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="dflash-mlx", lifespan=lifespan, default_response_class=Json)
     app.add_middleware(Guard, config=config, metrics=metrics)
     app.state.scheduler, app.state.pool, app.state.metrics = scheduler, pool, metrics
+    app.state.config = config
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
