@@ -223,7 +223,7 @@ def align(batch: list[RaggedKVCache]) -> None:
     """Move each row that ends short of the longest right, its positions copied, so that every row ends
     at the same place again: after a speculative step rows keep different numbers of positions, and
     then every later pass writes its rows one at a time and attends over the spread between them
-    (plain steps after speculative ones ran about 5% slower on a CPU, 8 rows: docs/performance.md)."""
+    (measured: docs/performance.md, the server)."""
     moves = []  # per layer: (row, its span's start, how far it moves, its keys, its values)
     for c in batch:
         end, layer = max(c.ends, default=0), []
