@@ -219,28 +219,38 @@ def _room(c: RaggedKVCache, rows: int, end: int, like: mx.array) -> None:
         c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
 
 
+def _copy(batch: list[RaggedKVCache], moves: list[list[tuple]]) -> None:
+    """Copy spans within each layer's buffer: moves[i], layer i's (from row, start, end, to row, new
+    start). Every span is copied out first (a slice written back in place would read a buffer that the
+    write changes: see `split`)."""
+    out = [
+        [
+            (mx.contiguous(c.keys[f : f + 1, :, s:e]), mx.contiguous(c.values[f : f + 1, :, s:e]))
+            for f, s, e, *_ in m
+        ]
+        for c, m in zip(batch, moves)
+    ]
+    mx.eval(out)
+    for c, m, copies in zip(batch, moves, out):
+        for (_, s, e, to, new), (k, v) in zip(m, copies):
+            c.keys[to : to + 1, :, new : new + e - s], c.values[to : to + 1, :, new : new + e - s] = k, v
+
+
 def align(batch: list[RaggedKVCache]) -> None:
     """Move each row that ends short of the longest right, its positions copied, so that every row ends
     at the same place again: after a speculative step rows keep different numbers of positions, and
     then every later pass writes its rows one at a time and attends over the spread between them
     (measured: docs/performance.md, the server)."""
-    moves = []  # per layer: (row, its span's start, how far it moves, its keys, its values)
-    for c in batch:
-        end, layer = max(c.ends, default=0), []
-        for b, (s, e) in enumerate(zip(c.starts, c.ends)):
-            if e < end:
-                span = (slice(b, b + 1), slice(None), slice(s, e))
-                layer.append((b, s, end - e, mx.contiguous(c.keys[span]), mx.contiguous(c.values[span])))
-        moves.append(layer)
+    ends = [max(c.ends, default=0) for c in batch]
+    moves = [
+        [(b, s, e, b, s + end - e) for b, (s, e) in enumerate(zip(c.starts, c.ends)) if e < end]
+        for c, end in zip(batch, ends)
+    ]
     if not any(moves):
         return
-    mx.eval([(k, v) for layer in moves for *_, k, v in layer])  # (copied out first: see `split`)
-    for c, layer in zip(batch, moves):
-        for b, s, shift, k, v in layer:
-            span = (slice(b, b + 1), slice(None), slice(s + shift, s + shift + k.shape[2]))
-            c.keys[span], c.values[span] = k, v
-        c.starts = [s + max(c.ends) - e for s, e in zip(c.starts, c.ends)]
-        c.ends = [max(c.ends)] * len(c.ends)
+    _copy(batch, moves)
+    for c, end in zip(batch, ends):
+        c.starts, c.ends = [s + end - e for s, e in zip(c.starts, c.ends)], [end] * len(c.ends)
     mx.eval([c.state for c in batch])
 
 
@@ -257,24 +267,20 @@ def leave(batch: list[RaggedKVCache], gone: list[int], into: list[list[KVCache]]
     movers = [b for b in range(count, len(batch[0].ends)) if b not in gone]
     for hole, mover in zip(holes, movers):
         order[hole] = mover
+    moves = []
     for c in batch:
         unused = min((c.starts[b] for b in order), default=0)
         if c.keys is not None and unused >= UNUSED:
             index = mx.array(order)
             c.keys = mx.contiguous(c.keys[index, :, unused:, :])
             c.values = mx.contiguous(c.values[index, :, unused:, :])
-            c.starts, c.ends = [c.starts[b] - unused for b in order], [c.ends[b] - unused for b in order]
-            continue
-        spans = [(c.starts[m], c.ends[m]) for m in movers]
-        if c.keys is not None and movers:  # (each moving row copied out first: see `split`)
-            moved = [
-                (mx.contiguous(c.keys[m : m + 1, :, s:e, :]), mx.contiguous(c.values[m : m + 1, :, s:e, :]))
-                for m, (s, e) in zip(movers, spans)
-            ]
-            mx.eval(moved)
-            for hole, (s, e), (k, v) in zip(holes, spans, moved):
-                c.keys[hole : hole + 1, :, s:e, :] = k
-                c.values[hole : hole + 1, :, s:e, :] = v
-        c.starts, c.ends = [c.starts[b] for b in order], [c.ends[b] for b in order]
+            moves.append([])
+        else:
+            unused = 0
+            spans = [(c.starts[m], c.ends[m]) for m in movers] if c.keys is not None else []
+            moves.append([(m, s, e, hole, s) for hole, m, (s, e) in zip(holes, movers, spans)])
+        c.starts = [c.starts[b] - unused for b in order]
+        c.ends = [c.ends[b] - unused for b in order]
+    _copy(batch, moves)
     mx.eval([c.state for c in batch if c.keys is not None])
     return order
