@@ -550,39 +550,48 @@ def test_a_body_of_too_many_json_items_is_a_413_before_it_is_validated(tiny):  #
         assert r.status_code == 200, r.text
 
 
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def connect(url: str) -> socket.socket:
+    """A raw connection to the server (a client that sends what it likes, when it likes)."""
+    where = urllib.parse.urlsplit(url)
+    return socket.create_connection((where.hostname, where.port), timeout=30)
+
+
+def read_until(s: socket.socket, wanted: bytes) -> bytes:
+    """What the server sends, up to `wanted` (or until it closes the connection)."""
+    reply = b""
+    while wanted not in reply and (part := s.recv(65536)):
+        reply += part
+    return reply
+
+
 def test_a_body_that_stops_halfway_gets_a_408_and_one_too_long_a_413_before_it_is_sent(tiny):  # noqa: F811
     with serving(create_app(*tiny, config(body_seconds=0.5, max_body_bytes=1000))) as url:
-        where = urllib.parse.urlsplit(url)
-        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         for request_head, status, wanted in (
-            (head + b'Content-Length: 100\r\n\r\n{"model": ', b"408", b"did not arrive within 0.5 s"),
-            (head + b"Content-Length: 100000000\r\n\r\n", b"413", b"over 1000 bytes"),
+            (HEAD + b'Content-Length: 100\r\n\r\n{"model": ', b"408", b"did not arrive within 0.5 s"),
+            (HEAD + b"Content-Length: 100000000\r\n\r\n", b"413", b"over 1000 bytes"),
         ):
-            with socket.create_connection((where.hostname, where.port), timeout=30) as s:
+            with connect(url) as s:
                 s.sendall(request_head)
-                reply = b""
-                while wanted not in reply and (part := s.recv(65536)):
-                    reply += part
+                reply = read_until(s, wanted)
             assert reply.split(b" ")[1] == status and wanted in reply, reply
 
 
 def test_a_connection_that_sends_no_request_head_in_time_is_closed_and_one_that_did_is_not(tiny):  # noqa: F811
     with serving(create_app(*tiny, config(head_seconds=0.3, body_seconds=10))) as url:
-        where = urllib.parse.urlsplit(url)
-        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        for sent in (b"", head):  # nothing at all; headers that stop halfway
-            with socket.create_connection((where.hostname, where.port), timeout=30) as s:
+        for sent in (b"", HEAD):  # nothing at all; headers that stop halfway
+            with connect(url) as s:
                 s.sendall(sent)
                 tic = time.monotonic()
                 assert s.recv(65536) == b"" and time.monotonic() - tic < 10  # closed, well before uvicorn's
         body = json.dumps(request("/v1/chat/completions", "w5", max_tokens=3)).encode()
-        with socket.create_connection((where.hostname, where.port), timeout=30) as s:
-            s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body))
+        with connect(url) as s:
+            s.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % len(body))
             time.sleep(1)  # the head is in: its body has its own time
             s.sendall(body)
-            reply = b""
-            while b"chat.completion" not in reply and (part := s.recv(65536)):
-                reply += part
+            reply = read_until(s, b"chat.completion")
             assert reply.startswith(b"HTTP/1.1 200"), reply
             tic = time.monotonic()  # the next request's head must come in time again
             while s.recv(65536):
