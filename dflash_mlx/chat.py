@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -34,7 +35,9 @@ def apply_chat_template(
 
     `messages` is a user message's text, one {"role", "content"} dict or a list of them; extra keyword
     arguments reach the template (e.g. enable_thinking=False for Qwen3). A tokenizer without a chat template
-    gets the plain text of the messages.
+    gets the plain text of the messages. The messages' text is read as text: a special token's text in it
+    (say "<|im_start|>") becomes that text's ordinary tokens, never the special token, so no message can
+    end its turn or start another one.
     """
     text = chat_text(
         tokenizer, messages, system=system, add_generation_prompt=add_generation_prompt, **template_kwargs
@@ -50,13 +53,15 @@ def chat_text(
     add_generation_prompt: bool = True,
     **template_kwargs,
 ) -> str:
-    """The conversation as the text `apply_chat_template` tokenizes (see there)."""
+    """The conversation as the text `apply_chat_template` tokenizes (see there), special tokens' text in
+    the messages and the template's variables marked (`as_text`)."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     elif isinstance(messages, dict):  # (one message)
         messages = [messages]
     if system is not None:
         messages = [{"role": "system", "content": system}, *messages]
+    messages, template_kwargs = as_text(tokenizer, messages), as_text(tokenizer, template_kwargs)
     if getattr(tokenizer, "chat_template", None) is None:
         return "\n".join(m["content"] for m in messages)
     return tokenizer.apply_chat_template(
@@ -64,12 +69,61 @@ def chat_text(
     )
 
 
+# Tokenizers read a special token's text anywhere in a text as the special token (mlx-lm and
+# transformers alike); which parts of a rendered conversation came from the messages is known only
+# before rendering. So each special token's text in the messages (and each MARK already there) is
+# replaced by MARK, its number, MARK, which templates copy as they copy any text, and
+# `encode_chat_text` tokenizes what the marks hold as plain text.
+MARK = "\U0010fffd"  # a private-use character, no tokenizer's special token
+_MARKED = re.compile(f"{MARK}([0-9]{{1,9}}){MARK}")
+
+
+def _specials(tokenizer) -> list[str]:
+    """MARK, then the tokenizer's special tokens' texts, longest first (number i: the i-th)."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = getattr(hf, "added_tokens_decoder", {})
+    texts = {t.content for t in added.values() if t.special and t.content}
+    return [MARK, *sorted(texts, key=lambda t: (-len(t), t))]
+
+
+def as_text(tokenizer, value):
+    """`value` (strings, and lists and dicts of them: messages, tools) with the special tokens' texts in
+    its strings marked, so that `encode_chat_text` reads them as text."""
+    specials = _specials(tokenizer)
+    number = {text: f"{MARK}{i}{MARK}" for i, text in enumerate(specials)}
+    found = re.compile("|".join(map(re.escape, specials)))
+
+    def marked(v):
+        if isinstance(v, str):
+            return found.sub(lambda m: number[m.group()], v)
+        if isinstance(v, list):
+            return [marked(x) for x in v]
+        if isinstance(v, dict):
+            return {marked(k): marked(x) for k, x in v.items()}
+        return v
+
+    return marked(value)
+
+
 def encode_chat_text(tokenizer, text: str) -> list[int]:
-    """Token ids of `chat_text`'s text. A template writes any BOS token it wants itself; without one the
-    tokenizer adds its own. verbose=False: transformers would warn that a long conversation "will result
-    in indexing errors"; the context check says the real limit."""
+    """Token ids of `chat_text`'s text, what its marks hold as plain text. A template writes any BOS
+    token it wants itself; without one the tokenizer adds its own. verbose=False: transformers would warn
+    that a long conversation "will result in indexing errors"; the context check says the real limit."""
     templated = getattr(tokenizer, "chat_template", None) is not None
-    return tokenizer.encode(text, add_special_tokens=not templated, verbose=False)
+    pieces = _MARKED.split(text)  # text, number, text, number, ..., text
+    ids = tokenizer.encode(pieces[0], add_special_tokens=not templated, verbose=False)
+    if len(pieces) == 1:
+        return ids
+    specials, hf = _specials(tokenizer), getattr(tokenizer, "_tokenizer", tokenizer)
+    literals = {}
+    for number in set(pieces[1::2]):
+        i = int(number)
+        literal = specials[i] if i < len(specials) else f"{MARK}{number}{MARK}"  # (a client template's)
+        literals[number] = hf.encode(literal, add_special_tokens=False, split_special_tokens=True)
+    after = hf(pieces[2::2], add_special_tokens=False, verbose=False)["input_ids"]  # (one batched call)
+    for number, tail in zip(pieces[1::2], after):
+        ids += literals[number] + tail
+    return ids
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

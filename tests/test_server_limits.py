@@ -371,6 +371,8 @@ def test_a_body_json_cannot_read_is_a_400_that_says_why(server):
         ("/v1/chat/completions", "function_call", {"name": "f"}),
         ("/v1/chat/completions", "modalities", ["text", "audio"]),
         ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
+        ("/v1/chat/completions", "stream_options", {"include_usage": True}),  # (without stream)
+        ("/v1/completions", "stream_options", {"include_usage": False}),
     ],
 )
 def test_what_the_server_cannot_give_is_refused_rather_than_left_out(server, path, field, value):
@@ -387,6 +389,7 @@ def test_what_the_server_cannot_give_is_refused_rather_than_left_out(server, pat
         "function_call": "auto",
         "modalities": ["text"],
         "audio": None,
+        "stream_options": None,
     }[field]
     assert post(url, path, dict(request(path, "w5"), **{field: asked_not})).status_code == 200
 

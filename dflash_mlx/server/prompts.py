@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 
 from jinja2 import TemplateError
 
-from ..chat import chat_text, encode_chat_text, most_chars
+from ..chat import as_text, chat_text, encode_chat_text, most_chars
 from ..speculative import encode_prompt
 from .errors import ApiError
 
@@ -90,8 +90,12 @@ class Prompts:
             )
         else:
             loop = asyncio.get_running_loop()
-            text = await loop.run_in_executor(self.rendering, self.sandbox.render, template, messages, kwargs)
+            text = await loop.run_in_executor(self.rendering, self._sandboxed, template, messages, kwargs)
         return await self._run(self._encode, text, True)
+
+    def _sandboxed(self, template: str, messages: list[dict], kwargs: dict) -> str:
+        tokenizer = self.tokenizer
+        return self.sandbox.render(template, as_text(tokenizer, messages), as_text(tokenizer, kwargs))
 
     async def text(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt: text tokenised as is, or token ids as given."""

@@ -141,6 +141,8 @@ class _OpenAI(_Sampling):
             return name, "the deprecated functions are not read here: send tools (and tool_choice) instead"
         if extra.get("modalities") not in (None, ["text"]):
             return "modalities", 'this server answers in text only; leave it out or make it ["text"]'
+        if self.stream_options is not None and not self.stream:  # (as OpenAI's API and vLLM answer)
+            return "stream_options", "it is for a streamed answer: set stream to true or leave it out"
         return None
 
     @property
