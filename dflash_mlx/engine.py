@@ -445,7 +445,7 @@ class Engine:
                 continue
             n = c.n.item()
             if c.tree is None:
-                s.policy.observe(c.choice, c.x.size, n, c.confidence, c.found[1])
+                s.policy.observe(c.choice, c.x.size, n, c.confidence, c.found[1], c.found[0])
                 proposals, source = c.x.tolist()[:n], c.choice.source if c.x.size else PLAIN
             else:
                 paths[b] = path_of(c.accepted.tolist())
@@ -456,6 +456,7 @@ class Engine:
                 s.cache.broken = True
                 raise out_of_vocabulary()
             new = s.cut(proposals + [nxt])
+            s.policy.wrote(new)
             tokens.append(new)
             scores = s.score(c.logprobs, paths.get(b) or list(range(n + 1)), new)
             results.append(Result(s, new, n + 1, source, c.x.size, scores))

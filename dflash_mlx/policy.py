@@ -262,7 +262,10 @@ class FixedPolicy:
     def padded(self, width: int) -> int:
         return width
 
-    def observe(self, choice: Choice, k: int, accepted: int, confidence, ngram: int) -> None:
+    def observe(self, choice: Choice, k: int, accepted: int, confidence, ngram: int, match=None) -> None:
+        pass
+
+    def wrote(self, tokens: list[int]) -> None:
         pass
 
     def observe_tree(self, tree: Tree, values: list, path: list[int], ngram: int) -> None:
@@ -302,6 +305,7 @@ class AdaptivePolicy:
         self.warm: set[tuple] = set()  # (source, bucket) whose first run was left out, in this process
         self.ran: dict[tuple, list] = {}  # (source, bucket) -> its last run: [ratio, cycles then, paired]
         self.probing = 0  # plain steps left in a probe
+        self.matches: list[tuple] = []  # lookup's matches still being followed: (tokens, bucket, held)
         self.after_plain = False  # whether the last cycle chosen was a plain step
         self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
         self.key: tuple | None = None  # where what it learns is kept (`policy_for`, `keep_learnt`)
@@ -632,10 +636,22 @@ class AdaptivePolicy:
         """The width a batched pass whose widest block is `width` is padded to: one measured (`counts`)."""
         return next((w for w in self.costs.widths if w >= width), width)
 
-    def observe(self, choice: Choice, k: int, accepted: int, confidence: list[float], ngram: int) -> None:
+    def observe(
+        self,
+        choice: Choice,
+        k: int,
+        accepted: int,
+        confidence: list[float],
+        ngram: int,
+        match: list[int] | None = None,
+    ) -> None:
+        """Learn from a cycle's verify pass. Lookup's `match`, where given (all its tokens, of which the
+        cycle verified k), is followed on through the tokens written next (`wrote`)."""
         if accepted:
             self.wait[choice.source] = PROBE_FIRST  # it pays again: a later parking probes soon
-        if choice.source == DFLASH:
+        if choice.source == LOOKUP and match is not None:
+            self.matches.append((match[: self.max[LOOKUP]], min(ngram, 8), 0))
+        elif choice.source == DFLASH:
             # A block drafted and then not verified at all cost a draft for nothing: a miss at position 1.
             self.dflash.observe(max(k, 1), accepted)
             self.bins.discount(DECAY)
@@ -645,6 +661,26 @@ class AdaptivePolicy:
                 self.bins.hits[b] += j < accepted
         elif choice.source == LOOKUP:
             self.lookup[min(ngram, 8)].observe(k, accepted)
+
+    def wrote(self, tokens: list[int]) -> None:
+        """The tokens a cycle wrote. Lookup's proposals cost nothing to make, so its odds learn how far
+        each match held, not only the part a cycle verified: a match whose k proposals were all taken is
+        compared with the tokens written after them too, until one differs or the match ends. Odds
+        learnt from the verified part alone would stay where a few early misses left the positions past
+        it, and the policy would not verify them again. Above temperature 0 too, a token written equals
+        a proposal as often as the target would have accepted it."""
+        following = []
+        for match, bucket, held in self.matches:
+            seen = held
+            for t in tokens:
+                if seen == len(match) or t != match[seen]:
+                    break
+                seen += 1
+            if seen == len(match) or seen < held + len(tokens):
+                self.lookup[bucket].observe(len(match), seen)
+            else:
+                following.append((match, bucket, seen))
+        self.matches = following
 
     def observe_tree(self, tree: Tree, values: list[list[float]], path: list[int], ngram: int) -> None:
         """Learn from a tree's verify pass (`values`: the drafter's probabilities it was built from, `path`

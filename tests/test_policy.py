@@ -598,6 +598,77 @@ def test_lookup_is_chosen_where_it_pays_and_left_where_it_does_not():
     assert policy.choose(500, ([7] * 16, 2)).source == PLAIN
 
 
+def test_lookup_learns_how_far_a_match_held_past_the_proposals_it_verified():
+    """Matches that, early on, were wrong past their 7th token, then hold for long stretches (an answer
+    copying its prompt): verified 7 proposals at a time and all taken, the positions past 7 would never
+    be tried again. Compared with the tokens written after them, they learn that the matches hold, and
+    the policy verifies 15."""
+    text = list(range(1000, 1400))
+
+    def copy(policy, followed: bool) -> list[int]:
+        for _ in range(3):  # the early misses
+            policy.lookup[4].observe(15, 7)
+        chosen, at = [], 0
+        while at < 300:
+            found = (text[at : at + 16], 4)
+            choice = policy.choose(500, found)
+            assert choice.source == LOOKUP
+            policy.observe(choice, choice.k, choice.k, [], 4, found[0] if followed else None)
+            written = text[at : at + choice.k + 1]
+            policy.wrote(written)
+            chosen.append(choice.k)
+            at += len(written)
+        return chosen
+
+    assert set(copy(AdaptivePolicy(CPU, 0, lookup=True), followed=False)) == {7}  # (each pass verified)
+    followed = copy(AdaptivePolicy(CPU, 0, lookup=True), followed=True)
+    assert followed[0] == 7 and followed[-5:] == [15] * 5
+    # A match that differs from what was written is learnt from up to its first difference.
+    policy = AdaptivePolicy(CPU, 0, lookup=True)
+    policy.observe(Choice(LOOKUP, 3), 3, 3, [], 2, [1, 2, 3, 4, 5, 6])
+    policy.wrote([1, 2, 3, 4])
+    assert policy.lookup[2].trials[1:7] == [0] * 6 and policy.matches  # (still held)
+    policy.wrote([5, 9])
+    assert policy.lookup[2].hits[1:7] == [1, 1, 1, 1, 1, 0] and policy.lookup[2].trials[1:7] == [1] * 6
+    assert not policy.matches
+
+
+def test_the_policy_is_told_each_lookup_match_and_every_token_an_answer_writes_after_its_first(monkeypatch):
+    class Told(ScriptedPolicy):
+        """Records what the engine tells it: lookup's matches (with the tokens written before each) and
+        the tokens written."""
+
+        def __init__(self, script):
+            super().__init__(script)
+            self.matches, self.written = [], []
+
+        def observe(self, choice, k, accepted, confidence, ngram, match=None):
+            if choice.source == LOOKUP:
+                self.matches.append((len(self.written), match))
+
+        def wrote(self, tokens):
+            self.written += tokens
+
+    policy = Told([Choice(LOOKUP, 3), Choice(PLAIN, 0), Choice(LOOKUP, 7)])
+    monkeypatch.setattr(engine, "policy_for", lambda *a, **k: policy)
+    part = prompt_of(7, seed=5)
+    model, prompt = make_target("llama"), part + prompt_of(3, seed=6) + part  # a text that repeats itself
+    ref = greedy_reference(model, prompt, 60)
+    tok = make_tokenizer(eos=next(i for i in range(3, 96) if i not in ref))
+    out = generate(model, None, tok, prompt, max_tokens=60)
+    assert out.tokens == ref and out.mix.get(LOOKUP, 0) > 0
+    assert policy.written == out.tokens[1:]  # (the first comes from the prompt's pass)
+    # each match as lookup found it where its cycle began: the tokens that followed the latest earlier
+    # occurrence of the text's last few tokens
+    for at, match in policy.matches:
+        text = prompt + out.tokens[: at + 1]
+        assert match and any(
+            text[i - n : i] == text[-n:] and text[i : i + len(match)] == match
+            for n in (2, 3, 4)
+            for i in range(n, len(text))
+        )
+
+
 def test_a_plain_step_starts_early_unless_a_lookup_match_worth_waiting_for_may_follow():
     index = NgramIndex()
     index.extend([5, 6, 7, 8, 9, 5, 6, 7])  # a match of 4 may follow: [5, 6, 7] + 8 occurred
