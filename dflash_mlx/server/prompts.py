@@ -94,8 +94,9 @@ class Prompts:
         return await self._run(self._encode, text, True)
 
     def _sandboxed(self, template: str, messages: list[dict], kwargs: dict) -> str:
-        tokenizer = self.tokenizer
-        return self.sandbox.render(template, as_text(tokenizer, messages), as_text(tokenizer, kwargs))
+        """A client template's text, the messages' special tokens' text marked first (`as_text`)."""
+        marked = as_text(self.tokenizer, messages), as_text(self.tokenizer, kwargs)
+        return self.sandbox.render(template, *marked)
 
     async def text(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt: text tokenised as is, or token ids as given."""
