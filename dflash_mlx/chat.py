@@ -61,7 +61,7 @@ def chat_text(
         messages = [messages]
     if system is not None:
         messages = [{"role": "system", "content": system}, *messages]
-    messages, template_kwargs = as_text(tokenizer, messages), as_text(tokenizer, template_kwargs)
+    messages, template_kwargs = as_text(tokenizer, [messages, template_kwargs])
     if getattr(tokenizer, "chat_template", None) is None:
         return "\n".join(m["content"] for m in messages)
     return tokenizer.apply_chat_template(

@@ -650,7 +650,7 @@ class AdaptivePolicy:
         if accepted:
             self.wait[choice.source] = PROBE_FIRST  # it pays again: a later parking probes soon
         if choice.source == LOOKUP and match is not None:
-            self.matches.append((match[: self.max[LOOKUP]], min(ngram, 8), 0))
+            self.matches.append((match, min(ngram, 8), 0))
         elif choice.source == DFLASH:
             # A block drafted and then not verified at all cost a draft for nothing: a miss at position 1.
             self.dflash.observe(max(k, 1), accepted)

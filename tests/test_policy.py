@@ -195,12 +195,18 @@ def test_an_answer_that_ends_with_the_next_cycle_under_way_leaves_a_cache_to_go_
     )
 
 
+def repeating(n: int) -> tuple:
+    """-> (target, a prompt that repeats itself, mlx-lm's first n greedy tokens after it, a tokenizer whose
+    EOS is none of them)."""
+    part = prompt_of(7, seed=5)
+    model, prompt = make_target("llama"), part + prompt_of(3, seed=6) + part
+    ref = greedy_reference(model, prompt, n)
+    return model, prompt, ref, make_tokenizer(eos=next(i for i in range(3, 96) if i not in ref))
+
+
 def test_lookup_proposals_cut_by_eos_stop_strings_and_max_tokens(scripted):
     scripted([Choice(LOOKUP, 16)])
-    part = prompt_of(7, seed=5)
-    model, prompt = make_target("llama"), part + prompt_of(3, seed=6) + part  # a text that repeats itself
-    ref = greedy_reference(model, prompt, 80)
-    no_eos = make_tokenizer(eos=next(i for i in range(3, 96) if i not in ref))
+    model, prompt, ref, no_eos = repeating(80)
     full = generate(model, None, no_eos, prompt, max_tokens=80)
     assert full.tokens == ref and full.mix.get(LOOKUP, 0) > 0
     for limit in (1, 7, 23):
@@ -651,10 +657,7 @@ def test_the_policy_is_told_each_lookup_match_and_every_token_an_answer_writes_a
 
     policy = Told([Choice(LOOKUP, 3), Choice(PLAIN, 0), Choice(LOOKUP, 7)])
     monkeypatch.setattr(engine, "policy_for", lambda *a, **k: policy)
-    part = prompt_of(7, seed=5)
-    model, prompt = make_target("llama"), part + prompt_of(3, seed=6) + part  # a text that repeats itself
-    ref = greedy_reference(model, prompt, 60)
-    tok = make_tokenizer(eos=next(i for i in range(3, 96) if i not in ref))
+    model, prompt, ref, tok = repeating(60)
     out = generate(model, None, tok, prompt, max_tokens=60)
     assert out.tokens == ref and out.mix.get(LOOKUP, 0) > 0
     assert policy.written == out.tokens[1:]  # (the first comes from the prompt's pass)

@@ -95,8 +95,7 @@ class Prompts:
 
     def _sandboxed(self, template: str, messages: list[dict], kwargs: dict) -> str:
         """A client template's text, the messages' special tokens' text marked first (`as_text`)."""
-        marked = as_text(self.tokenizer, messages), as_text(self.tokenizer, kwargs)
-        return self.sandbox.render(template, *marked)
+        return self.sandbox.render(template, *as_text(self.tokenizer, [messages, kwargs]))
 
     async def text(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt: text tokenised as is, or token ids as given."""
