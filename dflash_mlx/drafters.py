@@ -30,6 +30,11 @@ class NgramIndex:
     `latest[n][gram] = i` means `tokens[i - n:i] == gram` and i is the largest such index below the
     context's end, so `tokens[i:]` is what followed the gram's latest earlier occurrence. Appending a
     token costs one dict write per n; nothing rescans the context.
+
+    A match is followed as the text goes on (`copying`: where the text written since the match was
+    found goes on copying the context), and while it holds it is what `match` gives, not the latest
+    occurrence of the same suffix: an answer that copies a document (an edit) finds the document's
+    next line where the latest occurrence of its last few tokens is often an earlier line of its own.
     """
 
     def __init__(self, sizes=LOOKUP_NGRAMS, phrases: Phrases | None = None):
@@ -39,20 +44,25 @@ class NgramIndex:
         # The (n - 1)-grams too: whether a match can follow the next token (`possible`).
         tracked = set(self.sizes) | {n - 1 for n in self.sizes if n > 1}
         self.latest: dict[int, dict[tuple, int]] = {n: {} for n in sorted(tracked, reverse=True)}
+        self.copying: int | None = None  # the index of the token a followed match copies next
 
     def extend(self, tokens) -> None:
         for t in tokens:
+            t = int(t)
             i = len(self.tokens)  # the new token's index: the n-gram before it is followed by it
+            if self.copying is not None:
+                self.copying = self.copying + 1 if self.tokens[self.copying] == t else None
             for n in self.latest:
                 if i >= n:
                     self.latest[n][tuple(self.tokens[i - n : i])] = i
-            self.tokens.append(int(t))
+            self.tokens.append(t)
 
     def copy(self) -> NgramIndex:
         """An independent index of the same tokens, sharing the (read-only) phrase table."""
         other = NgramIndex.__new__(NgramIndex)
         other.sizes, other.phrases, other.tokens = self.sizes, self.phrases, list(self.tokens)
         other.latest = {n: dict(grams) for n, grams in self.latest.items()}
+        other.copying = self.copying
         return other
 
     def truncate(self, length: int) -> None:
@@ -73,14 +83,20 @@ class NgramIndex:
         ]
 
     def match(self, cap: int = LOOKUP_MAX) -> tuple[list[int], int]:
-        """-> (up to `cap` tokens that followed the latest earlier occurrence of the longest suffix that
-        occurred before, the suffix's length n); else what the phrase table expects, (tokens, PHRASES);
-        ([], 0) when neither has anything."""
+        """-> (up to `cap` tokens that follow the match found earlier, while the text since has copied
+        it, or that followed the latest earlier occurrence of the longest suffix that occurred before
+        (the match followed from now on), and the longest suffix length n the two agree over); else
+        what the phrase table expects, (tokens, PHRASES); ([], 0) when neither has anything."""
         end = len(self.tokens)
+        if (i := self.copying) is not None:
+            for n in self.sizes:
+                if i >= n and self.tokens[i - n : i] == self.tokens[end - n :]:
+                    return self.tokens[i : i + cap], n
         for n in self.sizes:
             if end >= n:
                 i = self.latest[n].get(tuple(self.tokens[end - n :]))
                 if i is not None:
+                    self.copying = i
                     return self.tokens[i : i + cap], n
         if self.phrases and (found := self.phrases.follow(self.tokens, min(cap, PHRASES_MAX))):
             return found, PHRASES

@@ -40,15 +40,27 @@ from dflash_mlx.policy import (
 )
 
 
-def brute_force_match(tokens, sizes, cap):
-    for n in sorted(sizes, reverse=True):
+def brute_force_match(tokens, sizes, cap, found=None):
+    """Lookup's match by searching the whole context: the match found earlier (`found`: the context's
+    length then, and where the match's tokens started) while the text since has copied it, else the
+    latest occurrence of the longest suffix -> (tokens, n, what was found)."""
+    sizes = sorted(sizes, reverse=True)
+    if found is not None:
+        end, i = found
+        since = len(tokens) - end
+        if tokens[end:] == tokens[i : i + since]:
+            at = i + since
+            for n in sizes:
+                if at >= n and tokens[at - n : at] == tokens[len(tokens) - n :]:
+                    return tokens[at : at + cap], n, found
+    for n in sizes:
         if len(tokens) < n:
             continue
         suffix = tokens[len(tokens) - n :]
         for i in range(len(tokens) - 1, n - 1, -1):
             if tokens[i - n : i] == suffix:
-                return tokens[i : i + cap], n
-    return [], 0
+                return tokens[i : i + cap], n, (len(tokens), i)
+    return [], 0, None
 
 
 def brute_force_possible(tokens, sizes):
@@ -64,20 +76,43 @@ def brute_force_possible(tokens, sizes):
 
 def test_the_lookup_index_finds_what_a_search_of_the_whole_context_finds():
     rng = random.Random(0)
-    for _ in range(200):
+    for _ in range(300):
         vocab = rng.choice([2, 3, 5, 20])
         sizes = rng.choice([(4, 3, 2), (3, 2, 1), (2,), (5, 1)])
         cap = rng.choice([1, 4, 16])
-        index, tokens = NgramIndex(sizes), []
+        index, tokens, found = NgramIndex(sizes), [], None
         for _ in range(rng.randrange(1, 60)):
-            new = [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+            if found is not None and rng.random() < 0.7:  # the text goes on copying the match
+                new = tokens[found[1] + len(tokens) - found[0] :][: rng.randrange(1, 6)]
+            else:
+                new = [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
             index.extend(new)
             tokens += new
-            assert index.match(cap) == brute_force_match(tokens, sizes, cap)
+            *expected, found = brute_force_match(tokens, sizes, cap, found)
+            assert index.match(cap) == tuple(expected)
             assert index.possible() == brute_force_possible(tokens, sizes)
+            if rng.random() < 0.1:
+                index = index.copy()
         cut = rng.randrange(len(tokens) + 1)
-        index.truncate(cut)
-        assert index.match(cap) == brute_force_match(tokens[:cut], sizes, cap)
+        index.truncate(cut)  # (a context cut short is searched afresh)
+        kept = found if cut == len(tokens) else None
+        assert index.match(cap) == tuple(brute_force_match(tokens[:cut], sizes, cap, kept)[:2])
+
+
+def test_lookup_follows_the_match_it_is_copying_rather_than_the_latest_occurrence_of_its_suffix():
+    """An answer copying a document: its last tokens occur later too (an earlier line of its own), but
+    the document's next tokens are where the copy goes on."""
+    document = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    index = NgramIndex()
+    index.extend(document + [50, 10, 11, 12, 60, 61, 62])  # a line written before, sharing [10, 11, 12]
+    index.extend([10, 11])
+    assert index.match(4) == ([12, 60, 61, 62], 2)  # the latest occurrence of the suffix [10, 11]
+    index.extend([12, 13])  # ... but the text goes on as the document does
+    assert index.match(4) == ([14, 15, 16, 17], 4)
+    index.extend([14, 15, 99])  # a token the document does not have: the copy ends
+    assert index.copying is None
+    index.extend([10, 11, 12])
+    assert index.match(4) == ([13, 14, 15, 99], 3)  # the latest occurrence again (the copy's own)
 
 
 class ScriptedPolicy(FixedPolicy):
