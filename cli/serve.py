@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import errno
 import logging
+import resource
 import socket
 
 import typer
@@ -49,6 +50,23 @@ def _claim_port(host: str, port: int) -> socket.socket:
         what = "another --port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "another --host"
         reason = str(e.strerror or e).split(" (while attempting")[0]
         raise UserError(f"cannot listen on {host}:{port} ({reason}): choose {what}") from None
+
+
+SPARE_FILES = 128  # open files kept for the server's own use (weights, the sandbox, logs) past connections
+
+
+def _open_files() -> int:
+    """Raise this process's limit on open files as far as the system lets it (a Mac's default is 256;
+    each connection is one) -> the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = [n for n in (hard, 65536, 10240) if soft < n and (hard == resource.RLIM_INFINITY or n <= hard)]
+    for n in wanted:  # (a Mac refuses more than its OPEN_MAX, 10240, whatever the hard limit says)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
+            return n
+        except (ValueError, OSError):
+            continue
+    return soft
 
 
 def serve(
@@ -129,6 +147,7 @@ def serve(
             cache_bytes=int(cache_gb * (1 << 30)),
             request_timeout=request_timeout,
             client_templates=allow_client_templates,
+            max_connections=max(16, _open_files() - SPARE_FILES),
         )
         app = create_app(target, drafter, tokenizer, config)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
@@ -155,7 +174,7 @@ def serve(
             port=port,
             log_level="warning",
             timeout_graceful_shutdown=GRACE,
-            http=protocol(config.head_seconds),
+            http=protocol(config.head_seconds, config.max_connections),
         )
     )
     try:  # (as uvicorn.run: the Ctrl-C it stopped on comes back once it has shut down)

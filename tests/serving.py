@@ -29,7 +29,8 @@ def serving(app):
     """The app served on 127.0.0.1 at a free port, for the length of the block: -> its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    http = protocol(app.state.config.head_seconds)  # (as `dflash-mlx serve` runs it)
+    config = app.state.config
+    http = protocol(config.head_seconds, config.max_connections)  # (as `dflash-mlx serve` runs it)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, http=http))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -130,7 +130,10 @@ def test_penalties_and_biases_give_the_answer_generate_gives_with_them(tiny, ser
         ("repetition_penalty", 0, "should be greater than or equal to 0.01"),
         ("repetition_context_size", 0, "should be greater than or equal to 1"),
         ("frequency_context_size", 2**32, "should be less than or equal to 1073741824"),
-        ("logit_bias", {"w5": 1}, "should be a valid integer"),
+        ("logit_bias", {"w5": 1}, 'should be a token id written in digits, such as "50256"'),
+        ("logit_bias", {" 5": 1}, "token id written in digits"),  # (pydantic alone reads these)
+        ("logit_bias", {"+5": 1}, "token id written in digits"),
+        ("logit_bias", {"1_0": 1}, "token id written in digits"),
         ("logit_bias", {"5": 101}, "should be less than or equal to 100"),
         ("logit_bias", {"96": 1}, "token ids must be in 0..95"),
         ("logit_bias", {"-1": 1}, "token ids must be in 0..95"),
@@ -175,9 +178,12 @@ def test_log_probabilities_are_generates_for_the_answers_tokens_streamed_and_not
         [[x.token for x in c.top_logprobs] for c in content],
     )
     assert all(bytes(c.bytes) == c.token.encode() for c in content)
-    chunks = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=12, logprobs=True, top_logprobs=2, stream=True
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, logprobs=True, top_logprobs=2, stream=True
+        )
     )
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].logprobs is None
     content = [
         c
         for chunk in chunks

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import resource
 import socket
 import threading
 import time
@@ -107,6 +108,16 @@ def test_any_integer_seed_is_taken_modulo_2_to_the_64(server):
 
 BAD_TEXT = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "w5 \\ud800", "max_tokens": 4}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "w5", "stop": ["w6", "\\ud800"]}'),  # (never met)
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "stop": "\\udc00"}',
+    ),
+    (
+        "/v1/messages",
+        b'{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "w5"}], '
+        b'"stop_sequences": ["\\ud800"]}',
+    ),
     (
         "/v1/chat/completions",
         b'{"model": "tiny", "messages": [{"role": "user", "content": "w5 \\udfff w6"}]}',
@@ -298,15 +309,39 @@ HELLO = [{"role": "user", "content": "w5"}]
 
 
 def test_a_template_waits_at_most_its_time_limit_for_others_then_gets_429(tiny, monkeypatch):  # noqa: F811
+    """Clients' templates take turns at the sandbox, each waiting at most TEMPLATE_SECONDS from its
+    request's start, holding no place on the server meanwhile: requests with the model's template
+    go on being answered (they were refused as the server was full)."""
+    monkeypatch.setattr(prompts, "TEMPLATE_SECONDS", 1.0)
+    slow = "{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}"
+    with serving(create_app(*tiny, config(client_templates=True, max_active=1, max_waiting=1))) as url:
+        path = "/v1/chat/completions"
+        body = request(path, "w5", max_tokens=2, chat_template_kwargs={"chat_template": slow})
+        timed = []
+
+        def sent():
+            tic = time.monotonic()
+            r = post(url, path, body)
+            timed.append(time.monotonic() - tic)
+            return r
+
+        with ThreadPoolExecutor(12) as pool:
+            slow_ones = [pool.submit(sent) for _ in range(12)]
+            time.sleep(0.5)
+            ours = post(url, path, request(path, "w5", max_tokens=2))
+            statuses = sorted(f.result().status_code for f in slow_ones)
+        assert ours.status_code == 200, ours.text
+        # those that had a turn rendered until killed (400), the rest waited their second, then were
+        # told to retry
+        assert set(statuses) == {400, 429} and statuses.count(429) >= 6, statuses
+        assert max(timed) < 30, timed
+        fine = request(path, "w5", max_tokens=2, chat_template_kwargs={"chat_template": "{{ 'w5' }}"})
+        assert post(url, path, fine).status_code == 200
+
+
+def test_the_sandbox_renders_a_template_and_says_why_one_failed(tiny):  # noqa: F811
     sandbox = prompts.TemplateSandbox(tiny[2], 1 << 20)
     try:
-        monkeypatch.setattr(prompts, "TEMPLATE_SECONDS", 0.2)
-        sandbox.lock.acquire()  # (another template rendering)
-        with pytest.raises(prompts.ApiError) as e:
-            sandbox.render("{{ 'w5' }}", HELLO, {})
-        assert e.value.status == 429
-        sandbox.lock.release()
-        monkeypatch.setattr(prompts, "TEMPLATE_SECONDS", 30)
         assert sandbox.render("{{ 'w5' }}", HELLO, {}) == "w5"
         with pytest.raises(
             prompts.ApiError, match="OverflowError: Range too big"
@@ -341,7 +376,7 @@ def test_a_body_json_cannot_read_is_a_400_that_says_why(server):
     for body, says in (
         (b'{"model": "tiny", "messages": [{"role": "user", "content": "caf\xe9"}]}', "is not UTF-8 text"),
         (json.dumps(request(path, "w5")).encode("utf-16"), "is not UTF-8 text"),  # (json reads UTF-16)
-        (good + b', "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
+        (good + b', "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nests objects and arrays over 100 deep"),
         (good + b', "x": ' + b"9" * 5000 + b"}", "a number too long to read"),
         (
             json.dumps(request(path, "w5", temperature=float("nan"))).encode(),
@@ -355,6 +390,17 @@ def test_a_body_json_cannot_read_is_a_400_that_says_why(server):
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
     for where in ("/v1/models", "/v1/models/tiny", "/metrics", "/health"):
         assert httpx.head(f"{url}{where}", timeout=60).status_code == 200, where
+    for where in (path + "/", "/docs", "/openapi.json"):  # (no redirect, no generated pages)
+        r = httpx.post(f"{url}{where}", json=request(path, "w5"), timeout=60)
+        assert r.status_code in (404, 405) and r.json()["error"]["message"], where
+        assert httpx.get(f"{url}{where}", timeout=60).status_code in (404, 405), where
+
+
+# tool_choice allowing a tool the request does not give
+ALLOWED_UNKNOWN = {
+    "type": "allowed_tools",
+    "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]},
+}
 
 
 @pytest.mark.parametrize(
@@ -373,6 +419,7 @@ def test_a_body_json_cannot_read_is_a_400_that_says_why(server):
         ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
         ("/v1/chat/completions", "stream_options", {"include_usage": True}),  # (without stream)
         ("/v1/completions", "stream_options", {"include_usage": False}),
+        ("/v1/chat/completions", "tool_choice", ALLOWED_UNKNOWN),  # (OpenAI's API refuses it too)
     ],
 )
 def test_what_the_server_cannot_give_is_refused_rather_than_left_out(server, path, field, value):
@@ -551,6 +598,59 @@ def test_a_body_of_too_many_json_items_is_a_413_before_it_is_validated(tiny):  #
         text = {"role": "user", "content": '{[:"\\' * 10}  # braces, colons and escapes in text are text
         r = post(url, "/v1/chat/completions", base | {"messages": [text] * 20})  # (65 items in all)
         assert r.status_code == 200, r.text
+
+
+def nested(depth: int) -> dict:
+    """A tool whose parameters' schema makes the body `depth` objects and arrays deep."""
+    schema = {"type": "string", "description": "{[{[ text, not structure"}
+    for _ in range(depth - 7):  # (body, tools, tool, function, parameters, properties and a property)
+        schema = {"type": "array", "items": schema}
+    parameters = {"type": "object", "properties": {"a": schema}}
+    return {"tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}
+
+
+def test_a_body_nested_too_deeply_is_a_400_before_it_is_read(tiny):  # noqa: F811
+    """Deeply nested JSON that Python's parser still reads went on to overflow the stack of what reads
+    messages and tools after it (a 400 blaming the chat template, a long traceback in the log)."""
+    with serving(create_app(*tiny, config(max_body_depth=40))) as url:
+        base = {"model": "tiny", "max_tokens": 1, "messages": [MESSAGE]}
+        assert post(url, "/v1/chat/completions", base | nested(40)).status_code == 200
+        for path in ("/v1/chat/completions", "/v1/messages"):
+            r = post(url, path, base | nested(41))
+            assert r.status_code == 400 and "nests objects and arrays over 40 deep" in r.text, r.text
+        r = post(url, "/v1/chat/completions", base | {"metadata": {"text": "[" * 100}})  # (text: not nested)
+        assert r.status_code == 200, r.text
+
+
+def test_connections_past_the_most_allowed_get_a_503_at_once_and_the_server_goes_on(tiny):  # noqa: F811
+    """Past the open-files limit, asyncio's accept loop logged a traceback for each waiting connection,
+    thousands a second, and the server could open no file: connections past the most are refused."""
+    with serving(create_app(*tiny, config(max_connections=4))) as url:
+        idle = [connect(url) for _ in range(4)]  # (they send nothing: each holds its connection)
+        with connect(url) as s:
+            tic = time.monotonic()
+            reply = read_until(s, b"\r\n\r\n{")
+            reply += s.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 503") and time.monotonic() - tic < 5, reply
+            assert "too many connections" in json.loads(reply.split(b"\r\n\r\n")[1])["error"]["message"]
+        idle.pop().close()
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        for s in idle:
+            s.close()
+
+
+def test_serve_raises_its_open_files_limit_as_far_as_it_may():
+    from cli.serve import _open_files
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        limit = _open_files()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (limit, hard) and limit >= soft
+        if hard != resource.RLIM_INFINITY:
+            assert limit == hard
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -1,8 +1,9 @@
 """The HTTP API: OpenAI's chat completions, completions and models, Anthropic's messages, health and
 metrics, over one model pair (FastAPI).
 
-Every request is admitted first (429 when the server is full, before any work), becomes token ids
-(the chat template, with tools where the template takes them; prompts.py, off the event loop), goes to
+Every request is admitted first (429 when the server is full, before any work but a client's own chat
+template, which waits for its turn at the sandbox without holding a place), becomes token ids (the
+chat template, with tools where the template takes them; prompts.py, off the event loop), goes to
 the scheduler, and streams back the answer's pieces as the engine makes them, split into reasoning,
 answer and tool calls. Errors are answered in the shape of the API that was called, with a 4xx for
 what the client can fix and a 500 with a generic message (the details logged) for the server's own;
@@ -37,7 +38,7 @@ from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_re
 from .errors import ANTHROPIC, INTERNAL, ApiError, Json, dumps, error_body, error_response, shown
 from .metrics import Metrics
 from .pool import PromptCachePool
-from .prompts import Prompts
+from .prompts import Conversation, Prompts
 from .scheduler import Busy, Finished, PromptScored, Scheduler, Started
 from .scheduler import Request as Job
 from .schemas import PROCESSORS, ChatCompletionRequest, CompletionRequest, MessagesRequest, TokenCountRequest
@@ -56,6 +57,8 @@ class ServerConfig:
     cache_bytes: int = 4 << 30
     max_body_bytes: int = 8 << 20
     max_body_items: int = 1 << 16  # JSON objects, arrays and keys in a body
+    max_body_depth: int = 100  # how deeply a body's JSON may nest
+    max_connections: int = 1024  # connections open at once (connections.py)
     head_seconds: float = 60.0  # for a request's headers to arrive (connections.py)
     body_seconds: float = 60.0  # for a request's body to arrive
     request_timeout: float | None = None  # seconds from arrival after which an answer ends ("length")
@@ -119,10 +122,8 @@ class Guard:
         data = b"".join(m.get("body", b"") for m in messages)
         if b"\0" in data:  # (UTF-16 or 32: Python's JSON reads them too)
             return await error_response(path, 400, NOT_UTF8)(scope, receive, counted_send)
-        if data and _structure_over(data, config.max_body_items):
-            many = f"over {config.max_body_items} JSON objects, arrays and keys"
-            message = f"the request body holds {many}: send fewer messages, parts or tools"
-            return await error_response(path, 413, message)(scope, receive, counted_send)
+        if data and (refused := _structure_refused(data, config.max_body_items, config.max_body_depth)):
+            return await error_response(path, *refused)(scope, receive, counted_send)
 
         async def replay():
             return messages.pop(0) if messages else await receive()
@@ -148,18 +149,27 @@ class Guard:
         return bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), key)
 
 
-def _structure_over(body: bytes, limit: int) -> bool:
-    """Whether the JSON text `body` (UTF-8) holds more than `limit` objects, arrays and keys. Validating
-    each takes microseconds on the event loop (pydantic holds the GIL throughout), so millions of tiny
-    ones in an 8 MB body would stall every other client for seconds. Counted in the text without a
-    parse; where there are many braces, those inside strings (text) are left out: with the escaped
-    backslashes and quotes gone, a character is inside a string after an odd number of quotes."""
-    if body.count(b"{") + body.count(b"[") + body.count(b":") <= limit:
-        return False
+def _structure_refused(body: bytes, most: int, deepest: int) -> tuple[int, str] | None:
+    """(status, why) when the JSON text `body` (UTF-8) holds more than `most` objects, arrays and keys,
+    or nests deeper than `deepest`; else None. Validating each item takes microseconds on the event
+    loop (pydantic holds the GIL throughout), so millions of tiny ones in an 8 MB body would stall
+    every other client for seconds; and what reads messages and tools afterwards (the special tokens'
+    marking, chat templates) recurses through them. Counted in the text without a parse; where there
+    are many braces, those inside strings (text) are left out: with the escaped backslashes and quotes
+    gone, a character is inside a string after an odd number of quotes."""
+    opens = body.count(b"{") + body.count(b"[")
+    if opens + body.count(b":") <= most and opens <= deepest:
+        return None
     text = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
     outside = np.cumsum(text == ord('"'), dtype=np.int32) % 2 == 0
-    structure = (text == ord("{")) | (text == ord("[")) | (text == ord(":"))
-    return int(np.count_nonzero(structure & outside)) > limit
+    opening = ((text == ord("{")) | (text == ord("["))) & outside
+    if int(np.count_nonzero(opening | ((text == ord(":")) & outside))) > most:
+        many = f"over {most} JSON objects, arrays and keys"
+        return 413, f"the request body holds {many}: send fewer messages, parts or tools"
+    closing = ((text == ord("}")) | (text == ord("]"))) & outside
+    if opens > deepest and int(np.cumsum(opening.astype(np.int32) - closing).max()) > deepest:
+        return 400, f"the request body nests objects and arrays over {deepest} deep: send them flatter"
+    return None
 
 
 class Generation:
@@ -332,7 +342,15 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
         prompts.close()
 
-    app = FastAPI(title="dflash-mlx", lifespan=lifespan, default_response_class=Json)
+    app = FastAPI(  # (no generated API pages: the APIs are OpenAI's and Anthropic's, docs/server.md)
+        title="dflash-mlx",
+        lifespan=lifespan,
+        default_response_class=Json,
+        redirect_slashes=False,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.add_middleware(Guard, config=config, metrics=metrics)
     app.state.scheduler, app.state.pool, app.state.metrics = scheduler, pool, metrics
     app.state.config = config
@@ -481,8 +499,9 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         tools = body.offered or None
         settings = settings_for(body, body.max_completion_tokens or body.max_tokens)
         reply = _OpenAIReply(config.model_id, "chat.completion", tokenizer)
+        conversation = await prompts.conversation(body.conversation(), tools, body.chat_template_kwargs)
         async with admitted():
-            prompt = await prompts.chat(body.conversation(), tools, body.chat_template_kwargs)
+            prompt = await prompts.chat(conversation)
             channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)
             generation = start(prompt, settings, body.stops, arrived)  # (last: it submits)
         if body.stream:
@@ -527,17 +546,17 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         await answer(request, generation)
         return reply.completion(generation, echo)
 
-    async def anthropic_prompt(body: TokenCountRequest) -> list[int]:
+    async def anthropic_conversation(body: TokenCountRequest) -> Conversation:
         thinking = (body.thinking or {}).get("type")
         extra = {"enable_thinking": thinking == "enabled"} if thinking in ("enabled", "disabled") else None
         go_on = body.messages[-1].role == "assistant"  # Anthropic's way to start the reply for the model
-        return await prompts.chat(body.conversation(), body.function_tools(), extra, go_on)
+        return await prompts.conversation(body.conversation(), body.function_tools(), extra, go_on)
 
     @app.post(ANTHROPIC + "/count_tokens")
     async def count_tokens(body: TokenCountRequest):
         check_model(body.model)
         check_refused(body)
-        return {"input_tokens": len(await anthropic_prompt(body))}
+        return {"input_tokens": len(await prompts.chat(await anthropic_conversation(body)))}
 
     @app.post(ANTHROPIC)
     async def messages(body: MessagesRequest, request: Request):
@@ -546,8 +565,9 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         check_refused(body)
         settings = settings_for(body, body.max_tokens)
         reply = _AnthropicReply(config.model_id)
+        conversation = await anthropic_conversation(body)
         async with admitted():
-            prompt = await anthropic_prompt(body)
+            prompt = await prompts.chat(conversation)
             channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), body.function_tools())
             go_on = body.messages[-1].role == "assistant"  # (the reply continues that message's text)
             generation = start(prompt, settings, body.stop_sequences or [], arrived, go_on)
@@ -676,7 +696,7 @@ class _OpenAIReply:
         def chunk(delta: dict, finish=None) -> str:
             nonlocal start
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            if scoring and finish is None and delta:  # (the tokens scored since the last chunk)
+            if scoring and finish is None and delta and "role" not in delta:  # (those scored since the last)
                 scored, start = self._scored(generation, start)
                 choice["logprobs"] = self._chat_logprobs(scored)
             return sse({**self._head("chat.completion.chunk"), "choices": [choice], **usage})

@@ -17,9 +17,9 @@ import logging
 import socket
 import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from jinja2 import TemplateError
@@ -34,6 +34,15 @@ TEMPLATE_SECONDS = 5.0  # the longest a client's own chat template may take to r
 SANDBOX_START_SECONDS = 120.0  # the child process's imports, once
 
 
+@dataclass
+class Conversation:
+    """A request's messages and template variables, and the text a client's own template made of them."""
+
+    messages: list[dict]
+    kwargs: dict
+    text: str | None = None
+
+
 class Prompts:
     """Token ids for requests: chat conversations through the model's template (or an allowed client
     template), raw completion prompts as text or ids."""
@@ -44,9 +53,10 @@ class Prompts:
         self.tokenizer, self.template_kwargs, self.max_chars = tokenizer, template_kwargs, max_chars
         self.threads = ThreadPoolExecutor(2, thread_name_prefix="dflash-mlx-prompts")
         self.sandbox = TemplateSandbox(tokenizer, max_chars) if client_templates else None
-        # Threads of their own, so that requests with the model's template never wait behind clients'
-        # templates; those wait for the sandbox (one at a time) at most TEMPLATE_SECONDS, then get a 429.
-        self.rendering = ThreadPoolExecutor(8, thread_name_prefix="dflash-mlx-templates")
+        # A thread of its own, so that requests with the model's template never wait behind clients'
+        # templates; those take turns at the sandbox (`turn`), waiting for one at most TEMPLATE_SECONDS.
+        self.rendering = ThreadPoolExecutor(1, thread_name_prefix="dflash-mlx-templates")
+        self.turn = asyncio.Lock()
         self.reserved = _call_arguments(tokenizer)
         self.context, self.most_chars = context, most_chars(tokenizer, context)
 
@@ -56,10 +66,13 @@ class Prompts:
         if self.sandbox is not None:
             self.sandbox.close()
 
-    async def chat(
+    async def conversation(
         self, messages: list[dict], tools, variables: dict | None, go_on: bool = False
-    ) -> list[int]:
-        """The conversation as token ids; `go_on`: the reply continues its last (assistant) message."""
+    ) -> Conversation:
+        """A request's conversation, checked, for `chat` to make token ids of; `go_on`: the reply
+        continues its last (assistant) message. A client's own template is rendered here, before the
+        request takes a place on the server (app.py's `admitted`): its wait for the sandbox holds no
+        place that requests with the model's template could have."""
         variables = dict(variables or {})
         template = variables.pop("chat_template", None)
         for name in variables:
@@ -76,21 +89,37 @@ class Prompts:
         if go_on:
             kwargs.update(add_generation_prompt=False, continue_final_message=True)
         if template is None:
-            text = await self._run(_render, self.tokenizer, messages, kwargs)
-        elif self.sandbox is None:
+            return Conversation(messages, kwargs)
+        if self.sandbox is None:
             raise ApiError(
                 400,
                 "chat_template_kwargs.chat_template: this server uses the model's own chat template "
                 "(its operator can allow clients' templates with --allow-client-templates)",
                 param="chat_template_kwargs.chat_template",
             )
-        elif not isinstance(template, str):
+        if not isinstance(template, str):
             raise ApiError(
                 400, "chat_template_kwargs.chat_template must be a string", param="chat_template_kwargs"
             )
-        else:
-            loop = asyncio.get_running_loop()
-            text = await loop.run_in_executor(self.rendering, self._sandboxed, template, messages, kwargs)
+        # A request waits for the templates before it at most as long as one may take, then is told to
+        # retry: each one's wait stays bounded, however many slow templates come at once.
+        try:
+            await asyncio.wait_for(self.turn.acquire(), TEMPLATE_SECONDS)
+        except asyncio.TimeoutError:  # (not yet TimeoutError itself on Python 3.10)
+            raise ApiError(
+                429, "the server is rendering other clients' chat templates: try again shortly"
+            ) from None
+        rendering = asyncio.get_running_loop().run_in_executor(
+            self.rendering, self._sandboxed, template, messages, kwargs
+        )
+        rendering.add_done_callback(lambda _: self.turn.release())  # (when it ends, if its client left)
+        return Conversation(messages, kwargs, await asyncio.shield(rendering))
+
+    async def chat(self, conversation: Conversation) -> list[int]:
+        """A conversation's token ids (rendered with the model's template, unless a client's did)."""
+        text = conversation.text
+        if text is None:
+            text = await self._run(_render, self.tokenizer, conversation.messages, conversation.kwargs)
         return await self._run(self._encode, text, True)
 
     def _sandboxed(self, template: str, messages: list[dict], kwargs: dict) -> str:
@@ -151,16 +180,15 @@ def _call_arguments(tokenizer) -> frozenset[str]:
 
 
 class TemplateSandbox:
-    """Renders clients' chat templates in a child process of its own, one at a time: killed (and
-    started again) when a template runs past TEMPLATE_SECONDS, and refusing text past `max_chars`. On
-    Linux the child's memory is capped too. The child is a fresh interpreter (`python -m` this module):
-    a fork would inherit MLX's threads half-made, and multiprocessing's spawn would run the server's
-    own main script again."""
+    """Renders clients' chat templates in a child process of its own, one at a time (its caller's
+    turns): killed (and started again) when a template runs past TEMPLATE_SECONDS, and refusing text
+    past `max_chars`. On Linux the child's memory is capped too. The child is a fresh interpreter
+    (`python -m` this module): a fork would inherit MLX's threads half-made, and multiprocessing's
+    spawn would run the server's own main script again."""
 
     def __init__(self, tokenizer, max_chars: int):
         self.hf = getattr(tokenizer, "_tokenizer", tokenizer)
         self.max_chars = max_chars
-        self.lock = threading.Lock()
         self.process = self.conn = None
         self._start()
 
@@ -183,16 +211,6 @@ class TemplateSandbox:
         self.process = None
 
     def render(self, template: str, messages: list[dict], kwargs: dict) -> str:
-        # A request waits for the templates before it at most as long as one may take, then is told to
-        # retry: each one's wait stays bounded, however many slow templates come at once.
-        if not self.lock.acquire(timeout=TEMPLATE_SECONDS):
-            raise ApiError(429, "the server is rendering other clients' chat templates: try again shortly")
-        try:
-            return self._render(template, messages, kwargs)
-        finally:
-            self.lock.release()
-
-    def _render(self, template: str, messages: list[dict], kwargs: dict) -> str:
         if self.process is None or self.process.poll() is not None:
             self._start()
         try:

@@ -9,10 +9,20 @@ option be null, null means its default.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    field_validator,
+)
 
 from ..sampling import MAX_TEMPERATURE
 from ..settings import MAX_LOGPROBS
@@ -103,6 +113,25 @@ def _unread(messages, unread: Callable[[str], bool], parts: str) -> tuple[str, s
     return None
 
 
+def _digits(key):
+    # (pydantic alone reads " 1", "+1" and "1_0" as token ids too)
+    if isinstance(key, str) and not re.fullmatch("-?[0-9]+", key):
+        raise ValueError('should be a token id written in digits, such as "50256"')
+    return key
+
+
+TokenId = Annotated[int, BeforeValidator(_digits)]  # (a key of a JSON object: a string)
+
+
+def _unicode(stops: list[str]) -> None:
+    """Refuses a stop string that no text holds: one with an unpaired UTF-16 surrogate."""
+    for stop in stops:
+        try:
+            stop.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a stop string holds an unpaired UTF-16 surrogate: send valid Unicode") from None
+
+
 class _OpenAI(_Sampling):
     stop: str | Items[str] | None = Field(None, union_mode="left_to_right")
     n: StrictInt | None = 1
@@ -112,8 +141,8 @@ class _OpenAI(_Sampling):
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     logit_bias: (
-        Annotated[dict[int, Annotated[Number, Field(ge=-100, le=100)]], Field(fail_fast=True)] | None
-    ) = None  # (keys: JSON's strings)
+        Annotated[dict[TokenId, Annotated[Number, Field(ge=-100, le=100)]], Field(fail_fast=True)] | None
+    ) = None
     repetition_penalty: Number | None = Field(None, ge=0.01, le=100)
     repetition_context_size: StrictInt | None = Field(None, ge=1, le=2**30)
     presence_context_size: StrictInt | None = Field(None, ge=1, le=2**30)
@@ -124,6 +153,7 @@ class _OpenAI(_Sampling):
     def _few_stops(cls, stop):
         if isinstance(stop, list) and len(stop) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop strings")
+        _unicode([stop] if isinstance(stop, str) else stop or [])
         return stop
 
     def refused(self) -> tuple[str, str] | None:
@@ -181,6 +211,9 @@ class ChatCompletionRequest(_OpenAI):
             return refused
         if self.tool_choice not in (None, "auto", "none") and self.allowed_tools is None:
             return "tool_choice", FORCED_TOOLS + '"auto", "none" or allowed tools in mode "auto"'
+        given = {_function_name(t.get("function")) for t in self.tools or []}
+        if unknown := sorted((self.allowed_tools or set()) - given):
+            return "tool_choice", f"allows tools the request does not give ({shown(', '.join(unknown))})"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "comes with each token's log-probability: send logprobs: true too"
         return _unread(self.messages, lambda kind: kind not in ("text", "refusal"), "parts")
@@ -305,6 +338,12 @@ class TokenCountRequest(_Sampling):
     tools: Items[AnthropicTool] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None  # {"type": "enabled" | "disabled", ...}
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _unicode_stops(cls, stops):
+        _unicode(stops or [])
+        return stops
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) for a field asked for that would change what the answer holds, which this server
