@@ -37,15 +37,15 @@ from .options import (
 GRACE = 5  # seconds uvicorn gives open requests at Ctrl-C
 
 
-def _claim_port(host: str, port: int) -> socket.socket:
+def _claim_port(host: str, port: int, backlog: int = 128) -> socket.socket:
     """The address, listened on from now: held through minutes of loading, it cannot be taken meanwhile
     (a socket only bound can be, by one that allows reuse), and connections made meanwhile wait to be
     answered once the server is up."""
     if not 1 <= port <= 65535:
         raise UserError(f"--port must be from 1 to 65535, got {port}")
     try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (as uvicorn chooses, and its backlog)
-        return socket.create_server((host, port), family=family, backlog=2048)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (as uvicorn chooses)
+        return socket.create_server((host, port), family=family, backlog=backlog)
     except OSError as e:  # (the port taken or privileged; else the address is not one of this machine's)
         what = "another --port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "another --host"
         reason = str(e.strerror or e).split(" (while attempting")[0]
@@ -123,7 +123,12 @@ def serve(
             lookup=not no_lookup,
             draft_window=draft_window,
         ).answering()
-        sock = _claim_port(host, port)  # before minutes of loading, not after
+        # Connections waiting to be accepted are accepted up to `backlog` at a time, before any is
+        # refused: the most open at once leaves room for them below the limit on open files.
+        files = _open_files()
+        backlog = max(16, min(512, files // 8))
+        most = max(16, files - SPARE_FILES - backlog)
+        sock = _claim_port(host, port, backlog)  # before minutes of loading, not after
         target, drafter, tokenizer = load_pair(model, draft)
         template = template_kwargs(model, think, tokenizer)
         if block_size is None:  # measured now, not in the first request's time
@@ -147,7 +152,7 @@ def serve(
             cache_bytes=int(cache_gb * (1 << 30)),
             request_timeout=request_timeout,
             client_templates=allow_client_templates,
-            max_connections=max(16, _open_files() - SPARE_FILES),
+            max_connections=most,
         )
         app = create_app(target, drafter, tokenizer, config)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
@@ -174,6 +179,7 @@ def serve(
             port=port,
             log_level="warning",
             timeout_graceful_shutdown=GRACE,
+            backlog=backlog,
             http=protocol(config.head_seconds, config.max_connections),
         )
     )
