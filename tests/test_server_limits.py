@@ -640,6 +640,22 @@ def test_connections_past_the_most_allowed_get_a_503_at_once_and_the_server_goes
             s.close()
 
 
+def test_a_request_that_is_not_http_gets_a_400_with_an_error_body(server):
+    url, _ = server
+    for sent in (
+        b"GARBAGE\r\n\r\n",
+        HEAD + b"Content-Length: -1\r\n\r\n",
+        HEAD + b"Content-Length: 1e30\r\n\r\n",
+    ):
+        with connect(url) as s:
+            s.sendall(sent)
+            reply = read_until(s, b"\r\n\r\n{")
+            reply += s.recv(65536)
+        head, body = reply.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, reply
+        assert json.loads(body)["error"]["message"].startswith("the request is not valid HTTP/1.1"), reply
+
+
 def test_serve_raises_its_open_files_limit_as_far_as_it_may():
     from cli.serve import _open_files
 

@@ -7,7 +7,8 @@ are open: past the process's limit on open files, asyncio's accept loop logs a t
 connection waiting in the listen backlog, thousands a second, and the server can open no file. uvicorn
 has no setting for either, so its h11 protocol is extended here: from a connection's start, and from
 the end of each response on it, the next request's head must arrive within `seconds`, or the
-connection is closed; and a connection past the `most` open is answered 503 and closed at once.
+connection is closed; and a connection past the `most` open is answered 503 and closed at once. A
+request that is not HTTP gets its 400 with a JSON error body, as every other error here.
 A request's body has its own deadline (app.py's Guard).
 """
 
@@ -22,17 +23,22 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("dflash_mlx.server")
 
-_FULL = json.dumps(
-    {
-        "error": {
-            "message": "the server has too many connections open: try again shortly",
-            "type": "server_error",
-        }
-    }
-).encode()
-FULL = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_FULL), _FULL)
+
+def _response(status: bytes, message: str) -> bytes:
+    """A whole HTTP/1.1 response, the connection closing after it, with an error body as the OpenAI
+    API shapes it (the request's path is not known here)."""
+    kind = "server_error" if status.startswith(b"5") else "invalid_request_error"
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+    head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (status, len(body))
+    retry = b"retry-after: 1\r\n" if status.startswith(b"5") else b""
+    return head + retry + b"connection: close\r\n\r\n" + body
+
+
+FULL = _response(b"503 Service Unavailable", "the server has too many connections open: try again shortly")
+# (uvicorn answers what it cannot parse in plain text: "Invalid HTTP request received.")
+UNREAD = _response(
+    b"400 Bad Request",
+    "the request is not valid HTTP/1.1: check its request line and headers (Content-Length, ...)",
 )
 
 
@@ -54,6 +60,10 @@ def protocol(seconds: float, most: int) -> type[H11Protocol]:
                 transport.close()
                 return
             self._wait()
+
+        def send_400_response(self, msg: str) -> None:
+            self.transport.write(UNREAD)
+            self.transport.close()
 
         def connection_lost(self, exc) -> None:
             self._stop()
