@@ -100,19 +100,19 @@ def test_the_lookup_index_finds_what_a_search_of_the_whole_context_finds():
 
 
 def test_lookup_follows_the_match_it_is_copying_rather_than_the_latest_occurrence_of_its_suffix():
-    """An answer copying a document: its last tokens occur later too (an earlier line of its own), but
-    the document's next tokens are where the copy goes on."""
-    document = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    """An answer copying a document: its last tokens occur later too (a line of its own that ends the
+    same way), but the document's next tokens are where the copy goes on."""
+    document = [10, 11, 12, 13, 20, 21, 22, 23, 14, 15, 16]
     index = NgramIndex()
-    index.extend(document + [50, 10, 11, 12, 60, 61, 62])  # a line written before, sharing [10, 11, 12]
+    index.extend(document + [50, 20, 21, 22, 23, 99, 50])  # (a line of its own: [20, 21, 22, 23, 99])
     index.extend([10, 11])
-    assert index.match(4) == ([12, 60, 61, 62], 2)  # the latest occurrence of the suffix [10, 11]
-    index.extend([12, 13])  # ... but the text goes on as the document does
-    assert index.match(4) == ([14, 15, 16, 17], 4)
-    index.extend([14, 15, 99])  # a token the document does not have: the copy ends
+    assert index.match(4) == ([12, 13, 20, 21], 2)  # found in the document, and followed
+    index.extend([12, 13, 20, 21, 22, 23])
+    assert index.match(4) == ([14, 15, 16, 50], 4)  # not [99, 50, 10, 11], after the latest [20, 21, 22, 23]
+    index.extend([14, 77])  # a token the document does not have: the copy ends
     assert index.copying is None
-    index.extend([10, 11, 12])
-    assert index.match(4) == ([13, 14, 15, 99], 3)  # the latest occurrence again (the copy's own)
+    index.extend([20, 21, 22, 23])
+    assert index.match(4) == ([14, 77, 20, 21], 4)  # the latest occurrence again (the answer's own)
 
 
 class ScriptedPolicy(FixedPolicy):
