@@ -26,10 +26,12 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
+    HFValidationError,
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.utils import validate_repo_id
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer and template files
@@ -179,11 +181,20 @@ def check_name(name: str) -> None:
         return
     if is_gguf(path):
         raise NotFound(f"no GGUF file at {name}")
-    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+    if name.startswith((".", "/", "~")) or name.count("/") != 1 or not _repo_id(name):
         raise NotFound(
             f"no model folder at {name}, and it is not a known pair or a "
             "Hugging Face id like org/name (see `dflash-mlx models`)"
         )
+
+
+def _repo_id(name: str) -> bool:
+    """Whether Hugging Face takes `name` as a repo id (`mymodel/`, `a/b@main` are not)."""
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _a_file(name: str) -> UserError:
