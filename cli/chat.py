@@ -29,6 +29,7 @@ from .options import (
     RepetitionPenalty,
     Temp,
     Think,
+    busy,
     check_utf8,
     mix_text,
     user_errors,
@@ -72,7 +73,7 @@ def chat(
             max_tokens=max_tokens,
             draft_window=draft_window,
         ).answering()  # before loading
-        with console.status(f"loading {model} ..."):
+        with busy(console, f"loading {model} ..."):
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)
         warm(target, drafter, console, adaptive=block_size is None)

@@ -16,6 +16,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from dflash_mlx.bench import counted
 from dflash_mlx.chat import apply_chat_template, most_chars
+from dflash_mlx.data import read_text
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load, load_pair, template_kwargs
 from dflash_mlx.pairing import context_length, context_room
@@ -77,12 +78,12 @@ def generate(
     as_json: Json = False,
 ):
     """Answer one prompt: the text on stdout, the statistics on stderr."""
-    if prompt is None:
-        if sys.stdin.isatty():
-            typer.secho("error: give --prompt, or pipe the prompt on stdin", fg="red", err=True)
-            raise typer.Exit(2)
-        prompt = sys.stdin.read().removesuffix("\n")  # the newline `echo` adds, as $(...) drops it
+    if prompt is None and sys.stdin.isatty():
+        typer.secho("error: give --prompt, or pipe the prompt on stdin", fg="red", err=True)
+        raise typer.Exit(2)
     with user_errors():
+        if prompt is None:  # the newline `echo` adds is dropped, as $(...) drops it
+            prompt = read_text(sys.stdin, "the prompt on stdin").removesuffix("\n")
         settings = GenerationSettings(
             temperature=temp,
             top_p=top_p,

@@ -92,16 +92,28 @@ def progress_bar(label: str, *, detail: bool = False, disable: bool = False) -> 
     return Progress(*columns, TimeRemainingColumn(), console=stderr(), disable=disable)
 
 
+@contextmanager
+def busy(console: Console, text: str):
+    """A spinner with `text` while the work runs; where the console is no terminal (a log file, a pipe),
+    where rich would show nothing, the text as one line, so long work is never silent."""
+    if console.is_terminal:
+        with console.status(text):
+            yield
+    else:
+        console.print(text, highlight=False)
+        yield
+
+
 def warm(target, drafter, console: Console, adaptive: bool = True) -> None:
     """On a GPU, where MLX compiles kernels on first use, run each pass shape the policy may choose once
     before the first answer (`warm_up`; the compiled kernels are kept for the next process too). Else,
     for the `adaptive` policy, measure the pair's costs if this machine has not yet, saying so, rather
     than in the first answer's time without a word."""
     if backend() != "cpu":
-        with console.status("warming up: each pass shape once (compiled kernels are kept for next time) ..."):
+        with busy(console, "warming up: each pass shape once (compiled kernels are kept for next time) ..."):
             warm_up(target, drafter)
     elif adaptive and not costs_path(pair := prepare(target, drafter), drafter).exists():
-        with console.status("measuring this machine's costs for the pair (once, about half a minute) ..."):
+        with busy(console, "measuring this machine's costs for the pair (once, about half a minute) ..."):
             costs_for(pair, drafter)
 
 

@@ -15,7 +15,7 @@ from dflash_mlx.profile import draft_window_profile, profile_pair
 from dflash_mlx.profile import profile as measure
 from dflash_mlx.settings import GenerationSettings
 
-from .options import DEMO, Draft, DraftWindow, Json, stderr, stdout, user_errors
+from .options import DEMO, Draft, DraftWindow, Json, busy, stderr, stdout, user_errors
 
 RANDOM = {"--hidden": 1024, "--layers": 8, "--vocab": 32000, "--block-size": 16, "--cycles": 24}
 
@@ -65,7 +65,7 @@ def profile(
     with user_errors():
         if draft is not None:
             raise UserError("--draft goes with --model (or --draft-window): the random target has no drafter")
-    with user_errors(), stderr().status("timing cycles, verify and draft passes ..."):
+    with user_errors(), busy(stderr(), "timing cycles, verify and draft passes ..."):
         r = measure(*(RANDOM[flag] if value is None else value for flag, value in sizes.items()))
     if as_json:
         typer.echo(json.dumps(r, indent=2))
@@ -89,7 +89,7 @@ def profile(
 def _pair(model: str, draft: str | None, as_json: bool) -> None:
     with user_errors():
         target, drafter, _ = load_pair(model, draft)
-        with stderr().status("measuring the pair's costs ..."):
+        with busy(stderr(), "measuring the pair's costs ..."):
             r = profile_pair(target, drafter)
     if as_json:
         typer.echo(json.dumps(r, indent=2))
@@ -127,7 +127,7 @@ def _window(model: str, draft: str | None, window: int, as_json: bool) -> None:
         target, drafter, _ = load_pair(model, draft)
         room = (context_length(target) or 1 << 62) - drafter.block_size
         contexts = [c for c in (500, 2000, 8000) if c <= room]
-        with stderr().status("timing draft passes over long contexts ..."):
+        with busy(stderr(), "timing draft passes over long contexts ..."):
             rows = draft_window_profile(target, drafter, window, contexts)
     if as_json:
         typer.echo(json.dumps(rows, indent=2))

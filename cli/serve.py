@@ -29,6 +29,7 @@ from .options import (
     Think,
     TopK,
     TopP,
+    busy,
     stderr,
     user_errors,
     warm,
@@ -132,7 +133,7 @@ def serve(
         target, drafter, tokenizer = load_pair(model, draft)
         template = template_kwargs(model, think, tokenizer)
         if block_size is None:  # measured now, not in the first request's time
-            with stderr().status("measuring this machine's costs for the pair (once) ..."):
+            with busy(stderr(), "measuring this machine's costs for the pair (once) ..."):
                 costs_for(prepare(target, drafter), drafter, batches=batch_sizes(max_concurrency))
         warm(target, drafter, stderr())
         # Imported here: FastAPI and uvicorn take about 0.3 s to import, which every other

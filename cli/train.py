@@ -34,6 +34,7 @@ from .options import (
     Model,
     Temp,
     Think,
+    busy,
     first_prompts,
     progress_bar,
     stderr,
@@ -153,7 +154,7 @@ def phrases(
             made.add(shards_tokenizer(d))
         if len(made - {""}) > 1:
             raise UserError("the --data folders come from targets with other vocabularies: give one target's")
-        with stderr().status(f"learning phrases from {len(seqs)} answers ..."):
+        with busy(stderr(), f"learning phrases from {len(seqs)} answers ..."):
             table = Phrases.learn(seqs, next(iter(made - {""}), ""))  # ("": shards that predate the record)
         if not table:
             raise UserError(

@@ -23,12 +23,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from huggingface_hub import constants
 from mlx_lm.models.cache import make_prompt_cache
 
 from .benchsets import SETS, bench_set, parsed_stdlib
 from .chat import apply_chat_template
 from .errors import NotFound, UserError
 from .files import check_writable
+from .hub import download
 from .platform import backend, ctrl_c_in_mlx, device_memory
 
 SHAREGPT_HELDOUT = 100  # the last 100 usable ShareGPT conversations are kept for evaluation
@@ -136,20 +138,42 @@ def python_stdlib_prompts() -> list[list[dict]]:
     return out
 
 
+MOST_TEXT = 64 * 2**20  # characters in one prompt: more than any model's context holds (1M tokens ~ 4M)
+
+
+def read_text(stream, what: str) -> str:
+    """All of a text stream (stdin), refused past MOST_TEXT rather than read until memory runs out
+    (`yes | dflash-mlx generate`)."""
+    text = stream.read(MOST_TEXT + 1)
+    if len(text) > MOST_TEXT:
+        raise UserError(
+            f"{what} is over {MOST_TEXT // 2**20} M characters, more than a model's context holds: give less"
+        )
+    return text
+
+
+def _lines(f, path) -> Iterator[str]:
+    """The lines of a binary file, decoded; a line past MOST_TEXT bytes (no line ends, as in /dev/zero)
+    or not UTF-8 is refused with its number."""
+    for n, raw in enumerate(iter(lambda: f.readline(MOST_TEXT + 1), b""), 1):
+        if len(raw) > MOST_TEXT:
+            raise UserError(f"{path}, line {n}: over {MOST_TEXT // 2**20} MiB without a line end: not JSONL")
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UserError(
+                f"{path}, line {n}: not UTF-8 text; convert the file (e.g. iconv -f latin1 -t utf-8)"
+            ) from None
+
+
 def jsonl_prompts(path: str | Path) -> list[list[dict]]:
     """Prompts from a JSONL file: each line {"prompt": str}, {"messages": [...]} or ShareGPT-style
     {"conversations": [{"from": "human", "value": ...}, ...]} (its first human turn; a conversation
     without one is skipped). Any other line is refused, with its number."""
-    raw = Path(path).read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise UserError(
-            f"{path}, line {line}: not UTF-8 text; convert the file (e.g. iconv -f latin1 -t utf-8)"
-        ) from None
     out, where = [], None  # (where: the last row read, if any)
-    for n, line in enumerate(text.split("\n"), 1):
+    with open(path, "rb") as f:  # line by line: no line past MOST_TEXT (/dev/zero has no line end)
+        lines = list(_lines(f, path))
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -227,6 +251,10 @@ def hf_prompts(spec: str) -> list[list[dict]]:
         from datasets import load_dataset  # optional data extra
     except ImportError:
         raise UserError("Hugging Face datasets need the package: pip install datasets") from None
+    if not Path(name).is_dir() and not constants.HF_HUB_OFFLINE:
+        # datasets tries an unreachable Hub 5 times over half a minute, then names no cause: one
+        # quick look first (which also finds a misspelt or gated name)
+        download(name, "dataset", allow_patterns=["README.md"])
     rows = load_dataset(name, config, split=split)
     if column is not None and column not in rows.column_names:
         raise UserError(

@@ -23,14 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from huggingface_hub import snapshot_download
-from huggingface_hub.errors import (
-    GatedRepoError,
-    HfHubHTTPError,
-    HFValidationError,
-    LocalEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
+from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
@@ -40,6 +33,7 @@ from .data import tokenizer_fingerprint
 from .errors import NotFound, UserError
 from .files import atomic_folder, check_utf8_name, is_write_error, one_at_a_time
 from .gguf import convert_gguf
+from .hub import download
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .models.formats import drafter_format
 from .pairing import prepare
@@ -212,28 +206,7 @@ def resolve(name: str) -> Path:
         check_utf8_name(path, reading=True)
         return path
     check_name(name)
-    try:
-        return Path(snapshot_download(name, allow_patterns=DEFAULT_ALLOW_PATTERNS))
-    except GatedRepoError:  # (a subclass of RepositoryNotFoundError: keep it first)
-        raise PermissionError(
-            f"{name} is gated on Hugging Face: accept its license on its page, and "
-            "log in with `hf auth login`"
-        ) from None
-    except (RepositoryNotFoundError, RevisionNotFoundError):
-        raise NotFound(
-            f"no folder {name} here, and no such repo on Hugging Face (check the "
-            "spelling; private repos need `hf auth login`)"
-        ) from None
-    except LocalEntryNotFoundError:
-        raise ConnectionError(
-            f"no folder {name} here, and Hugging Face cannot be reached to download "
-            "it (nor is it in the local cache): check the path, or the network "
-            "(or HF_ENDPOINT)"
-        ) from None
-    except HfHubHTTPError as e:
-        raise ConnectionError(
-            f"Hugging Face refused the download of {name}: {str(e).splitlines()[0]}"
-        ) from None
+    return download(name, allow_patterns=DEFAULT_ALLOW_PATTERNS)
 
 
 def target_name(name: str) -> str:

@@ -1,12 +1,14 @@
 """A fake Hugging Face Hub on 127.0.0.1: just what huggingface_hub 2.x's `snapshot_download` asks for.
 
-It serves model repos held in memory, {repo_id: {filename: bytes}}, over plain HTTP (no Xet headers, so
-the client never takes its Xet path):
+It serves repos held in memory, {repo_id: {filename: bytes}}, over plain HTTP (no Xet headers, so
+the client never takes its Xet path); those named in `datasets` as datasets, the others as models:
 
     GET  /api/models/{repo}[/revision/{rev}]   repo info: the commit sha and the file names
     GET  /api/models/{repo}/tree/{rev}[/...]   the file listing (path, size, git blob id)
     HEAD /{repo}/resolve/{rev}/{file}          file metadata: X-Repo-Commit, ETag, Content-Length
     GET  /{repo}/resolve/{rev}/{file}          the file, `Range: bytes=N-` answered with a 206
+
+(datasets: /api/datasets/... and /datasets/{repo}/resolve/...)
 
 Errors are the Hub's: an unknown repo is a 404 with `X-Error-Code: RepoNotFound`, an unknown revision
 `RevisionNotFound`, a missing file `EntryNotFound`. A gated repo shows its info and listing but answers
@@ -26,14 +28,14 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
-INFO = re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?")
-TREE = re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/.*)?")
-RESOLVE = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)")
+INFO = re.compile(r"/api/(?P<kind>models|datasets)/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?")
+TREE = re.compile(r"/api/(?P<kind>models|datasets)/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/.*)?")
+RESOLVE = re.compile(r"(?:/(?P<kind>datasets))?/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)")
 
 
 class FakeHub:
-    def __init__(self, repos: dict[str, dict[str, bytes]], gated=()):
-        self.repos, self.gated = repos, set(gated)
+    def __init__(self, repos: dict[str, dict[str, bytes]], gated=(), datasets=()):
+        self.repos, self.gated, self.datasets = repos, set(gated), set(datasets)
         self.cut: dict[tuple[str, str], int] = {}
         self.fail_ranged: dict[tuple[str, str], int] = {}
         self.log: list[tuple[str, str, str | None]] = []
@@ -91,7 +93,7 @@ class _Handler(BaseHTTPRequestHandler):
             m = pattern.fullmatch(path)
             if m:
                 repo, rev = m["repo"], m["rev"] or "main"
-                if repo not in hub.repos:
+                if repo not in hub.repos or (m["kind"] == "datasets") != (repo in hub.datasets):
                     return self._error(404, "RepoNotFound", "Repository not found")
                 if rev not in ("main", hub.commit(repo)):
                     return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")

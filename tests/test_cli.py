@@ -27,7 +27,7 @@ import dflash_mlx.engine as engine
 from dflash_mlx import UserError, apply_chat_template, generate, load_pair, warm_up
 from dflash_mlx.cli.main import app
 from dflash_mlx.cli.options import NO_USER
-from dflash_mlx.data import jsonl_prompts, load_shards
+from dflash_mlx.data import MOST_TEXT, jsonl_prompts, load_shards
 from dflash_mlx.loading import load as load_target
 from dflash_mlx.pairing import context_length, prepare
 from dflash_mlx.policy import costs_path
@@ -416,6 +416,22 @@ def test_bad_input_is_one_line_and_a_bug_shows_its_traceback(pair, monkeypatch):
     assert r.returncode == 1 and "Traceback" in r.stderr and "KeyError: 'a bug'" in r.stderr
 
 
+def test_measuring_the_costs_says_so_in_a_log_too(pair, tmp_path):
+    """Where stderr is no terminal (a log, a pipe) rich shows no spinner: the measurement, minutes on a
+    slow machine, is then one line rather than silence."""
+    root, _ = pair
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main"]
+    cmd += shlex.split(
+        f"generate -m {root}/target -d {root}/draft --no-chat-template -p 'w5 w6' --max-tokens 2"
+    )
+    env = dict(os.environ, DFLASH_MLX_HOME=str(tmp_path))
+    errs = [
+        subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env).stderr for _ in range(2)
+    ]
+    line = "measuring this machine's costs for the pair (once, about half a minute) ...\n"
+    assert errs[0].startswith(line) and line not in errs[1], errs  # (once: the second reads them)
+
+
 def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair):
     root, _ = pair
     cli = [sys.executable, "-m", "dflash_mlx.cli.main"]
@@ -425,6 +441,11 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     r = subprocess.run(cmd, input=b"w5 " * 10**6, capture_output=True, timeout=120)
     assert r.returncode == 1 and "the prompt is 3000000 characters, more than the model's context" in (
         r.stderr.decode()
+    )
+    # nor is stdin read past what any context holds (`yes | dflash-mlx generate` ran out of memory)
+    r = subprocess.run(cmd, input=b"y\n" * (MOST_TEXT // 2 + 1), capture_output=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.decode() == (
+        "error: the prompt on stdin is over 64 M characters, more than a model's context holds: give less\n"
     )
     strict = dict(os.environ, PYTHONIOENCODING="utf-8:strict")  # (as most UTF-8 locales read stdin)
     for env in (None, strict):

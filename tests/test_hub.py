@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 from fakehub import FakeHub
 from huggingface_hub import constants
 
+from dflash_mlx.data import prompt_source
 from dflash_mlx.loading import resolve
 
 WEIGHTS = os.urandom(300_000)
@@ -18,6 +20,7 @@ CONFIG = b'{"model_type": "llama", "hidden_size": 64}'
 REPOS = {
     "org/tiny": {"config.json": CONFIG, "model.safetensors": WEIGHTS, "README.md": b"# not downloaded\n"},
     "org/gated": {"config.json": CONFIG, "model.safetensors": WEIGHTS},
+    "org/gated-prompts": {"README.md": b"# prompts\n", "train.jsonl": b'{"prompt": "hi"}\n'},
     # A target as repos hold them: the tokenizer and the chat template in files of their own.
     "org/target": {
         "config.json": CONFIG,
@@ -36,7 +39,7 @@ REPOS = {
 def hub(tmp_path, monkeypatch):
     """A fresh fake Hub and an empty cache. huggingface_hub reads HF_ENDPOINT, HF_HUB_CACHE, ... once, at
     import, into `constants`, and reads `constants` at call time: patching them is what takes effect."""
-    hub = FakeHub(REPOS, gated={"org/gated"})
+    hub = FakeHub(REPOS, gated={"org/gated", "org/gated-prompts"}, datasets={"org/gated-prompts"})
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", hub.url)  # for anything reading the environment afresh
@@ -156,3 +159,26 @@ def test_hub_down_and_nothing_cached(hub):
     ) as info:
         resolve("org/tiny")
     assert "no such repo" not in str(info.value)  # a network failure is not a missing repo
+
+
+def test_a_dataset_of_prompts_missing_gated_or_unreachable_is_one_line(hub):
+    """`datasets` alone would try an unreachable Hub five times over half a minute and name no cause."""
+    pytest.importorskip("datasets")
+    with pytest.raises(FileNotFoundError, match="the dataset nobody/missing: no such repo on Hugging Face"):
+        prompt_source("hf:nobody/missing")
+    assert ("GET", "/api/datasets/nobody/missing/revision/main", None) in hub.log
+    with pytest.raises(FileNotFoundError, match="no such repo"):  # (a model's id is no dataset's)
+        prompt_source("hf:org/tiny")
+    with pytest.raises(PermissionError, match="org/gated-prompts is gated on Hugging Face"):
+        prompt_source("hf:org/gated-prompts")
+    hub.close()
+    tic = time.monotonic()
+    with pytest.raises(
+        ConnectionError,
+        match=(
+            "the dataset org/gated-prompts: Hugging Face cannot be reached to download it .* or give the "
+            "prompts as a .jsonl file"
+        ),
+    ):
+        prompt_source("hf:org/gated-prompts")
+    assert time.monotonic() - tic < 15  # (not after retries)

@@ -564,7 +564,7 @@ def test_a_starting_drafter_keeps_its_architecture(tiny_setup, tmp_path):
         )
 
 
-def test_bad_training_input_is_refused(tiny_setup, tmp_path):
+def test_bad_training_input_is_refused(tiny_setup, tmp_path, monkeypatch):
     model, seqs = tiny_setup
     with pytest.raises(ValueError, match="usable sequences"):
         train(
@@ -623,6 +623,12 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path):
     (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.jsonl, line 2: not UTF-8 text"):
         jsonl_prompts(tmp_path / "latin1.jsonl")
+    # a line without an end (/dev/zero) is refused at MOST_TEXT, not read until memory runs out
+    monkeypatch.setattr(data_module, "MOST_TEXT", 20)
+    (tmp_path / "long.jsonl").write_text('{"prompt": "fine"}\n' * 3 + '{"prompt": "past twenty"}\n')
+    with pytest.raises(ValueError, match=r"long.jsonl, line 4: over .* without a line end: not JSONL"):
+        jsonl_prompts(tmp_path / "long.jsonl")
+    monkeypatch.undo()
     (tmp_path / "broken.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "cut off\n')
     with pytest.raises(ValueError, match=r"broken.jsonl, line 2: not JSON"):
         jsonl_prompts(tmp_path / "broken.jsonl")
