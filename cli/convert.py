@@ -57,6 +57,10 @@ def convert(
                 f"MLX quantizes to {', '.join(map(str, Q_BITS))} bits in groups of "
                 f"{', '.join(map(str, Q_GROUP_SIZES))}: got --q-bits {q_bits} --q-group-size {q_group_size}"
             )
+        if not source.strip():  # (as a path, the current folder)
+            raise UserError(
+                "the model to convert has no name: give a Hugging Face id, a folder or a .gguf file"
+            )
         if not output.strip():
             raise UserError("the output folder needs a name")
         out_path, src = Path(output).expanduser().resolve(), Path(source).expanduser().resolve()

@@ -11,7 +11,7 @@ from dflash_mlx.errors import UserError
 from dflash_mlx.loading import load_pair
 from dflash_mlx.pairing import context_length
 from dflash_mlx.platform import cache_home
-from dflash_mlx.profile import draft_window_profile, profile_pair
+from dflash_mlx.profile import check_sizes, draft_window_profile, profile_pair
 from dflash_mlx.profile import profile as measure
 from dflash_mlx.settings import GenerationSettings
 
@@ -65,8 +65,11 @@ def profile(
     with user_errors():
         if draft is not None:
             raise UserError("--draft goes with --model (or --draft-window): the random target has no drafter")
-    with user_errors(), busy(stderr(), "timing cycles, verify and draft passes ..."):
-        r = measure(*(RANDOM[flag] if value is None else value for flag, value in sizes.items()))
+    with user_errors():
+        values = [RANDOM[flag] if value is None else value for flag, value in sizes.items()]
+        check_sizes(*values)  # (before the note that it started)
+        with busy(stderr(), "timing cycles, verify and draft passes ..."):
+            r = measure(*values)
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return

@@ -112,6 +112,8 @@ def serve(
         # (empty, each would open the server up: every address, or no key asked for)
         if not host.strip():
             raise UserError("--host is empty: give an address to listen on (127.0.0.1: this machine only)")
+        if name is not None and not name.strip():
+            raise UserError("--name is empty: give the model name clients use, or leave it out")
         if api_key is not None and not api_key.strip():
             raise UserError("the API key (--api-key or DFLASH_MLX_API_KEY) is empty: give one or none")
         defaults = GenerationSettings(

@@ -18,6 +18,7 @@ from dflash_mlx.data import (
     prompt_source,
     resume_point,
     shards_tokenizer,
+    training_data,
 )
 from dflash_mlx.errors import AlreadyExists, UserError
 from dflash_mlx.loading import load, load_pair, read_config, template_kwargs
@@ -145,12 +146,7 @@ def phrases(
             raise AlreadyExists(f"{out} holds a phrase table already (pass --force to replace it)")
         seqs, made = [], set()
         for d in data:
-            if Path(d).exists() and not Path(d).is_dir():
-                raise UserError(f"{d} is a file: --data takes a folder `dflash-mlx train data` wrote")
-            found = load_shards(d) if Path(d).is_dir() else []
-            if not found:
-                raise UserError(f"{d} holds no answers: make some with `dflash-mlx train data -o {d}`")
-            seqs += found
+            seqs += training_data(d)
             made.add(shards_tokenizer(d))
         if len(made - {""}) > 1:
             raise UserError("the --data folders come from targets with other vocabularies: give one target's")

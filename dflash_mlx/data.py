@@ -278,6 +278,8 @@ def hf_prompts(spec: str) -> list[list[dict]]:
 def prompt_source(source: str) -> list[list[dict]]:
     """'sharegpt' (train split), 'sharegpt-followup', 'sharegpt-heldout', 'humaneval', 'python-stdlib', one of
     benchsets.SETS, a .jsonl file, or 'hf:org/name[/config][:split[:field]]'."""
+    if not source.strip():  # (as a path, the current folder)
+        raise UserError("the prompt source is empty: give a prompt set's name, a .jsonl file or hf:org/name")
     if source == "sharegpt":
         return sharegpt_prompts("train")
     if source in ("sharegpt-heldout", "sharegpt-followup"):
@@ -319,6 +321,27 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """Which tokens the ids mean: a data folder's ids are nonsense to a target with another vocabulary."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def training_data(folder: str) -> list[tuple[list[int], int]]:
+    """The sequences of a folder given as --data, or one line saying what to give instead."""
+    path = Path(folder).expanduser()
+    if not folder.strip():  # (as a path, the current folder)
+        raise UserError("--data is empty: give a folder `dflash-mlx train data` wrote")
+    if path.exists() and not path.is_dir():
+        made = f" (make one from these prompts: `dflash-mlx train data --source {folder} -o FOLDER`)"
+        raise UserError(
+            f"{folder} is a file: --data takes a folder `dflash-mlx train data` wrote"
+            + (made if path.suffix == ".jsonl" else "")
+        )
+    if not path.is_dir():
+        raise NotFound(f"no folder {folder}: make sequences with `dflash-mlx train data -o {folder}`")
+    found = load_shards(path)
+    if not found:
+        raise UserError(
+            f"{folder} holds no training sequences: make some with `dflash-mlx train data -o {folder}`"
+        )
+    return found
 
 
 def shards_tokenizer(folder: str | Path) -> str:

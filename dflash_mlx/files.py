@@ -179,7 +179,9 @@ def check_writable(folder: str | Path, flag: str = "") -> None:
     """Fail now, in one line, where `folder` (given as `flag`) cannot be made or written (a read-only or
     mistyped place), rather than after a model loaded or hours of work; what this makes it removes again."""
     if not str(folder).strip():  # ("" is the current folder; blanks, a folder named by mistake)
-        raise UserError(f"{flag or 'the folder'} needs a folder's name")
+        raise UserError(
+            f"{flag} needs a folder's name" if flag else "the folder to write has no name: give one"
+        )
     folder = Path(folder).expanduser()
     check_utf8_name(folder)
     named = f"{flag} {folder}".strip()

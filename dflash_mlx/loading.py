@@ -107,6 +107,8 @@ def _named(name, what: str) -> str:
         raise UserError(
             f"name the {what} with a string (a registry name, a Hugging Face id or a path), got {name!r}"
         )
+    if not str(name).strip():  # (an unset variable, `-m "$MODEL"`: as a path, the current folder)
+        raise UserError(f"the {what}'s name is empty: give a registry name, a Hugging Face id or a path")
     return os.fspath(name)
 
 
@@ -429,6 +431,8 @@ def draft_for(target: str, draft: str | None = None) -> str:
         check_name(target)  # a mistyped path is the clearer error
         if Path(target).expanduser().is_file() and not is_gguf(Path(target)):
             raise _a_file(target)
+        if Path(target).expanduser().is_dir():
+            read_config(Path(target).expanduser())  # (a folder that holds no model says so)
         raise UserError(
             f"no known drafter for {target}: pass one (--draft), or train one with "
             "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)"

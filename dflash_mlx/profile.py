@@ -97,7 +97,8 @@ def ar_tokens_per_s(model, prompt, n=48) -> float:
     return n / (time.perf_counter() - t)
 
 
-def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt_len=128) -> dict:
+def check_sizes(hidden: int, layers: int, vocab: int, block_size: int, cycles: int) -> None:
+    """`profile`'s sizes, checked before anything is made."""
     if not 64 <= hidden <= 16384 or hidden % 64:
         raise UserError(f"hidden must be a multiple of 64 (the head size) up to 16384, got {hidden}")
     # (the most a real model has, about: past these a random model would not fit in memory)
@@ -116,6 +117,10 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
             f"a random target of this size takes about {need / 2**30:.1f} GiB, more than half this machine's "
             f"{memory / 2**30:.0f}: make it smaller"
         )
+
+
+def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt_len=128) -> dict:
+    check_sizes(hidden, layers, vocab, block_size, cycles)
     model, draft = random_pair(hidden, layers, vocab, block_size=block_size)
     target = prepare(model, draft)
     prompt = mx.random.randint(0, vocab - 1, (prompt_len,)).tolist()

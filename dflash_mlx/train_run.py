@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 
 from .chat import apply_chat_template
 from .convert import export_draft, is_drafter
-from .data import check_data_tokenizer, load_shards, sharegpt_prompts
+from .data import check_data_tokenizer, sharegpt_prompts, training_data
 from .errors import AlreadyExists, UserError
 from .files import check_writable
 from .loading import load, load_draft, template_kwargs
@@ -355,11 +355,7 @@ def prepare_run(
         raise UserError(f"--feature-cache-gb must be >= 0, got {feature_cache_gb}")
     seqs, folders = [], []
     for folder in data:
-        if not Path(folder).expanduser().is_dir():
-            raise UserError(f"no folder {folder}: make sequences with `dflash-mlx train data -o {folder}`")
-        found = load_shards(folder)
-        if not found:
-            raise UserError(f"{folder} holds no training sequences: make some with `dflash-mlx train data`")
+        found = training_data(folder)
         seqs += found
         folders.append((folder, found))
     run = saved_run(out)

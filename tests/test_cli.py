@@ -573,6 +573,9 @@ def test_wrong_folders_and_missing_drafters_are_named_before_any_loading(pair, t
     monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
     r = run(f"generate -m {root}/target -p w5")
     assert r.exit_code == 1 and f"no known drafter for {root / 'target'}: pass one (--draft)" in r.stderr
+    (tmp_path / "nothing").mkdir()  # a folder that holds no model: said so, not "no known drafter"
+    r = run(f"generate -m {tmp_path}/nothing -p w5")
+    assert r.exit_code == 1 and f"{tmp_path / 'nothing'} has no config.json: not a model folder" in r.stderr
     (tmp_path / "notes.txt").write_text("not a model")
     r = run(f"generate -m {tmp_path}/notes.txt -p w5")
     assert r.exit_code == 1 and "notes.txt is a file; expected a model folder" in r.stderr, r.stderr
@@ -615,6 +618,8 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
             ("--max-tokens 0", "max_tokens must be >= 1, got 0"),
             (f"-o {tmp_path}/afile/sub", f"cannot write to --out {tmp_path}/afile/sub"),
             ("-o '  '", "--out needs a folder's name"),
+            ("--prompts ''", "the prompt source is empty"),  # (not the current folder)
+            ("-d ''", "the drafter's name is empty"),
             (f"--prompts {tmp_path}", f"{tmp_path} is a folder: give a .jsonl file of prompts"),
             (
                 f"--prompts {tmp_path}/lone.jsonl",

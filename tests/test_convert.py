@@ -606,6 +606,8 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     assert (zlab / "model.safetensors").exists()
     r = cli("convert", zlab, " ")
     assert r.exit_code == 1 and "the output folder needs a name" in r.output, r.output
+    r = cli("convert", "", tmp_path / "fromhere")  # ("" is no name for the current folder)
+    assert r.exit_code == 1 and "the model to convert has no name" in r.output, r.output
     for flags in (["--q-bits", "7"], ["--q-bits", "0"], ["--q-group-size", "7"]):
         r = cli("convert", zlab, tmp_path / "q", "-q", *flags)
         assert r.exit_code == 1 and "MLX quantizes to 2, 3, 4, 5, 6, 8 bits" in r.output, r.output

@@ -208,8 +208,9 @@ def test_train_phrases_writes_the_table_beside_the_drafter_and_refuses_what_cann
     (tmp_path / "empty").mkdir()
     for args, message in [
         (["--data", str(tmp_path / "data"), "-o", str(tmp_path / "data")], "not a drafter's folder"),
-        (["--data", str(tmp_path / "empty"), "-o", str(tmp_path / "draft")], "holds no answers"),
-        (["--data", str(tmp_path / "nowhere"), "-o", str(tmp_path / "draft")], "holds no answers"),
+        (["--data", str(tmp_path / "empty"), "-o", str(tmp_path / "draft")], "holds no training sequences"),
+        (["--data", str(tmp_path / "nowhere"), "-o", str(tmp_path / "draft")], "no folder"),
+        (["--data", "", "-o", str(tmp_path / "draft")], "--data is empty"),
         (
             ["--data", str(tmp_path / "draft" / "config.json"), "-o", str(tmp_path / "draft")],
             "is a file: --data",

@@ -1039,6 +1039,8 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
         (["--cache-gb", "nan"], "--cache-gb at least 0"),
         (["--host", " "], "error: --host is empty"),  # (empty, each would let everyone in)
         (["--api-key", ""], "error: the API key (--api-key or DFLASH_MLX_API_KEY) is empty"),
+        (["--name", ""], "error: --name is empty"),
+        (["--model", " "], "error: the target's name is empty"),  # (not the current folder)
     ):
         bad = subprocess.run(command + more, capture_output=True, text=True, timeout=120)
         assert bad.returncode == 1 and line in bad.stderr.strip().splitlines()[-1], bad.stderr
