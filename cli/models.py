@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from dflash_mlx.loading import local_copies, registry
 
-from .options import Json, reader_gone, user_errors
+from .options import Json, Output, reader_gone, user_errors
 
 TITLE = "target / drafter pairs (dflash-mlx chat --model NAME)"
 
@@ -43,7 +42,7 @@ def _show(rows: list[dict], as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    console = Console()
+    console = Output()  # (80 columns when piped: one block per pair)
     for r in rows:
         r["local"] = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in r["local"].items()) or "-"
     if console.width < 160:  # a seven-column table wraps into slivers: one block per pair instead

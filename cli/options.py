@@ -3,6 +3,7 @@ not a command's output; progress bars; and how an error ends a command."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from contextlib import contextmanager
@@ -72,10 +73,18 @@ Think = Annotated[
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
 
+class Output(Console):
+    """rich's console on stdout, but a reader that went away (`| head`) ends the command as it does for
+    plain text (`reader_gone`: exit code 141), not with rich's exit code 1, which reads as a failure."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
 def stdout() -> Console:
     """A console on stdout; piped into a file or another program, as wide as the lines it prints (rich
     would fold tables into 80 columns)."""
-    return Console() if sys.stdout.isatty() else Console(width=1000)
+    return Output() if sys.stdout.isatty() else Output(width=1000)
 
 
 def stderr() -> Console:

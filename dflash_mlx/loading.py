@@ -150,6 +150,13 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
     dest = cache_home() / "gguf" / f"{path.stem}-{tag}-{where}-{state}"
     if (dest / "config.json").exists():
         return dest
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # (the folder it would name is one the user never gave)
+        raise UserError(
+            f"cannot write {dest.parent} ({e.strerror}), where a GGUF file's conversion is kept: set "
+            "DFLASH_MLX_HOME to a folder you can write"
+        ) from None
     with one_at_a_time(f"gguf-{dest.name}"):  # (processes started together convert it once)
         if (dest / "config.json").exists():
             return dest

@@ -374,6 +374,10 @@ def test_a_gguf_loaded_by_path_is_converted_once_and_again_only_when_the_file_ch
 
     with pytest.raises(UserError, match=re.escape(f"It is a GGUF file's conversion: delete {b}, and it is")):
         load(str(tmp_path / "b" / "tiny.gguf"))
+    (tmp_path / "notes").write_text("")  # a home that cannot be made names the setting to change
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path / "notes" / "home"))
+    with pytest.raises(UserError, match="where a GGUF file's conversion is kept: set DFLASH_MLX_HOME to a"):
+        gguf_folder(tmp_path / "tiny.gguf", mx.float32)
 
 
 def test_two_processes_loading_a_gguf_at_once_convert_it_once(tmp_path):
