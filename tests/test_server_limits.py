@@ -656,6 +656,23 @@ def test_a_request_that_is_not_http_gets_a_400_with_an_error_body(server):
         assert json.loads(body)["error"]["message"].startswith("the request is not valid HTTP/1.1"), reply
 
 
+def test_a_body_framed_both_by_length_and_by_chunks_is_refused_and_its_connection_closed(server):
+    """Where a proxy in front frames the body by one and the server by the other, what follows it on
+    the connection (here a second request) would be read as a request the proxy never saw."""
+    url, _ = server
+    with connect(url) as s:
+        s.sendall(
+            HEAD + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+            b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        reply = read_until(s, b"never")  # (all it sends, until it closes the connection)
+    head, body = reply.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 400") and b"connection: close" in head.lower(), reply
+    assert json.loads(body)["error"]["message"] == (
+        "a request gives Content-Length or Transfer-Encoding, not both"
+    )
+
+
 def test_serve_raises_its_open_files_limit_as_far_as_it_may():
     from cli.serve import _open_files
 

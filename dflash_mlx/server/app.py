@@ -93,6 +93,13 @@ class Guard:
             message = "a valid API key is needed: Authorization: Bearer <key>"
             reply = error_response(path, 401, message, code="invalid_api_key")
             return await reply(scope, receive, counted_send)
+        if b"transfer-encoding" in headers and b"content-length" in headers:
+            # Which one frames the body is what a proxy in front and this server could read otherwise
+            # (request smuggling): refused, and the connection closed with what follows on it.
+            message = "a request gives Content-Length or Transfer-Encoding, not both"
+            reply = error_response(path, 400, message)
+            reply.headers["connection"] = "close"
+            return await reply(scope, receive, counted_send)
         if headers.get(b"content-encoding", b"identity").strip().lower() not in (b"identity", b""):
             message = "the request body must not be compressed: send it without Content-Encoding"
             return await error_response(path, 415, message)(scope, receive, counted_send)
