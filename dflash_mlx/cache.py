@@ -76,6 +76,7 @@ class SpeculativeCache:
         # True from the start of a model pass until the cache is consistent again: a pass interrupted
         # in between (Ctrl-C, an exception) leaves the models' caches ahead of `processed`.
         self.broken = False
+        self.in_use = False  # while an answer goes on from it (stream_generate)
 
     @property
     def draft_cache(self) -> list | None:
@@ -235,6 +236,7 @@ class SpeculativeCache:
         other.unabsorbed = list(self.unabsorbed)
         other.tokens = list(self.tokens)
         other.index = self.index.copy()
+        other.in_use = False
         return other
 
     def truncate(self, n: int) -> bool:

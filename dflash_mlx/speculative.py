@@ -288,6 +288,11 @@ def stream_generate(
     prompt_ids = encode_prompt(tokenizer, prompt)
     if prompt_cache is not None and not isinstance(prompt_cache, SpeculativeCache):
         raise UserError("prompt_cache must be a SpeculativeCache (SpeculativeCache(model, draft))")
+    if prompt_cache is not None and prompt_cache.in_use:
+        raise UserError(
+            "this prompt_cache is in use by an answer that has not finished (a stream_generate "
+            "generator left after a break): close that generator first (.close()), or let it finish"
+        )
     if prompt_cache is not None and prompt_cache.broken:
         raise UserError(
             "this prompt_cache was left half-updated (by an interrupted call, or a stop string it "
@@ -328,47 +333,57 @@ def stream_generate(
         if settings.seed is not None:
             mx.random.seed(settings.seed)
         cache = prompt_cache or SpeculativeCache(target, draft, draft_window)
-        eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
-        seq = Sequence(cache, settings, max_tokens, eos, sampler, compile, processors=processors)
-        tic = time.perf_counter()
-        first = seq.start(prompt_ids)
-        answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)  # with a kept cache's pending
-        response = answer.respond(first, None, seq.finish, scores=seq.scores)
-    yield response
-    if response.finish_reason is not None:
-        return
-    engine = Engine(target, draft)
-    with _MLX_CALLS:
-        engine.add(seq)
-        engine.launch()
+    # The cache is this answer's until its generator ends, is closed or is gone (one left suspended
+    # after a `break` holds it: the next call is told to close it rather than find a pass under way).
+    cache.in_use = True
     try:
-        # The next step starts before this one's tokens are handed out (see engine.py).
-        while True:
-            with _MLX_CALLS:
-                (r,) = engine.collect()
-                if seq.finish is None:
-                    engine.launch()
-                response = answer.respond(r.tokens, r.accepted, seq.finish, r.source, r.proposed, r.scores)
-                if response.stop is not None:
-                    # a stop string ended it (perhaps in the step that also reached max_tokens or an
-                    # EOS): the step under way is taken back, and the tokens committed after the
-                    # stop's, so that a kept cache goes on from it
-                    engine.remove(seq)
-                    # (the stop's token is left pending, as an answer leaves its last, so that an
-                    # empty prompt can go on from it)
-                    end = len(cache.tokens) - len(r.tokens) + len(response.tokens)
-                    last = cache.tokens[end - 1]
-                    if cache.truncate(end - 1):
-                        cache.add([last])
-                    else:
-                        cache.broken = True  # (it cannot: the next call says to start a new cache)
-            yield response
-            if response.finish_reason is not None:
-                return
-    except GeneratorExit:  # the caller stopped between two steps: the cache goes on from there
         with _MLX_CALLS:
-            engine.remove(seq)
-        raise
+            eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
+            seq = Sequence(cache, settings, max_tokens, eos, sampler, compile, processors=processors)
+            tic = time.perf_counter()
+            first = seq.start(prompt_ids)
+            # (with a kept cache's pending token)
+            answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)
+            response = answer.respond(first, None, seq.finish, scores=seq.scores)
+        yield response
+        if response.finish_reason is not None:
+            return
+        engine = Engine(target, draft)
+        with _MLX_CALLS:
+            engine.add(seq)
+            engine.launch()
+        try:
+            # The next step starts before this one's tokens are handed out (see engine.py).
+            while True:
+                with _MLX_CALLS:
+                    (r,) = engine.collect()
+                    if seq.finish is None:
+                        engine.launch()
+                    response = answer.respond(
+                        r.tokens, r.accepted, seq.finish, r.source, r.proposed, r.scores
+                    )
+                    if response.stop is not None:
+                        # a stop string ended it (perhaps in the step that also reached max_tokens or an
+                        # EOS): the step under way is taken back, and the tokens committed after the
+                        # stop's, so that a kept cache goes on from it
+                        engine.remove(seq)
+                        # (the stop's token is left pending, as an answer leaves its last, so that an
+                        # empty prompt can go on from it)
+                        end = len(cache.tokens) - len(r.tokens) + len(response.tokens)
+                        last = cache.tokens[end - 1]
+                        if cache.truncate(end - 1):
+                            cache.add([last])
+                        else:
+                            cache.broken = True  # (it cannot: the next call says to start a new cache)
+                yield response
+                if response.finish_reason is not None:
+                    return
+        except GeneratorExit:  # the caller stopped between two steps: the cache goes on from there
+            with _MLX_CALLS:
+                engine.remove(seq)
+            raise
+    finally:
+        cache.in_use = False
 
 
 class Answer:

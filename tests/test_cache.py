@@ -256,12 +256,22 @@ def test_a_cache_an_interrupted_pass_left_half_updated_is_refused(where, monkeyp
     clean = SpeculativeCache(target, draft)  # a stop between two cycles leaves a cache to go on from
     stream = stream_generate(target, draft, tok, prompt, max_tokens=20, prompt_cache=clean)
     next(stream), next(stream)
+    # a second call while it is still suspended (a `break` out of a loop over a generator kept in a
+    # variable) is told to close it, not to throw the conversation away; once closed, it goes on
+    for second in (prompt, []):  # (a second answer, or going on from its pending token)
+        with pytest.raises(ValueError, match=r"in use by an answer that has not finished .* \(.close\(\)\)"):
+            next(stream_generate(target, draft, tok, second, max_tokens=5, prompt_cache=clean))
     stream.close()
     assert not clean.broken
     want = greedy_reference(model, clean.tokens + more, 6)
     assert (
         generate(target, draft, no_eos_tokenizer(want), more, max_tokens=6, prompt_cache=clean).tokens == want
     )
+    gone = SpeculativeCache(target, draft)  # a generator dropped unfinished gives the cache back
+    stream = stream_generate(target, draft, tok, prompt, max_tokens=20, prompt_cache=gone)
+    next(stream)
+    del stream
+    assert generate(target, draft, tok, more, max_tokens=3, prompt_cache=gone).generation_tokens == 3
 
 
 @pytest.mark.parametrize("family", FAMILIES)
