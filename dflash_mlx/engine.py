@@ -191,7 +191,7 @@ class Sequence:
             seen = mx.concatenate([history, mx.array(path, dtype=mx.int32)]) if len(path) else history
             row = logits[j : j + 1]
             for processor in self.processors:
-                row = processor(seen, row)
+                row = _checked(processor(seen, row), logits.shape[-1])
             rows.append(row)
         return mx.concatenate(rows)
 
@@ -604,3 +604,20 @@ class Engine:
             for s in self.step_rows:
                 s.cache.broken = False
         self.ready, self.started, self.step_rows = None, False, []
+
+
+def _checked(row, vocab: int) -> mx.array:
+    """What a logits processor returned, if it is logits like those it was given; else a clear error
+    (MLX's own, from the concatenation or the sampler after it, names neither the processor nor what
+    is wrong)."""
+    if isinstance(row, mx.array) and row.shape == (1, vocab) and mx.issubdtype(row.dtype, mx.floating):
+        return row
+    got = (
+        f"{str(row.dtype).split('.')[-1]} {tuple(row.shape)}"
+        if isinstance(row, mx.array)
+        else type(row).__name__
+    )
+    raise UserError(
+        f"a logits processor must return an mx.array of logits shaped as it was given (1, {vocab}); "
+        f"it returned {got}"
+    )

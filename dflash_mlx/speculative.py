@@ -255,7 +255,7 @@ def stream_generate(
     )
     processors = [] if logits_processors is None else logits_processors
     processors = list(processors) if isinstance(processors, abc.Iterable) else [processors]
-    if not all(callable(p) for p in processors):
+    if not all(callable(p) and _takes(p, 2) for p in processors):
         raise UserError(
             "logits_processors must be a list of functions (tokens, logits) -> logits, "
             f"e.g. mlx_lm.sample_utils.make_logits_processors(...), got {logits_processors!r}"
@@ -384,6 +384,18 @@ def stream_generate(
             raise
     finally:
         cache.in_use = False
+
+
+def _takes(function: Callable, n: int) -> bool:
+    """Whether `function` can be called with n arguments (True where Python cannot tell, as for some
+    built-in functions)."""
+    try:
+        inspect.signature(function).bind(*[None] * n)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 class Answer:

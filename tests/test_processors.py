@@ -167,6 +167,15 @@ def test_sampled_answers_with_penalties_follow_the_processed_distribution():
             dict(logits_processors=[3]),
             "logits_processors must be a list of functions (tokens, logits)",
         ),
+        (
+            dict(logits_processors=[lambda tokens, logits, step: logits]),
+            "logits_processors must be a list of functions (tokens, logits)",
+        ),
+        # what a processor returns: the logits it was given, changed (a forgotten `return` gives None)
+        (dict(logits_processors=[lambda t, lg: None]), "must return an mx.array of logits shaped as it"),
+        (dict(logits_processors=[lambda t, lg: np.array(lg)]), "(1, 96); it returned ndarray"),
+        (dict(logits_processors=[lambda t, lg: lg[0]]), "(1, 96); it returned float32 (96,)"),
+        (dict(logits_processors=[lambda t, lg: lg.argmax(-1)]), "it returned uint32 (1,)"),
     ],
 )
 def test_bad_processor_settings_are_refused_by_name(settings, message):
