@@ -39,10 +39,47 @@ def apply_chat_template(
     (say "<|im_start|>") becomes that text's ordinary tokens, never the special token, so no message can
     end its turn or start another one.
     """
+    if isinstance(tokenizer, str) or not hasattr(tokenizer, "encode"):
+        raise UserError("give the tokenizer first (as load_pair or load returns it), then the messages")
+    _check_messages(messages, system)
     text = chat_text(
         tokenizer, messages, system=system, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
     return encode_chat_text(tokenizer, text)
+
+
+def _check_messages(messages, system) -> None:
+    """What `apply_chat_template` takes, or one line on what it does not (the template's own errors
+    come from deep in jinja2 or transformers, and name neither the message nor what to change)."""
+    shape = "messages must be a user message's text, one {'role', 'content'} dict or a non-empty list of them"
+    if isinstance(messages, str):
+        listed = [{"role": "user", "content": messages}]
+    elif isinstance(messages, dict):
+        listed = [messages]
+    elif isinstance(messages, (list, tuple)) and messages:
+        listed = list(messages)
+    else:
+        got = "an empty list" if isinstance(messages, (list, tuple)) else type(messages).__name__
+        raise UserError(f"{shape}, got {got}")
+    if system is not None and not isinstance(system, str):
+        raise UserError(f"system must be text, got {type(system).__name__}")
+    for i, m in enumerate(listed):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            got = "a dict without a 'role' string" if isinstance(m, dict) else type(m).__name__
+            raise UserError(f"{shape}: message {i} is {got}")
+        content = m.get("content")
+        if content is None and m.get("tool_calls"):  # (an assistant's tool calls, without text)
+            continue
+        if not isinstance(content, str):
+            parts = " (join the parts' text into one string)" if isinstance(content, list) else ""
+            raise UserError(f"message {i}'s content must be text, got {type(content).__name__}{parts}")
+    for text in [system, *(m.get("content") for m in listed)]:
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise UserError(
+                f"an unpaired UTF-16 surrogate ({text[e.start]!r}) in the messages is not text: remove it"
+            ) from None
 
 
 def chat_text(

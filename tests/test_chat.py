@@ -21,6 +21,35 @@ def smollm2_drafter(path: Path):
     return draft
 
 
+@pytest.mark.parametrize(
+    "messages,kwargs,says",
+    [
+        ({"role": "user"}, {}, "message 0's content must be text, got NoneType"),
+        ({"content": "hi"}, {}, "message 0 is a dict without a 'role' string"),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},  # (OpenAI's content parts)
+            {},
+            "message 0's content must be text, got list (join the parts' text into one string)",
+        ),
+        (["hi", "there"], {}, "or a non-empty list of them: message 0 is str"),
+        ([], {}, "got an empty list"),
+        (None, {}, "got NoneType"),
+        ("hi", {"system": 5}, "system must be text, got int"),
+        ("a\ud800b", {}, "an unpaired UTF-16 surrogate ('\\ud800') in the messages is not text"),
+    ],
+)
+def test_messages_a_template_cannot_take_are_one_line_that_says_what_it_takes(
+    smollm2, messages, kwargs, says
+):
+    """(The template's own errors come from deep inside jinja2 or transformers.)"""
+    _, tokenizer, _ = smollm2
+    with pytest.raises(UserError) as e:
+        apply_chat_template(tokenizer, messages, **kwargs)
+    assert says in str(e.value)
+    with pytest.raises(UserError, match="give the tokenizer first"):
+        apply_chat_template("hi", tokenizer)
+
+
 def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(smollm2, tmp_path):
     model, tokenizer, _ = smollm2
     draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
