@@ -122,9 +122,9 @@ def _dtype(dtype) -> mx.Dtype | None:
         if dtype not in DTYPES:
             raise UserError(f"dtype must be 'auto', None or one of {', '.join(DTYPES)}, got {dtype!r}")
         return DTYPES[dtype]
-    if dtype is not None and not isinstance(dtype, mx.Dtype):
+    if dtype is not None and not (isinstance(dtype, mx.Dtype) and mx.issubdtype(dtype, mx.floating)):
         raise UserError(
-            f"dtype must be 'auto', None, one of {', '.join(DTYPES)} or an mx.Dtype, got {dtype!r}"
+            f"dtype must be 'auto', None, one of {', '.join(DTYPES)} or a floating mx.Dtype, got {dtype!r}"
         )
     return dtype
 

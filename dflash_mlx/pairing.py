@@ -55,6 +55,10 @@ def check_pair(target: Target, draft: DFlashDraftModel) -> None:
 
 def prepare(model: nn.Module | Target, draft: DFlashDraftModel | None) -> Target:
     """Wrap an mlx-lm model as a Target tapping the drafter's layers, and bind the drafter to it."""
+    if not isinstance(model, (nn.Module, Target)) or not (draft is None or isinstance(draft, nn.Module)):
+        raise UserError("model and draft must be loaded models (load_pair, load, load_draft), draft or None")
+    if isinstance(model, DFlashDraftModel) or not (draft is None or isinstance(draft, DFlashDraftModel)):
+        raise UserError("give the target first and its DFlash drafter second (as load_pair returns them)")
     layer_ids = draft.config.target_layer_ids if draft is not None else []
     if isinstance(model, Target):
         if list(model.layer_ids) != list(layer_ids):

@@ -980,7 +980,14 @@ def warm_up(model, draft, context: int = 64) -> None:
     GPU), they are then compiled, or read from the kernel cache, before the first answer instead of
     during it. The pair's costs are measured first where they are not yet (they warm up as they go)."""
     target = prepare(model, draft)
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise UserError(f"context must be a whole number of tokens, 1 or more, got {context!r}")
     costs = costs_for(target, draft)
+    if context + max(costs.widths) > (length := context_length(target) or 1 << 62):
+        raise UserError(
+            f"context leaves no room for the widest pass ({max(costs.widths)} tokens) in the model's "
+            f"{length}: give at most {length - max(costs.widths)}"
+        )
     cache = SpeculativeCache(target, draft)
     tokens = mx.random.randint(0, target.vocab_size, (context + max(costs.widths),), key=mx.random.key(0))
     cache.prefill(tokens[:context].tolist())

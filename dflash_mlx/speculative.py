@@ -281,10 +281,7 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     if tokenizer is None and isinstance(prompt, str):
         raise UserError("a string prompt needs a tokenizer")
-    if not isinstance(model, (nn.Module, Target)) or not (draft is None or isinstance(draft, nn.Module)):
-        raise UserError("model and draft must be loaded models (load_pair, load, load_draft), draft or None")
-    if isinstance(model, DFlashDraftModel) or not (draft is None or isinstance(draft, DFlashDraftModel)):
-        raise UserError("give the target first and its DFlash drafter second (as load_pair returns them)")
+    target = prepare(model, draft)  # (models swapped, or not models: said before reading the prompt)
     prompt_ids = encode_prompt(tokenizer, prompt)
     if prompt_cache is not None and not isinstance(prompt_cache, SpeculativeCache):
         raise UserError("prompt_cache must be a SpeculativeCache (SpeculativeCache(model, draft))")
@@ -301,7 +298,6 @@ def stream_generate(
         )
     if not prompt_ids and (prompt_cache is None or not prompt_cache.pending):
         raise UserError("the prompt is empty: give at least one token")
-    target = prepare(model, draft)
     if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < target.vocab_size:
         raise UserError(f"prompt token ids must be in 0..{target.vocab_size - 1}")
     if stop is None or isinstance(stop, str):  # (one stop string, not its characters; or none)
@@ -310,6 +306,8 @@ def stream_generate(
         stops = list(stop) if isinstance(stop, abc.Iterable) else [stop]
     if not all(isinstance(s, str) for s in stops):
         raise UserError(f"stop must be a string or a list of strings, got {stop!r}")
+    if stops and tokenizer is None:  # (without one there is no text to find them in)
+        raise UserError("stop strings are found in the answer's text: give a tokenizer, or leave stop out")
     if block_size is not None and block_size > 1 and draft is None:
         raise UserError("block_size drafts a block: give a drafter (draft), or leave block_size out")
     if prompt_cache is not None and (

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tiny import _COMMON, make_draft, make_target, make_tokenizer, prompt_of
 
-from dflash_mlx import SpeculativeCache, UserError, generate, stream_generate
+from dflash_mlx import SpeculativeCache, UserError, generate, stream_generate, warm_up
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +115,24 @@ def test_arguments_of_the_wrong_shape_or_kind_are_refused_by_name(model):
             generate(model, draft, tok, [5, 6], **{name: "no"})
     with pytest.raises(UserError, match="a sampler replaces temperature, top_p, top_k and min_p"):
         generate(model, draft, tok, [5, 6], sampler=lambda logprobs: mx.argmax(logprobs, -1), temperature=0.7)
-    with pytest.raises(UserError, match="give the target first and its DFlash drafter second"):
-        generate(draft, model, tok, [5, 6])
+    for swapped in (  # (each once failed on an attribute deep inside)
+        lambda: generate(draft, model, tok, [5, 6]),
+        lambda: SpeculativeCache(draft, model),
+        lambda: warm_up(draft, model),
+    ):
+        with pytest.raises(UserError, match="give the target first and its DFlash drafter second"):
+            swapped()
+    with pytest.raises(UserError, match="model and draft must be loaded models"):
+        SpeculativeCache(model, tok)
+    with pytest.raises(UserError, match="stop strings are found in the answer's text: give a tokenizer"):
+        generate(model, draft, None, [5, 6], stop="w5")
+    for context in (0, -5, 8.5, True):
+        with pytest.raises(
+            UserError, match=f"context must be a whole number of tokens, 1 or more, got {context}"
+        ):
+            warm_up(model, draft, context=context)
+    with pytest.raises(UserError, match="context leaves no room for the widest pass"):
+        warm_up(model, draft, context=10**9)
     with pytest.raises(UserError, match="tokenizer must be the target's tokenizer"):
         generate(model, draft, "tokenizer", "hi")
     for window in (2.5, "x", 0, 2**31):
@@ -156,8 +172,9 @@ def test_models_named_by_something_else_than_a_string_and_bad_dtypes_are_refused
     for call in (lambda: load(None), lambda: load_draft(5), lambda: load_pair(None)):
         with pytest.raises(UserError, match="with a string \\(a registry name"):
             call()
-    with pytest.raises(UserError, match="dtype must be 'auto', None, one of"):
-        load_pair("smollm2-135m-instruct", dtype=5)
+    for dtype in (5, mx.int32, mx.bool_):  # (an integer model would be written, then fail in its norms)
+        with pytest.raises(UserError, match="dtype must be 'auto', None, one of .* or a floating mx.Dtype"):
+            load_pair("smollm2-135m-instruct", dtype=dtype)
 
 
 def test_a_sampler_failing_at_the_first_token_leaves_the_cache_refused(model):
