@@ -68,7 +68,7 @@ def _shown(value) -> str:
 def check_resume(out: Path, run: dict, given: dict, init: str | None) -> None:
     """A resumed run keeps its recipe and architecture, so that its curve continues: an option given on
     the new command (TrainConfig names; None: not given) that differs from the run's is refused, as is
-    --init, rather than ignored."""
+    an --init drafter of another architecture, rather than ignored."""
     differ = []
     for key, mine in given.items():
         if mine is None:
@@ -80,13 +80,15 @@ def check_resume(out: Path, run: dict, given: dict, init: str | None) -> None:
         )
         if mine != theirs:
             differ.append(f"{flag(key)} {_shown(mine)} (the run's: {_shown(theirs)})")
-    if init:
-        differ.append("--init (the run goes on from its own checkpoint)")
+    if init:  # (the command that started the run, given again, goes on with it)
+        start = load_draft(init).config
+        if any(getattr(start, name) != getattr(run["config"], name) for name in ARCHITECTURE.values()):
+            differ.append(f"--init {init} (another architecture than the run's)")
     if differ:
         raise UserError(
             f"{out} is a run at step {run['step']}, which keeps its recipe and architecture: "
-            f"{'; '.join(differ)}. Leave them out to resume it, or give --out a new folder (to start from "
-            "this run, export it and pass it to --init)"
+            f"{'; '.join(differ)}. Leave {'it' if len(differ) == 1 else 'them'} out to resume it, or give "
+            "--out a new folder (to start from this run, export it and pass it to --init)"
         )
 
 
@@ -373,6 +375,8 @@ def prepare_run(
         }
         check_resume(out, run, recipe, init)
         notes = [f"resuming {out} at step {run['step']} of {control['steps']}"]
+        if init:
+            notes[0] += " (from its own checkpoint, not from --init again)"
         # Before loading the target (train() checks again, for callers from Python).
         check_same_data(run, data_fingerprint(usable_sequences(seqs, TrainConfig(**run["train_config"]))))
         if run["step"] >= control["steps"]:

@@ -1173,14 +1173,14 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert r.exit_code == 0, r.output
     r = run(
         f"{first} --steps 5 --lr 0.01 --layers 2 --vocab bogus --warmup 2 --target-layer-ids 0,1 "
-        f"--init {tmp_path}/exported"
+        f"--init {root}/draft"
     )
     assert r.exit_code == 1 and "keeps its recipe and architecture: --lr 0.01 (the run's: 0.001)" in r.stderr
     assert (
         "--vocab bogus (the run's: full); --layers 2 (the run's: 1); --target-layer-ids 0,1 (the run's: 2);"
         in (r.stderr)
     )  # (layer ids as typed, not as a Python list)
-    assert "; --init (the run goes on" in r.stderr
+    assert f"; --init {root}/draft (another architecture than the run's). Leave them out" in r.stderr
     assert "--warmup" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run(f"{first} --steps 5 --eval-every 1 --warmup 2 --block-size 4")
     assert r.exit_code == 0, r.output
@@ -1191,6 +1191,14 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
 
     lr = schedule(TrainConfig(lr=1e-3, warmup=2, steps=5))  # the run's schedule, stretched to the new --steps
     np.testing.assert_allclose([x["lr"] for x in log[3:]], [lr(3).item(), lr(4).item()], rtol=1e-5)
+    # a run started from a drafter goes on with the command that started it (the docs' recipe)
+    started = f"train run {data} -o {tmp_path}/from-init -m {root}/target --eval-prompts 0"
+    started += f" --init {tmp_path}/exported"
+    assert run(f"{started} --steps 2 --warmup 1").exit_code == 0
+    r = run(f"{started} --steps 3 --warmup 1")
+    assert (
+        r.exit_code == 0 and "at step 2 of 3 (from its own checkpoint, not from --init again)" in r.stderr
+    ), r.output
     r = run(first)  # nothing given: the run's own settings, and it is done
     assert r.exit_code == 0, r.output
     assert "at step 5 of 5" in r.stderr and "nothing to train" in r.stderr and "is not used" not in r.stderr
