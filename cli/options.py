@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from typing import Annotated
@@ -134,6 +135,23 @@ def reader_gone():
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         raise typer.Exit(141) from None
+
+
+@contextmanager
+def terminated_as_interrupted():
+    """SIGTERM (`kill`, `timeout`, a job scheduler) stops the work as Ctrl-C does, keeping what is done;
+    yields a list that holds the signal once one came, for the exit code (143 rather than 130)."""
+    came = []
+
+    def on_term(signum, frame):
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager

@@ -39,6 +39,7 @@ from .options import (
     first_prompts,
     progress_bar,
     stderr,
+    terminated_as_interrupted,
     user_errors,
 )
 
@@ -96,7 +97,7 @@ def data(
             speed = tokens / (time.perf_counter() - tic)
             return f"{_sequences(len(seqs))} in {out} ({tokens} new answer tokens, {speed:.0f} tokens/s)"
 
-        with progress_bar("generating answers") as bar:
+        with progress_bar("generating answers") as bar, terminated_as_interrupted() as terminated:
             task = bar.add_task("", total=total, completed=done)
             try:
                 generate_data(
@@ -118,7 +119,7 @@ def data(
             except KeyboardInterrupt:  # what is on disk is whole answers (see generate_data)
                 bar.stop()
                 typer.echo(f"stopped: {made()}; run the same command to go on", err=True)
-                raise typer.Exit(130) from None
+                raise typer.Exit(143 if terminated else 130) from None
             bar.update(task, completed=total)  # done: prompts skipped as too long never count towards the bar
     typer.echo(made())
 
