@@ -18,7 +18,7 @@ from dflash_mlx.data import (
     prompt_source,
     resume_point,
     shards_tokenizer,
-    training_data,
+    training_sets,
 )
 from dflash_mlx.errors import AlreadyExists, UserError
 from dflash_mlx.loading import load, load_pair, read_config, template_kwargs
@@ -146,8 +146,8 @@ def phrases(
         if (folder / FILE).exists() and not force:
             raise AlreadyExists(f"{out} holds a phrase table already (pass --force to replace it)")
         seqs, made = [], set()
-        for d in data:
-            seqs += training_data(d)
+        for d, found in training_sets(data):
+            seqs += found
             made.add(shards_tokenizer(d))
         if len(made - {""}) > 1:
             raise UserError("the --data folders come from targets with other vocabularies: give one target's")

@@ -323,6 +323,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
+def training_sets(folders: list[str]) -> list[tuple[str, list[tuple[list[int], int]]]]:
+    """(folder, its sequences) for each folder given as --data; one given twice is refused (its
+    sequences would count twice, the held-out ones among them)."""
+    seen = {}
+    for folder in folders:
+        same = seen.setdefault(Path(folder).expanduser().resolve(), folder)
+        if same is not folder:
+            raise UserError(f"--data {folder} is {same} again: give each folder once")
+    return [(folder, training_data(folder)) for folder in folders]
+
+
 def training_data(folder: str) -> list[tuple[list[int], int]]:
     """The sequences of a folder given as --data, or one line saying what to give instead."""
     path = Path(folder).expanduser()

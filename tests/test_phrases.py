@@ -212,6 +212,17 @@ def test_train_phrases_writes_the_table_beside_the_drafter_and_refuses_what_cann
         (["--data", str(tmp_path / "nowhere"), "-o", str(tmp_path / "draft")], "no folder"),
         (["--data", "", "-o", str(tmp_path / "draft")], "--data is empty"),
         (
+            [
+                "--data",
+                str(tmp_path / "data"),
+                "--data",
+                f"{tmp_path}/./data/",
+                "-o",
+                str(tmp_path / "draft"),
+            ],
+            f"--data {tmp_path}/./data/ is {tmp_path / 'data'} again: give each folder once",
+        ),
+        (
             ["--data", str(tmp_path / "draft" / "config.json"), "-o", str(tmp_path / "draft")],
             "is a file: --data",
         ),
