@@ -75,6 +75,11 @@ def data(
         if limit is not None and limit < 0:
             raise UserError(f"--limit must be >= 0, got {limit}")
         limit = limit or None  # (0: all, as bench takes it)
+        if source == "sharegpt-heldout":  # (τ measured on what it trained on would read too high)
+            raise UserError(
+                "sharegpt-heldout is kept out of training: `train run` and `train eval` measure acceptance "
+                "on it. Train on sharegpt or sharegpt-followup"
+            )
         check_data_options(out, batch_size, shard_size, max_new_tokens, max_prompt_tokens, limit, temp)
         prompts = prompt_source(source)
         total = min(limit or len(prompts), len(prompts))

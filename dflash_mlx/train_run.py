@@ -236,7 +236,9 @@ class PreparedRun:
     def done(self) -> bool:
         return self.step >= self.cfg.steps
 
-    def evaluate(self, draft: DFlashDraftModel) -> dict:
+    def evaluate(self, draft: DFlashDraftModel, note: Callable[[str], None] = _stderr) -> dict:
+        # (minutes on a CPU, where a short run's steps took seconds: said, so it does not look stuck)
+        note(f"measuring acceptance on {len(self.held_out)} held-out prompts (--eval-prompts) ...")
         target = Target(self.target, draft.config.target_layer_ids)
         return {
             "tau": tau_on_prompts(
@@ -289,7 +291,7 @@ class PreparedRun:
                     self.cfg,
                     draft=self.init,
                     on_step=step_done,
-                    evaluate=self.evaluate if self.held_out else None,
+                    evaluate=(lambda draft: self.evaluate(draft, note)) if self.held_out else None,
                     feature_cache_gb=self.feature_cache_gb,
                     stop=lambda: asked is not None,
                 )

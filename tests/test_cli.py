@@ -1065,6 +1065,10 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert r.exit_code == 1 and "none of the 4 prompts fits in 2 tokens" in r.stderr
     r = run(f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/d2 --limit -3")
     assert r.exit_code == 1 and "--limit must be >= 0, got -3" in r.stderr
+    r = run(
+        f"train data -m {root}/target --source sharegpt-heldout -o {tmp_path}/d3"
+    )  # (what τ is measured on)
+    assert r.exit_code == 1 and "sharegpt-heldout is kept out of training" in r.stderr
     (tmp_path / "a-file").write_text("x")
     for flags, line in (
         (f"-o {tmp_path}/a-file", "is a file: give a folder"),
@@ -1173,6 +1177,7 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "2 of the 8 held-out prompts do not fit the target's context of 64 tokens" in r.stderr
+    assert "measuring acceptance on 6 held-out prompts (--eval-prompts) ..." in r.stderr  # (not silent)
     assert "tau check failed" not in r.output and "tau" in json.loads(
         (tmp_path / "short-run" / "log.jsonl").read_text().splitlines()[-1]
     )
