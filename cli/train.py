@@ -25,8 +25,9 @@ from dflash_mlx.loading import load, load_pair, read_config, template_kwargs
 from dflash_mlx.models.dflash import is_drafter_config
 from dflash_mlx.models.targets import Target
 from dflash_mlx.phrases import FILE, MIN_COUNT, Phrases
+from dflash_mlx.platform import ctrl_c_in_mlx
 from dflash_mlx.settings import GenerationSettings
-from dflash_mlx.train_run import prepare_run, tau_on_prompts
+from dflash_mlx.train_run import answers_on_prompts, prepare_run, tau_of
 
 from .options import (
     DEMO,
@@ -355,23 +356,33 @@ def evaluate(
         ).answering()
         ps = first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
+        answers, interrupted = [], False
         with progress_bar("answering prompts") as bar:
             task = bar.add_task("", total=len(ps))
-            r = tau_on_prompts(
-                target,
-                drafter,
-                tokenizer,
-                ps,
-                settings,
-                template_kwargs=template_kwargs(model, think, tokenizer),
-                progress=lambda k: bar.update(task, completed=k),
-            )
+            kwargs = template_kwargs(model, think, tokenizer)
+            try:
+                with ctrl_c_in_mlx():
+                    for answer in answers_on_prompts(target, drafter, tokenizer, ps, settings, kwargs):
+                        answers.append(answer)
+                        bar.update(task, completed=len(answers))
+            except KeyboardInterrupt:  # (the prompts answered so far are measured: hours on a CPU)
+                interrupted = True
+        if not answers:
+            raise typer.Exit(130)
+    r = tau_of(answers)
     r.update(
-        prompts=prompts, n_prompts=len(ps), block_size=block_size or drafter.block_size, temperature=temp
+        prompts=prompts,
+        n_prompts=len(answers),
+        block_size=block_size or drafter.block_size,
+        temperature=temp,
+        interrupted=interrupted,
     )
+    stopped = f", stopped after {len(answers)} of {len(ps)}" if interrupted else ""
     typer.echo(
         json.dumps(r)
         if as_json
         else f"tau {r['tau']:.2f} over {r['cycles']} cycles, {r['tokens']} tokens, "
-        f"{counted(len(ps), 'prompt')} ({prompts}, block {r['block_size']}, temperature {temp})"
+        f"{counted(len(answers), 'prompt')} ({prompts}, block {r['block_size']}, temperature {temp}{stopped})"
     )
+    if interrupted:
+        raise typer.Exit(130)

@@ -16,7 +16,7 @@ import json
 import shutil
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -168,42 +168,45 @@ def export(checkpoint: str | Path, dest: str | Path) -> Path:
     return path
 
 
-def tau_on_prompts(
+def answers_on_prompts(
     target: Target,
     draft,
     tokenizer,
     prompts,
     settings: GenerationSettings | None = None,
     template_kwargs: dict | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> dict:
-    """Real acceptance length: stream_generate over chat prompts (default settings: greedy, 128 tokens; a
-    sampled answer k is seeded with the settings' seed + k); also tokens generated. `progress(k)` is called
-    after each of them (k done). τ is the drafter's own: a fixed block, its block size unless the settings
-    name one."""
+) -> Iterator:
+    """Each chat prompt's answer from stream_generate, in turn (default settings: greedy, 128 tokens; a
+    sampled answer k is seeded with the settings' seed + k), the drafter's own: a fixed block, its block
+    size unless the settings name one."""
     settings = (settings or GenerationSettings(max_tokens=128)).answering()
     if settings.block_size is None:
         settings = replace(settings, block_size=draft.block_size)
-    acc, n = [], 0
     for k, messages in enumerate(prompts):
         seed = (settings.seed or 0) + k if settings.temperature else None
-        r = generate(
+        yield generate(
             target,
             draft,
             tokenizer,
             apply_chat_template(tokenizer, messages, **(template_kwargs or {})),
             **asdict(replace(settings, seed=seed)),
         )
-        acc += r.acceptance_lengths
-        n += len(r.tokens)
-        if progress is not None:
-            progress(k + 1)
+
+
+def tau_of(answers: list) -> dict:
+    """Real acceptance length over answers (their cycles together); also tokens generated."""
+    acc = [a for r in answers for a in r.acceptance_lengths]
     return {
         "tau": sum(acc) / max(len(acc), 1),
         "cycles": len(acc),
-        "tokens": n,
+        "tokens": sum(len(r.tokens) for r in answers),
         "histogram": {int(k): int(v) for k, v in zip(*np.unique(acc, return_counts=True))},
     }
+
+
+def tau_on_prompts(target: Target, draft, tokenizer, prompts, settings=None, template_kwargs=None) -> dict:
+    """`tau_of` the answers to every prompt (`answers_on_prompts`)."""
+    return tau_of(list(answers_on_prompts(target, draft, tokenizer, prompts, settings, template_kwargs)))
 
 
 @dataclass

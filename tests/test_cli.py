@@ -962,7 +962,7 @@ def test_models_counts_only_model_folders_as_on_this_machine(tmp_path, monkeypat
     assert here()["local"]["target"] == 3002
 
 
-def test_train_eval_reports_the_acceptance_of_real_runs(pair):
+def test_train_eval_reports_the_acceptance_of_real_runs(pair, monkeypatch):
     root, _ = pair
     r = run(
         f"train eval -d {root}/draft -m {root}/target --prompts {root}/prompts.jsonl --limit 3 "
@@ -984,6 +984,28 @@ def test_train_eval_reports_the_acceptance_of_real_runs(pair):
     )
     assert got["tau"] == pytest.approx(sum(lengths) / len(lengths))
     assert "answering prompts" in r.stderr and "3/3" in r.stderr  # the progress bar, finished
+    # Ctrl-C in the third prompt: the two answered are measured (a long set takes hours on a CPU)
+    import dflash_mlx.train_run as train_run
+
+    answered = []
+
+    def ctrl_c_in_the_third(*args, **kwargs):
+        answered.append(1)
+        if len(answered) == 3:
+            raise KeyboardInterrupt
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(train_run, "generate", ctrl_c_in_the_third)
+    r = run(
+        f"train eval -d {root}/draft -m {root}/target --prompts {root}/prompts.jsonl --limit 3 "
+        "--block-size 5 --max-tokens 12"
+    )
+    lengths = [a for x in runs[:2] for a in x.acceptance_lengths]
+    tokens = len(runs[0].tokens) + len(runs[1].tokens)
+    assert r.exit_code == 130 and r.stdout == (
+        f"tau {sum(lengths) / len(lengths):.2f} over {len(lengths)} cycles, {tokens} "
+        f"tokens, 2 prompts ({root}/prompts.jsonl, block 5, temperature 0.0, stopped after 2 of 3)\n"
+    )
 
 
 def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
