@@ -27,6 +27,7 @@ from dflash_mlx.models.targets import Target
 from dflash_mlx.phrases import FILE, MIN_COUNT, Phrases
 from dflash_mlx.platform import ctrl_c_in_mlx
 from dflash_mlx.settings import GenerationSettings
+from dflash_mlx.train import saved_run
 from dflash_mlx.train_run import answers_on_prompts, prepare_run, tau_of
 
 from .options import (
@@ -148,6 +149,11 @@ def phrases(
             raise UserError(
                 f"{out} is not a drafter's folder (a DFlash config.json): give -o the drafter's folder the "
                 "table is for"
+            )
+        if folder.resolve().name == "checkpoint" and saved_run(folder.resolve().parent) is not None:
+            raise UserError(
+                f"{out} is a training run's checkpoint, which its next one replaces: write the table into "
+                "the drafter the run exports (`train run ... --export DIR`, then `train phrases -o DIR`)"
             )
         if (folder / FILE).exists() and not force:
             raise AlreadyExists(f"{out} holds a phrase table already (pass --force to replace it)")

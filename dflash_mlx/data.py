@@ -348,6 +348,12 @@ def training_data(folder: str) -> list[tuple[list[int], int]]:
     if not path.is_dir():
         raise NotFound(f"no folder {folder}: make sequences with `dflash-mlx train data -o {folder}`")
     found = load_shards(path)
+    others = sorted(p.name for p in path.iterdir() if not p.name.startswith((".", "shard-")))
+    if not found and others:  # (a run's or a model's folder given by mistake)
+        raise UserError(
+            f"{folder} holds no training sequences but other files ({', '.join(others[:3])}): give a folder "
+            "`dflash-mlx train data` wrote"
+        )
     if not found:
         raise UserError(
             f"{folder} holds no training sequences: make some with `dflash-mlx train data -o {folder}`"

@@ -1168,6 +1168,10 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     )
     assert r.exit_code == 0 and "tau" in r.stdout, r.output
     assert (tmp_path / "exported" / "model.safetensors").exists()
+    r = run(
+        f"train phrases --data {tmp_path}/data -o {tmp_path}/ok/checkpoint"
+    )  # (the next checkpoint drops it)
+    assert r.exit_code == 1 and "is a training run's checkpoint, which its next one replaces" in r.stderr
     # --export replaces an older drafter, but never a folder holding anything else (checked before training).
     again = f"train run {data} -o {tmp_path}/ok -m {root}/target {tiny} --steps 3"
     r = run(f"{again} --export {tmp_path}/exported")  # the finished run again: exported over the last export

@@ -212,6 +212,10 @@ def test_train_phrases_writes_the_table_beside_the_drafter_and_refuses_what_cann
         (["--data", str(tmp_path / "nowhere"), "-o", str(tmp_path / "draft")], "no folder"),
         (["--data", "", "-o", str(tmp_path / "draft")], "--data is empty"),
         (
+            ["--data", str(tmp_path / "draft"), "-o", str(tmp_path / "draft")],  # (a drafter's folder)
+            "holds no training sequences but other files (config.json",
+        ),
+        (
             [
                 "--data",
                 str(tmp_path / "data"),
