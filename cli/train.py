@@ -94,7 +94,7 @@ def data(
         target, tokenizer = load(model)
         Target(target)  # a family `train run` cannot use is refused before hours of generation
         if batch_size is None:
-            batch_size = answer_rows(target, max_prompt_tokens + max_new_tokens)
+            batch_size = max(1, min(answer_rows(target, max_prompt_tokens + max_new_tokens), total - done))
             typer.echo(f"answering {batch_size} prompts at a time (--batch-size)", err=True)
         before, tic = _answer_tokens(load_shards(folder)), time.perf_counter()
 
@@ -331,11 +331,14 @@ def run(
 
 def _layer_ids(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",")]
+        ids = [int(x) for x in text.split(",")]
     except ValueError:
         raise UserError(
             f"--target-layer-ids takes comma-separated layer numbers, e.g. 1,14,27; got {text!r}"
         ) from None
+    if len(set(ids)) < len(ids):  # (a layer's features twice: a wider input that adds nothing)
+        raise UserError(f"--target-layer-ids names a layer twice: {text}")
+    return ids
 
 
 @app.command("eval")

@@ -32,6 +32,7 @@ from .errors import NotFound, UserError
 from .files import check_writable
 from .hub import download
 from .platform import backend, ctrl_c_in_mlx, device_memory
+from .settings import GenerationSettings
 
 SHAREGPT_HELDOUT = 100  # the last 100 usable ShareGPT conversations are kept for evaluation
 
@@ -638,8 +639,7 @@ def check_data_options(
             raise UserError(f"{name} must be at least 1, got {value}")
     if limit is not None and limit < 0:
         raise UserError(f"limit cannot be negative, got {limit}")
-    if not 0 <= temperature <= 100:
-        raise UserError(f"temperature must be between 0 and 100, got {temperature}")
+    GenerationSettings(temperature=temperature)  # (its range and its words, as every command's)
     check_writable(folder)  # (a file, or a place where no folder can be made)
     others = sorted(p.name for p in Path(folder).glob("*") if not p.name.startswith("shard-"))
     if others:  # (a model folder given by mistake, say)

@@ -270,6 +270,8 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     assert r.exit_code == 1 and "max_tokens must be >= 1" in r.stderr
     r = run(f"train run --data {root}/nowhere -o {root}/run --target-layer-ids 1,a")
     assert r.exit_code == 1 and "--target-layer-ids takes comma-separated layer numbers" in r.stderr
+    r = run(f"train run --data {root}/nowhere -o {root}/run --target-layer-ids 1,1")
+    assert r.exit_code == 1 and "--target-layer-ids names a layer twice: 1,1" in r.stderr
     for args in (
         "--hidden 32",
         "--cycles 0",

@@ -857,7 +857,7 @@ def test_sampled_answers_follow_their_seed_alone_through_a_resume_and_any_batch(
     # Each answer draws from its seed and its prompt's place only: other batches and shards alike.
     assert answers("f", temperature=1.0, seed=1, batch_size=2, shard_size=4) == sampled
     assert answers("g", temperature=1.0, seed=1, batch_size=6, shard_size=1) == sampled
-    with pytest.raises(ValueError, match="temperature must be between 0 and 100, got -1"):
+    with pytest.raises(ValueError, match="temperature must be a number from 0 to 10000, got -1"):
         answers("e", temperature=-1)
 
 
