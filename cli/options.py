@@ -123,7 +123,9 @@ def warm(target, drafter, console: Console, adaptive: bool = True) -> None:
         with busy(console, "warming up: each pass shape once (compiled kernels are kept for next time) ..."):
             warm_up(target, drafter)
     elif adaptive and not costs_path(pair := prepare(target, drafter), drafter).exists():
-        with busy(console, "measuring this machine's costs for the pair (once, about half a minute) ..."):
+        with busy(
+            console, "measuring this machine's costs for the pair (once: half a minute to a few minutes) ..."
+        ):
             costs_for(pair, drafter)
 
 
