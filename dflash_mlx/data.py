@@ -329,16 +329,17 @@ def training_sets(folders: list[str]) -> list[tuple[str, list[tuple[list[int], i
     sequences would count twice, the held-out ones among them)."""
     seen = {}
     for folder in folders:
-        same = seen.setdefault(Path(folder).expanduser().resolve(), folder)
-        if same is not folder:
-            raise UserError(f"--data {folder} is {same} again: give each folder once")
+        where = Path(folder).expanduser().resolve()
+        if where in seen:
+            raise UserError(f"--data {folder} is {seen[where]} again: give each folder once")
+        seen[where] = folder
     return [(folder, training_data(folder)) for folder in folders]
 
 
 def training_data(folder: str) -> list[tuple[list[int], int]]:
     """The sequences of a folder given as --data, or one line saying what to give instead."""
     path = Path(folder).expanduser()
-    if not folder.strip():  # (as a path, the current folder)
+    if not str(folder).strip():  # (as a path, the current folder)
         raise UserError("--data is empty: give a folder `dflash-mlx train data` wrote")
     if path.exists() and not path.is_dir():
         made = f" (make one from these prompts: `dflash-mlx train data --source {folder} -o FOLDER`)"
