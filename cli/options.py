@@ -110,7 +110,7 @@ def busy(console: Console, text: str):
         with console.status(text):
             yield
     else:
-        console.print(text, highlight=False)
+        console.print(text, highlight=False, soft_wrap=True)  # (one line, however long)
         yield
 
 
