@@ -65,7 +65,8 @@ def convert(
             raise UserError("the output folder needs a name")
         out_path, src = Path(output).expanduser().resolve(), Path(source).expanduser().resolve()
         if src.exists() and (out_path == src or out_path in src.parents):
-            raise UserError(f"{output} holds {source}: write to another folder (it would be replaced)")
+            what = "is" if out_path == src else "holds"
+            raise UserError(f"{output} {what} {source}: write to another folder (it would be replaced)")
         if src.is_dir() and src in out_path.parents:  # (the source folder would then hold its copy)
             raise UserError(f"{output} is inside {source}: write to a folder outside it")
         if out_path.exists() and not force:  # before any download
