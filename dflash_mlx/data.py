@@ -399,6 +399,7 @@ def _write_shard(
 ) -> None:
     tokens = np.concatenate([np.asarray(s, dtype=np.uint32) for s, _ in seqs])
     offsets = np.cumsum([0] + [len(s) for s, _ in seqs])
+    folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".shard-{index:05d}.tmp.npz"
     np.savez_compressed(
         tmp,
@@ -678,8 +679,7 @@ def generate_data(
     the resume point counts prompts of the first one.
     """
     check_data_options(folder, batch_size, shard_size, max_new_tokens, max_prompt_tokens, limit, temperature)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = Path(folder)  # (made with its first shard: a run that fails before one leaves nothing)
     prompts = list(prompts)
     made_from = prompts_fingerprint(prompts)
     settings = data_settings(max_new_tokens, temperature, seed, template_kwargs)

@@ -1087,6 +1087,7 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
         f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/long --max-prompt-tokens 2"
     )  # every templated prompt is longer: an error, not "0 sequences"
     assert r.exit_code == 1 and "none of the 4 prompts fits in 2 tokens" in r.stderr
+    assert not (tmp_path / "long").exists()  # (a failed first run leaves no empty folder behind)
     r = run(f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/d2 --limit -3")
     assert r.exit_code == 1 and "--limit must be >= 0, got -3" in r.stderr
     r = run(
