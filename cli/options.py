@@ -165,13 +165,27 @@ def user_errors():
         with reader_gone():
             yield
     except (UserError, OSError) as e:
-        typer.secho(f"error: {e}", fg="red", err=True)
+        typer.secho(f"error: {flagged(str(e))}", fg="red", err=True)
         raise typer.Exit(1) from None
     except RuntimeError as e:
         if str(e) != NO_SUCH_USER:
             raise
         typer.secho(f"error: {NO_USER}", fg="red", err=True)
         raise typer.Exit(1) from None
+
+
+# The settings' errors name the Python parameter; on the command line, the flag that set it (those
+# that mean the same flag in every command: a temperature or a block size is --temps or --block-sizes
+# in bench).
+FLAGS = ("max_tokens", "top_p", "top_k", "min_p", "repetition_penalty", "draft_window", "tree", "seed")
+
+
+def flagged(message: str) -> str:
+    """An error message that starts with a setting's name ("max_tokens must be ..."), with its flag."""
+    name, space, rest = message.partition(" ")
+    if name in FLAGS and rest.startswith("must "):
+        return "--" + name.replace("_", "-") + space + rest
+    return message
 
 
 NO_SUCH_USER = "Could not determine home directory."  # (pathlib's, expanding ~name for no such user)

@@ -93,7 +93,7 @@ def test_generate_takes_mlx_lms_repetition_penalty_with_the_drafter_and_without(
         assert r.exit_code == 0, r.output
         assert r.stdout.split() == [f"w{t}" for t in ref if t != 95]
     r = run(f"generate -m {root}/target -d {root}/draft -p w5 --repetition-penalty 0")
-    assert r.exit_code == 1 and "repetition_penalty must be from 0.01 to 100 (1: none), got 0" in r.stderr
+    assert r.exit_code == 1 and "--repetition-penalty must be from 0.01 to 100 (1: none), got 0" in r.stderr
 
 
 def test_generate_ends_at_a_stop_string_with_the_drafter_and_without(pair):
@@ -257,17 +257,17 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
     r = run(f"{gen} --temp -1")
     assert r.exit_code == 1 and "temperature must be a number from 0 to 10000" in r.stderr
     r = run(f"{gen} --top-p 2")
-    assert r.exit_code == 1 and "top_p must be from 0 to 1, got 2" in r.stderr
+    assert r.exit_code == 1 and "--top-p must be from 0 to 1, got 2" in r.stderr
     r = run(f"{gen} --max-tokens -1")  # mlx-lm reads -1 as "no limit"
-    assert r.exit_code == 1 and "max_tokens must be >= 0" in r.stderr
+    assert r.exit_code == 1 and "--max-tokens must be >= 0" in r.stderr
     r = run(f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --limit -1")
     assert r.exit_code == 1 and "--limit must be >= 0" in r.stderr
     r = run(
         f"train eval -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 0"
     )  # would report "tau 0.00 over 0 cycles"
-    assert r.exit_code == 1 and "max_tokens must be >= 1, got 0" in r.stderr
+    assert r.exit_code == 1 and "--max-tokens must be >= 1, got 0" in r.stderr
     r = run(f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 0")
-    assert r.exit_code == 1 and "max_tokens must be >= 1" in r.stderr
+    assert r.exit_code == 1 and "--max-tokens must be >= 1" in r.stderr
     r = run(f"train run --data {root}/nowhere -o {root}/run --target-layer-ids 1,a")
     assert r.exit_code == 1 and "--target-layer-ids takes comma-separated layer numbers" in r.stderr
     r = run(f"train run --data {root}/nowhere -o {root}/run --target-layer-ids 1,1")
@@ -303,7 +303,7 @@ def test_generate_and_profile_take_a_draft_window(pair):
         "profile --draft-window 99999999999",
     ):
         r = run(f"{bad} -m {root}/target -d {root}/draft")
-        assert r.exit_code == 1 and "draft_window must be from 1 to 2**30" in r.stderr, r.output
+        assert r.exit_code == 1 and "--draft-window must be from 1 to 2**30" in r.stderr, r.output
     for shaping in ("--hidden 64", "--cycles 3 --layers 2"):  # (they shape the random pair alone)
         for other in ("", "--draft-window 64"):
             r = run(f"profile -m {root}/target -d {root}/draft {other} {shaping}")
@@ -625,7 +625,7 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
         for args, message in (
             (f"-o {tmp_path}/afile", "--out"),
             ("--temps nan", "temperature must be a number from 0 to 10000, got nan"),
-            ("--max-tokens 0", "max_tokens must be >= 1, got 0"),
+            ("--max-tokens 0", "--max-tokens must be >= 1, got 0"),
             (f"-o {tmp_path}/afile/sub", f"cannot write to --out {tmp_path}/afile/sub"),
             ("-o '  '", "--out needs a folder's name"),
             ("--prompts ''", "the prompt source is empty"),  # (not the current folder)
