@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dflash_mlx.data import prompt_source
-from dflash_mlx.errors import UserError
+from dflash_mlx.errors import UserError, unpaired_surrogate
 from dflash_mlx.pairing import prepare
 from dflash_mlx.platform import backend
 from dflash_mlx.policy import costs_for, costs_path, warm_up
@@ -198,13 +198,11 @@ def mix_text(mix: dict) -> str:
 
 
 def check_utf8(text: str, what: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # bytes that are not UTF-8 arrive from stdin as lone surrogates
+    if (at := unpaired_surrogate(text)) is not None:  # (bytes that are not UTF-8, from stdin)
         raise UserError(
-            f"{what} is not UTF-8 text (a stray byte at character {e.start}): convert it "
+            f"{what} is not UTF-8 text (a stray byte at character {at}): convert it "
             "first, e.g. with iconv -f latin1 -t utf-8"
-        ) from None
+        )
 
 
 def first_prompts(source: str, limit: int | None) -> list:

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .cache import SpeculativeCache
-from .errors import UserError
+from .errors import UserError, unpaired_surrogate
 from .files import atomic_file
 from .pairing import context_length, prepare
 from .settings import GenerationSettings
@@ -74,12 +74,10 @@ def _check_messages(messages, system) -> None:
             parts = " (join the parts' text into one string)" if isinstance(content, list) else ""
             raise UserError(f"message {i}'s content must be text, got {type(content).__name__}{parts}")
     for text in [system, *(m.get("content") for m in listed)]:
-        try:
-            (text or "").encode("utf-8")
-        except UnicodeEncodeError as e:
+        if (at := unpaired_surrogate(text or "")) is not None:
             raise UserError(
-                f"an unpaired UTF-16 surrogate ({text[e.start]!r}) in the messages is not text: remove it"
-            ) from None
+                f"an unpaired UTF-16 surrogate ({text[at]!r}) in the messages is not text: remove it"
+            )
 
 
 def chat_text(

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .benchsets import SETS, bench_set, parsed_stdlib
 from .chat import apply_chat_template
-from .errors import NotFound, UserError
+from .errors import NotFound, UserError, unpaired_surrogate
 from .files import check_writable
 from .hub import download
 from .platform import backend, ctrl_c_in_mlx, device_memory
@@ -220,12 +220,9 @@ def jsonl_prompts(path: str | Path) -> list[list[dict]]:
         else:
             raise UserError(f'{where}: expected a "prompt", "messages" or "conversations" field')
         for m in out[-1] if len(out) > before else []:  # (the row's messages, if it gave a prompt)
-            try:
-                m["content"].encode("utf-8")
-            except UnicodeEncodeError as e:  # (JSON's \ud800 escapes decode to lone surrogates)
-                odd = m["content"][e.start]
-                message = f"{where}: an unpaired UTF-16 surrogate ({odd!r}) is not text: remove it"
-                raise UserError(message) from None
+            if (at := unpaired_surrogate(m["content"])) is not None:
+                odd = m["content"][at]
+                raise UserError(f"{where}: an unpaired UTF-16 surrogate ({odd!r}) is not text: remove it")
     if not out:
         why = " (its conversations have no human turn)" if where else ": the file is empty"
         raise UserError(f"{path}: no prompts{why}")
@@ -333,10 +330,10 @@ def training_sets(folders: list[str]) -> list[tuple[str, list[tuple[list[int], i
         if where in seen:
             raise UserError(f"--data {folder} is {seen[where]} again: give each folder once")
         seen[where] = folder
-    return [(folder, training_data(folder)) for folder in folders]
+    return [(folder, _training_data(folder)) for folder in folders]
 
 
-def training_data(folder: str) -> list[tuple[list[int], int]]:
+def _training_data(folder: str) -> list[tuple[list[int], int]]:
     """The sequences of a folder given as --data, or one line saying what to give instead."""
     path = Path(folder).expanduser()
     if not str(folder).strip():  # (as a path, the current folder)

@@ -8,6 +8,17 @@ OSError that callers may already catch.
 """
 
 
+def unpaired_surrogate(text: str) -> int | None:
+    """Where `text` holds an unpaired UTF-16 surrogate, if it does: no text holds one (UTF-8 cannot
+    carry it). A str gets one from a JSON escape ("\\ud800"), or from bytes that were not UTF-8 read
+    with surrogateescape (stdin, file names)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 class UserError(ValueError):
     """Bad input: the message says what is wrong and what to do."""
 

@@ -17,7 +17,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from .errors import AlreadyExists, UserError
+from .errors import AlreadyExists, UserError, unpaired_surrogate
 from .platform import cache_home
 
 
@@ -128,12 +128,10 @@ def _running(pid: int) -> bool:
 def check_utf8_name(path: Path, reading: bool = False) -> None:
     """MLX takes only UTF-8 paths (another name fails inside it with std::bad_cast, or reads as a
     damaged file): say so first."""
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:  # (the name's stray bytes arrive as lone surrogates)
+    if unpaired_surrogate(str(path)) is not None:  # (the name's stray bytes)
         shown = os.fsencode(path).decode("utf-8", "replace")
         doing, advice = ("read", "rename it") if reading else ("write", "give another")
-        raise UserError(f"cannot {doing} {shown}: MLX needs a name in UTF-8, {advice}") from None
+        raise UserError(f"cannot {doing} {shown}: MLX needs a name in UTF-8, {advice}")
 
 
 def _remove(path: Path) -> None:

@@ -204,11 +204,6 @@ def tau_of(answers: list) -> dict:
     }
 
 
-def tau_on_prompts(target: Target, draft, tokenizer, prompts, settings=None, template_kwargs=None) -> dict:
-    """`tau_of` the answers to every prompt (`answers_on_prompts`)."""
-    return tau_of(list(answers_on_prompts(target, draft, tokenizer, prompts, settings, template_kwargs)))
-
-
 @dataclass
 class RunEnd:
     """How a run ended."""
@@ -243,16 +238,11 @@ class PreparedRun:
         # (minutes on a CPU, where a short run's steps took seconds: said, so it does not look stuck)
         note(f"measuring acceptance on {len(self.held_out)} held-out prompts (--eval-prompts) ...")
         target = Target(self.target, draft.config.target_layer_ids)
-        return {
-            "tau": tau_on_prompts(
-                target,
-                draft,
-                self.tokenizer,
-                self.held_out,
-                GenerationSettings(max_tokens=HELD_OUT_TOKENS),
-                template_kwargs(self.model),
-            )["tau"]
-        }
+        settings = GenerationSettings(max_tokens=HELD_OUT_TOKENS)
+        answers = answers_on_prompts(
+            target, draft, self.tokenizer, self.held_out, settings, template_kwargs(self.model)
+        )
+        return {"tau": tau_of(list(answers))["tau"]}
 
     def train(self, on_step: Callable[[dict], None], note: Callable[[str], None]) -> RunEnd:
         """Train to the run's last step, or until a signal stops it; export the drafter if asked and done.

@@ -21,14 +21,15 @@ import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .errors import error_body
+
 log = logging.getLogger("dflash_mlx.server")
 
 
 def _response(status: bytes, message: str) -> bytes:
     """A whole HTTP/1.1 response, the connection closing after it, with an error body as the OpenAI
     API shapes it (the request's path is not known here)."""
-    kind = "server_error" if status.startswith(b"5") else "invalid_request_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+    body = json.dumps(error_body("", int(status[:3]), message)).encode()
     head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (status, len(body))
     retry = b"retry-after: 1\r\n" if status.startswith(b"5") else b""
     return head + retry + b"connection: close\r\n\r\n" + body

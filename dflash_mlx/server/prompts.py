@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 from jinja2 import TemplateError
 
 from ..chat import as_text, chat_text, encode_chat_text, most_chars
+from ..errors import unpaired_surrogate
 from ..speculative import encode_prompt
 from .errors import ApiError
 
@@ -144,16 +145,14 @@ class Prompts:
                 "tokens can hold: shorten the prompt",
                 param=where,
             )
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            character = ascii(text[e.start])[1:-1]
+        if (at := unpaired_surrogate(text)) is not None:
+            character = ascii(text[at])[1:-1]
             raise ApiError(
                 400,
-                f"the prompt holds an unpaired UTF-16 surrogate ({character}, character {e.start} of "
+                f"the prompt holds an unpaired UTF-16 surrogate ({character}, character {at} of "
                 "the prompt): send the text as valid Unicode",
                 param=where,
-            ) from None
+            )
         if chat:
             return encode_chat_text(self.tokenizer, text)
         return encode_prompt(self.tokenizer, text)

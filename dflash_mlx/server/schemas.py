@@ -24,6 +24,7 @@ from pydantic import (
     field_validator,
 )
 
+from ..errors import unpaired_surrogate
 from ..sampling import MAX_TEMPERATURE
 from ..settings import MAX_LOGPROBS
 from .errors import shown
@@ -126,10 +127,8 @@ TokenId = Annotated[int, BeforeValidator(_digits)]  # (a key of a JSON object: a
 def _unicode(stops: list[str]) -> None:
     """Refuses a stop string that no text holds: one with an unpaired UTF-16 surrogate."""
     for stop in stops:
-        try:
-            stop.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("a stop string holds an unpaired UTF-16 surrogate: send valid Unicode") from None
+        if unpaired_surrogate(stop) is not None:
+            raise ValueError("a stop string holds an unpaired UTF-16 surrogate: send valid Unicode")
 
 
 class _OpenAI(_Sampling):
