@@ -21,6 +21,8 @@ from dflash_mlx.bench import (
 from dflash_mlx.errors import UserError
 from dflash_mlx.files import check_writable
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
+from dflash_mlx.pairing import prepare
+from dflash_mlx.policy import batch_sizes, costs_for
 
 from .options import (
     DEMO,
@@ -31,6 +33,7 @@ from .options import (
     NoLookup,
     Think,
     first_prompts,
+    measuring,
     progress_bar,
     stdout,
     user_errors,
@@ -129,6 +132,10 @@ def bench(
                     "note: matplotlib is not installed, so no plot.png (pip install 'dflash-mlx[bench]')",
                     err=True,
                 )
+            if levels is not None or any(b is None for b, _ in grid):  # (not inside the warm-up's bar)
+                with measuring() as shown:
+                    batches = batch_sizes(max(levels)) if levels else ()
+                    costs_for(prepare(target, drafter), drafter, batches, progress=shown)
             with progress_bar("{task.description}") as bar:
                 done = lambda d, _: bar.update(task, completed=d, description="benchmarking")  # noqa: E731
                 if levels is not None:

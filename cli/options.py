@@ -18,7 +18,7 @@ from dflash_mlx.data import prompt_source
 from dflash_mlx.errors import UserError, unpaired_surrogate
 from dflash_mlx.pairing import prepare
 from dflash_mlx.platform import backend
-from dflash_mlx.policy import costs_for, costs_path, warm_up
+from dflash_mlx.policy import costs_for, warm_up
 
 DEMO = "smollm2-135m-instruct"
 
@@ -114,19 +114,38 @@ def busy(console: Console, text: str):
         yield
 
 
-def warm(target, drafter, console: Console, adaptive: bool = True) -> None:
-    """On a GPU, where MLX compiles kernels on first use, run each pass shape the policy may choose once
-    before the first answer (`warm_up`; the compiled kernels are kept for the next process too). Else,
-    for the `adaptive` policy, measure the pair's costs if this machine has not yet, saying so, rather
-    than in the first answer's time without a word."""
-    if backend() != "cpu":
+def warm(target, drafter, console: Console, adaptive: bool = True, batches=()) -> None:
+    """For the `adaptive` policy, measure the pair's costs (and the passes over `batches` sequences) if
+    this machine has not yet, with a progress bar, rather than in the first answer's time without a word.
+    On a GPU, where MLX compiles kernels on first use, then run each pass shape the policy may choose once
+    before the first answer (`warm_up`; the compiled kernels are kept for the next process too)."""
+    gpu = backend() != "cpu"
+    if adaptive or gpu:  # (the warm-up runs the widths the costs price)
+        with measuring() as shown:
+            costs_for(prepare(target, drafter), drafter, batches, progress=shown)
+    if gpu:
         with busy(console, "warming up: each pass shape once (compiled kernels are kept for next time) ..."):
             warm_up(target, drafter)
-    elif adaptive and not costs_path(pair := prepare(target, drafter), drafter).exists():
-        with busy(
-            console, "measuring this machine's costs for the pair (once: half a minute to a few minutes) ..."
-        ):
-            costs_for(pair, drafter)
+
+
+@contextmanager
+def measuring():
+    """A progress bar for a measurement of the pair's costs (`costs_for`'s `progress`), shown once a
+    pass is timed (once per machine and pair: half a minute to a few minutes); where stderr is no
+    terminal, a line when it starts."""
+    label = "measuring this machine's costs for the pair (once)"
+    with progress_bar(label) as bar:
+        task = None
+
+        def shown(done: int, total: int) -> None:
+            nonlocal task
+            if task is None:
+                if not bar.console.is_terminal:
+                    bar.console.print(f"{label}: {total} passes ...", highlight=False, soft_wrap=True)
+                task = bar.add_task("", total=total)
+            bar.update(task, completed=done)
+
+        yield shown
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from dflash_mlx.profile import check_sizes, draft_window_profile, profile_pair
 from dflash_mlx.profile import profile as measure
 from dflash_mlx.settings import GenerationSettings
 
-from .options import DEMO, Draft, DraftWindow, Json, busy, stderr, stdout, user_errors
+from .options import DEMO, Draft, DraftWindow, Json, busy, measuring, stderr, stdout, user_errors
 
 RANDOM = {"--hidden": 1024, "--layers": 8, "--vocab": 32000, "--block-size": 16, "--cycles": 24}
 
@@ -92,8 +92,8 @@ def profile(
 def _pair(model: str, draft: str | None, as_json: bool) -> None:
     with user_errors():
         target, drafter, _ = load_pair(model, draft)
-        with busy(stderr(), "measuring the pair's costs ..."):
-            r = profile_pair(target, drafter)
+        with measuring() as shown:
+            r = profile_pair(target, drafter, progress=shown)
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return

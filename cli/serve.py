@@ -12,8 +12,7 @@ import typer
 
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
-from dflash_mlx.pairing import prepare
-from dflash_mlx.policy import batch_sizes, costs_for
+from dflash_mlx.policy import batch_sizes
 from dflash_mlx.settings import GenerationSettings
 
 from .options import (
@@ -29,7 +28,6 @@ from .options import (
     Think,
     TopK,
     TopP,
-    busy,
     stderr,
     user_errors,
     warm,
@@ -134,10 +132,8 @@ def serve(
         sock = _claim_port(host, port, backlog)  # before minutes of loading, not after
         target, drafter, tokenizer = load_pair(model, draft)
         template = template_kwargs(model, think, tokenizer)
-        if block_size is None:  # measured now, not in the first request's time
-            with busy(stderr(), "measuring this machine's costs for the pair (once) ..."):
-                costs_for(prepare(target, drafter), drafter, batches=batch_sizes(max_concurrency))
-        warm(target, drafter, stderr())
+        # Measured now, not in the first request's time; batched passes are priced for the adaptive policy.
+        warm(target, drafter, stderr(), batches=batch_sizes(max_concurrency) if block_size is None else ())
         # Imported here: FastAPI and uvicorn take about 0.3 s to import, which every other
         # command (each `generate`) would pay too.
         import uvicorn

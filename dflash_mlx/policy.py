@@ -935,37 +935,52 @@ def _draft_pass(draft, cache, k: int):
     return lambda: mx.eval(draft.propose_logits(1, cache.draft_cache, block, True, heads=k))
 
 
-def measure_costs(
-    target,
-    draft,
-    contexts=(64, 1024),
-    widths=WIDTHS,
-    proposals=(1, 3, 7, 15, 31),
-    repeats: int = 3,
-) -> CostModel:
-    """Time the target's passes by width and the drafter's by proposals, after random prompts of each
-    context length (capped by the model's context)."""
+def _plan(target, draft, contexts=(64, 1024), widths=WIDTHS, proposals=(1, 3, 7, 15, 31)) -> tuple:
+    """The contexts (capped by the model's), widths and proposal counts a measurement times."""
     limit = context_length(target) or 1 << 30
     contexts = sorted({min(c, limit - max(widths) - 1) for c in contexts})
-    vocab = target.vocab_size
     proposals = [k for k in proposals if k < draft.block_size] if draft is not None else []
+    return contexts, list(widths), proposals
+
+
+def measured_passes(target, draft) -> int:
+    """How many passes `measure_costs` times for this pair."""
+    contexts, widths, proposals = _plan(target, draft)
+    return len(contexts) * (len(widths) + 2 + len(proposals))
+
+
+def ticker(progress, total: int):
+    """-> a `tick()` that reports each pass timed as `progress(done, total)` (None: nothing to report)."""
+    if progress is None or not total:
+        return None
+    done = itertools.count(1)
+    return lambda: progress(next(done), total)
+
+
+def measure_costs(target, draft, repeats: int = 3, tick=None, **plan) -> CostModel:
+    """Time the target's passes by width and the drafter's by proposals, after random prompts of each
+    context length (`_plan`'s); `tick()` after each pass is timed (for a progress bar)."""
+    contexts, widths, proposals = _plan(target, draft, **plan)
+    vocab = target.vocab_size
     key = mx.random.key(0)  # random ids without touching the global generator (a seeded run's draws)
+
+    def timed(fn) -> float:
+        seconds = fastest_seconds(fn, repeats)
+        if tick is not None:
+            tick()
+        return seconds
+
     table, drafts, ahead, built = [], [], [], []
     for context in contexts:
         cache = SpeculativeCache(target, draft)
         cache.prefill(mx.random.randint(0, vocab, (context,), key=key).tolist())
         table.append(
-            [
-                fastest_seconds(
-                    _verify_pass(target, cache, mx.random.randint(0, vocab, (1, w), key=key)), repeats
-                )
-                for w in widths
-            ]
+            [timed(_verify_pass(target, cache, mx.random.randint(0, vocab, (1, w), key=key))) for w in widths]
         )
-        ahead.append(fastest_seconds(_plain_steps(target, cache, True, steps=4), repeats) / 4)
-        built.append(fastest_seconds(_plain_steps(target, cache, False, steps=4), repeats) / 4)
+        ahead.append(timed(_plain_steps(target, cache, True, steps=4)) / 4)
+        built.append(timed(_plain_steps(target, cache, False, steps=4)) / 4)
         if proposals:
-            drafts.append([fastest_seconds(_draft_pass(draft, cache, k), repeats) for k in proposals])
+            drafts.append([timed(_draft_pass(draft, cache, k)) for k in proposals])
     table = _monotone(table)
     # Never dearer than a step alone (a noisy moment could make them look it), ahead never dearer than built.
     built = [min(b, row[0]) for b, row in zip(built, table)]
@@ -1014,10 +1029,15 @@ def _batch_pass(target, batch: list, tokens: mx.array):
     return run
 
 
-def with_batches(costs: CostModel, target, sizes, repeats: int = 3) -> CostModel:
+def _unpriced(priced, sizes) -> list[int]:
+    return sorted({b for b in sizes if b > 1} - set(priced))
+
+
+def with_batches(costs: CostModel, target, sizes, repeats: int = 3, tick=None) -> CostModel:
     """These costs with a target pass over each batch size in `sizes` measured (at every context and
-    width of the table), where it is not already: the rows of one random prompt's cache per context."""
-    sizes = sorted({b for b in sizes if b > 1} - set(costs.batches))
+    width of the table), where it is not already: the rows of one random prompt's cache per context;
+    `tick()` after each pass is timed."""
+    sizes = _unpriced(costs.batches, sizes)
     if not sizes:
         return costs
     key, vocab = mx.random.key(1), target.vocab_size
@@ -1028,15 +1048,13 @@ def with_batches(costs: CostModel, target, sizes, repeats: int = 3) -> CostModel
         if not batchable(cache.target_cache):
             return costs  # (its sequences step one at a time: no batched pass to price)
         for b in sizes:
-            batch = merge([cache.target_cache] * b)
-            batches[b].append(
-                [
-                    fastest_seconds(
-                        _batch_pass(target, batch, mx.random.randint(0, vocab, (b, w), key=key)), repeats
-                    )
-                    for w in costs.widths
-                ]
-            )
+            batch, row = merge([cache.target_cache] * b), []
+            for w in costs.widths:
+                tokens = mx.random.randint(0, vocab, (b, w), key=key)
+                row.append(fastest_seconds(_batch_pass(target, batch, tokens), repeats))
+                if tick is not None:
+                    tick()
+            batches[b].append(row)
     measured = {b: _monotone(rows) for b, rows in batches.items()}
     return replace(costs, batches={**costs.batches, **measured})
 
@@ -1083,9 +1101,10 @@ def costs_path(target, draft) -> Path:
     return cache_home() / "costs" / f"{cost_key(target, draft)}.json"
 
 
-def costs_for(target, draft, batches=()) -> CostModel:
-    """This pair's costs on this machine: measured at first use (a few seconds), then read from disk;
-    `batches`: the batch sizes whose passes must be priced too (measured where they are not yet)."""
+def costs_for(target, draft, batches=(), progress=None) -> CostModel:
+    """This pair's costs on this machine: measured at first use (half a minute to a few minutes), then
+    read from disk; `batches`: the batch sizes whose passes must be priced too (measured where they are
+    not yet); `progress(done, total)`: the passes timed so far, of all this call times."""
     path = costs_path(target, draft)
     # Two processes measuring at once would each time passes slowed by the other's: the second waits,
     # then reads what the first measured.
@@ -1096,10 +1115,14 @@ def costs_for(target, draft, batches=()) -> CostModel:
                 costs = CostModel(**json.loads(path.read_text()))
             except (OSError, ValueError, TypeError, KeyError):
                 pass  # unreadable or not a cost model: measure again
+        contexts, widths, _ = _plan(target, draft) if costs is None else (costs.contexts, costs.widths, 0)
+        priced = len(contexts) * len(widths) * len(_unpriced(costs.batches if costs else {}, batches))
+        total = (costs is None) * measured_passes(target, draft) + priced
+        tick = ticker(progress, total)
         if costs is None:
-            costs = measure_costs(target, draft)
+            costs = measure_costs(target, draft, tick=tick)
             keep_costs(path, costs)
-        batched = with_batches(costs, target, batches)
+        batched = with_batches(costs, target, batches, tick=tick)
         if batched is not costs:
             keep_costs(path, batched)
     return batched

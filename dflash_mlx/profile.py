@@ -38,6 +38,8 @@ from .policy import (
     fastest_seconds,
     keep_costs,
     measure_costs,
+    measured_passes,
+    ticker,
 )
 from .speculative import stream_generate
 
@@ -212,11 +214,12 @@ def policy_overhead_s(costs: CostModel, max_dflash: int, context: int = 1000, cy
     return (time.perf_counter() - tic) / cycles
 
 
-def profile_pair(model, draft) -> dict:
-    """Measure this pair's cost model again (and keep it for the adaptive policy), and the policy's own
-    overhead against the cheapest cycle, a plain step."""
+def profile_pair(model, draft, progress=None) -> dict:
+    """Measure this pair's cost model again (and keep it for the adaptive policy; `progress(done, total)`
+    of the passes timed), and the policy's own overhead against the cheapest cycle, a plain step."""
     target = prepare(model, draft)
-    costs, path = measure_costs(target, draft), costs_path(target, draft)
+    costs = measure_costs(target, draft, tick=ticker(progress, measured_passes(target, draft)))
+    path = costs_path(target, draft)
     kept = keep_costs(path, costs)
     context = costs.contexts[0]
     overhead = policy_overhead_s(costs, draft.block_size - 1 if draft is not None else 0, context)

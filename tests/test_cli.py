@@ -427,8 +427,8 @@ def test_bad_input_is_one_line_and_a_bug_shows_its_traceback(pair, monkeypatch):
 
 
 def test_measuring_the_costs_says_so_in_a_log_too(pair, tmp_path):
-    """Where stderr is no terminal (a log, a pipe) rich shows no spinner: the measurement, minutes on a
-    slow machine, is then one line rather than silence."""
+    """Where stderr is no terminal (a log, a pipe) rich shows no progress bar until it ends: the
+    measurement, minutes on a slow machine, is then announced with a line rather than silence."""
     root, _ = pair
     cmd = [sys.executable, "-m", "dflash_mlx.cli.main"]
     cmd += shlex.split(
@@ -438,8 +438,11 @@ def test_measuring_the_costs_says_so_in_a_log_too(pair, tmp_path):
     errs = [
         subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env).stderr for _ in range(2)
     ]
-    line = "measuring this machine's costs for the pair (once: half a minute to a few minutes) ...\n"
-    assert errs[0].startswith(line) and line not in errs[1], errs  # (once: the second reads them)
+    line = "measuring this machine's costs for the pair (once): "
+    first = errs[0].splitlines()[0]
+    assert first.startswith(line) and first.endswith(" passes ...") and line not in errs[1], errs
+    passes = int(first.removeprefix(line).split()[0])
+    assert f" {passes}/{passes} " in errs[0]  # (the bar, at its end: every pass was timed)
 
 
 def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair):

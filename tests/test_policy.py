@@ -882,6 +882,34 @@ def test_the_offline_bench_sets_build_in_a_fixed_order():
     )
 
 
+def test_a_measurement_of_costs_reports_each_pass_it_times_against_the_passes_it_will_time(
+    tmp_path, monkeypatch
+):
+    """The progress bar's counts: every pass timed, out of a total known before the first, for the
+    measurement and for batch sizes priced later; nothing where nothing is measured."""
+    from dflash_mlx.policy import costs_for, measured_passes
+
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path))
+    draft = make_draft()
+    target = prepare(make_target("llama"), draft)
+
+    def reports(batches) -> list:
+        seen = []
+        costs = costs_for(target, draft, batches, progress=lambda done, total: seen.append((done, total)))
+        totals = {total for _, total in seen}
+        assert [done for done, _ in seen] == list(range(1, len(seen) + 1)) and totals <= {len(seen)}
+        return costs, len(seen)
+
+    costs, first = reports((2,))
+    grid = len(costs.contexts) * len(costs.widths)
+    assert first == measured_passes(target, draft) + grid
+    assert measured_passes(target, draft) == len(costs.contexts) * (
+        len(costs.widths) + 2 + len(costs.proposals)
+    )
+    assert reports((2, 4, 8))[1] == 2 * grid  # (batch 2 priced already)
+    assert reports((2, 4, 8))[1] == 0
+
+
 def test_two_processes_needing_a_pairs_costs_at_once_measure_them_once(tmp_path):
     """Measured at once, each process would time passes slowed by the other's: the second waits for
     the first's measurement and reads it."""
@@ -896,10 +924,10 @@ def test_two_processes_needing_a_pairs_costs_at_once_measure_them_once(tmp_path)
         "from tiny import make_draft, make_target\n"
         "from dflash_mlx.pairing import prepare\n"
         "measure = policy.measure_costs\n"
-        "def slow(*args):\n"
+        "def slow(*args, **kwargs):\n"
         "    print('measured', flush=True)\n"
         "    time.sleep(3)  # (long enough for the other process to ask meanwhile)\n"
-        "    return measure(*args)\n"
+        "    return measure(*args, **kwargs)\n"
         "policy.measure_costs = slow\n"
         "draft = make_draft()\n"
         "costs = policy.costs_for(prepare(make_target('llama'), draft), draft)\n"
