@@ -69,6 +69,8 @@ def convert(
             raise UserError(f"{output} {what} {source}: write to another folder (it would be replaced)")
         if src.is_dir() and src in out_path.parents:  # (the source folder would then hold its copy)
             raise UserError(f"{output} is inside {source}: write to a folder outside it")
+        if src.is_dir():  # (a training run or a folder of no model: said before any progress is shown)
+            read_config(src)
         if out_path.exists() and not force:  # before any download
             raise AlreadyExists(f"{output} already exists (pass --force to replace it)")
         if out_path.is_dir() and any(out_path.iterdir()) and not _model_folder(out_path):

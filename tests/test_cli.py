@@ -1169,6 +1169,10 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
         r.exit_code == 1
         and f"{tmp_path}/ok is a training run; its drafter is {tmp_path}/ok/checkpoint" in r.stderr
     )
+    r = run(f"convert {tmp_path}/ok {tmp_path}/converted")  # said before any progress, which misled
+    assert r.exit_code == 1 and r.stderr.strip() == (
+        f"error: {tmp_path}/ok is a training run; its drafter is {tmp_path}/ok/checkpoint"
+    ), r.output
     r = run(
         f"train eval -d {tmp_path}/ok/checkpoint -m {root}/target --prompts {root}/prompts.jsonl --limit 1"
     )
