@@ -211,6 +211,7 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
     messages = len(session.messages)
     pieces = session.reply(text, should_stop=lambda: stop)
     previous = signal.signal(signal.SIGINT, on_sigint)
+    echo = _control_echo_off()
     try:
         console.print("[bold blue]model>[/bold blue] ", end="")
         for piece in pieces:
@@ -236,10 +237,29 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
             return
     finally:
         signal.signal(signal.SIGINT, previous)
+        echo()
     console.print()
     if stop:
         console.print("[yellow]stopped; the partial answer stays in the conversation[/yellow]")
     console.print(f"[dim]{status_line(session.turns[-1])}[/dim]")
+
+
+def _control_echo_off():
+    """Stop the terminal echoing Ctrl-C as "^C" (into the answer's text, which goes on to the cycle's
+    end); -> a call that puts the terminal back as it was."""
+    try:
+        import termios
+    except ImportError:  # pragma: no cover - Windows
+        return lambda: None
+    try:
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd)
+    except (termios.error, OSError, ValueError):  # no terminal
+        return lambda: None
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHOCTL
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    return lambda: termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 def _number(text: str, kind, usage: str):

@@ -328,6 +328,7 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
         child.expect(r"\w+ \w+ \w+ \w+ \w+")  # the answer is streaming
         child.sendintr()  # Ctrl-C in the middle of the answer
         child.expect("stopped; the partial answer stays in the conversation")
+        assert "^C" not in child.before  # (the terminal's echo of it would land inside the answer)
         child.expect(PROMPT)
         child.sendline("In one word: which city did my first question ask about?")
         child.expect(r"prefill (\d+)")
