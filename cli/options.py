@@ -130,22 +130,26 @@ def warm(target, drafter, console: Console, adaptive: bool = True, batches=()) -
 
 @contextmanager
 def measuring():
-    """A progress bar for a measurement of the pair's costs (`costs_for`'s `progress`), shown once a
-    pass is timed (once per machine and pair: half a minute to a few minutes); where stderr is no
-    terminal, a line when it starts."""
+    """A progress bar for a measurement of the pair's costs (`costs_for`'s `progress`), shown from the
+    first pass timed, if any (once per machine and pair: half a minute to a few minutes); where stderr
+    is no terminal, a line when it starts."""
     label = "measuring this machine's costs for the pair (once)"
-    with progress_bar(label) as bar:
-        task = None
+    bar, task = progress_bar(label), None
 
-        def shown(done: int, total: int) -> None:
-            nonlocal task
-            if task is None:
-                if not bar.console.is_terminal:
-                    bar.console.print(f"{label}: {total} passes ...", highlight=False, soft_wrap=True)
-                task = bar.add_task("", total=total)
-            bar.update(task, completed=done)
+    def shown(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            if not bar.console.is_terminal:
+                bar.console.print(f"{label}: {total} passes ...", highlight=False, soft_wrap=True)
+            bar.start()
+            task = bar.add_task("", total=total)
+        bar.update(task, completed=done)
 
+    try:
         yield shown
+    finally:
+        if task is not None:  # (a bar never started prints nothing, not even an empty line)
+            bar.stop()
 
 
 @contextmanager
