@@ -18,12 +18,12 @@ import mlx.core as mx
 import openai
 import psutil
 import pytest
-from serving import CALL, ODD_WORDS, chat_tokenizer, scripted_pair, serving
+from serving import CALL, CALL_WORDS, ODD_WORDS, chat_tokenizer, scripted_pair, serving
 from tiny import make_draft, make_target, make_tokenizer
 
 from dflash_mlx import SpeculativeCache, apply_chat_template, generate, stream_generate
 from dflash_mlx.chat import as_text, encode_chat_text
-from dflash_mlx.server.app import ServerConfig, create_app, token_bytes
+from dflash_mlx.server.app import ServerConfig, _OpenAIReply, create_app, token_bytes
 from dflash_mlx.server.channels import CONTENT, REASONING, TOOL, Channels
 from dflash_mlx.server.pool import PromptCachePool
 from dflash_mlx.settings import GenerationSettings
@@ -214,6 +214,17 @@ def test_log_probabilities_are_generates_for_the_answers_tokens_streamed_and_not
         [v for lp in streamed for v in lp.token_logprobs],
         [list(top) for lp in streamed for top in lp.top_logprobs],
     )
+    # sampled: each token's top_logprobs holds it too, where it is not among the most likely
+    for k in (0, 1):
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, logprobs=k, temperature=1.5, seed=3
+        )
+        lp = r.choices[0].logprobs
+        assert [len(top) for top in lp.top_logprobs] == [
+            k + (k == 0 or t != next(iter(top))) for t, top in zip(lp.tokens, lp.top_logprobs)
+        ]
+        assert [top[t] for t, top in zip(lp.tokens, lp.top_logprobs)] == pytest.approx(lp.token_logprobs)
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # (a token sampled past the most likely)
     for path, body, says in (
         (
             "/v1/chat/completions",
@@ -260,6 +271,13 @@ def test_a_tokens_log_probability_carries_its_own_bytes_even_where_they_are_part
         piece = token_bytes(tokenizer)
         assert b"".join(piece(t) for t in ids) == joined.encode()
         assert any(tokenizer.decode([t]).endswith("\ufffd") for t in ids)  # (where decoding alone fails)
+        # the legacy layout's text_offset: the characters before each token, over the chunks it
+        # came in (a character split over tokens counts from the one that completes it)
+        reply, pieces = _OpenAIReply("m", "text_completion", tokenizer), [piece(t) for t in ids]
+        chunks = [pieces[:3], pieces[3:5], pieces[5:]]
+        offsets = [o for c in chunks for o in reply._text_logprobs([(p, -1.0, []) for p in c])["text_offset"]]
+        assert offsets == [len(b"".join(pieces[:i]).decode("utf-8", "ignore")) for i in range(len(ids))]
+        assert offsets[-1] < len(joined) and len(set(offsets)) < len(offsets)  # (split characters)
     words = make_tokenizer()  # (a word-level tokenizer: each token's text)
     assert token_bytes(words)(7) == words.decode([7]).encode()
     for tokenizer in (spm, bpe):  # an id past the tokenizer's own (a vocabulary padded in the model)
@@ -297,7 +315,15 @@ def test_echo_gives_the_prompt_back_scored_by_the_target_as_evaluation_harnesses
     assert got.logprobs.tokens == [tok.decode([t]) for t in prompt]
     assert got.logprobs.token_logprobs[0] is None and got.logprobs.top_logprobs[0] is None
     assert got.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
-    assert [list(top) for top in got.logprobs.top_logprobs[1:]] == tops[:-1]
+    # the most likely two, then the prompt's own token where it is not among them (as OpenAI's API)
+    chosen = got.logprobs.tokens[1:]
+    assert [list(top) for top in got.logprobs.top_logprobs[1:]] == [
+        top if t in top else [*top, t] for top, t in zip(tops[:-1], chosen)
+    ]
+    assert any(t not in top for top, t in zip(tops, chosen))  # (so both cases are checked)
+    assert [top[t] for top, t in zip(got.logprobs.top_logprobs[1:], chosen)] == pytest.approx(want, abs=1e-4)
+    offsets = got.logprobs.text_offset  # (what they count: the test of each token's bytes below)
+    assert len(offsets) == len(prompt) and offsets[0] == 0 and offsets == sorted(set(offsets))
     answer = generate(target, draft, tok, prompt[:40], max_tokens=1, logprobs=1)
     r = client.completions.create(model="tiny", prompt=[prompt[:40]], max_tokens=1, echo=True, logprobs=1)
     got = r.choices[0].logprobs
@@ -311,6 +337,7 @@ def test_echo_gives_the_prompt_back_scored_by_the_target_as_evaluation_harnesses
     )
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [x for s in streamed for x in s.token_logprobs[1:]] == pytest.approx(want, abs=1e-4)
+    assert [o for s in streamed for o in s.text_offset] == offsets  # (counted across the chunks)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     short = words(3)
     answer = generate(target, draft, tok, short, max_tokens=10)
@@ -459,6 +486,52 @@ def test_tool_arguments_holding_a_lone_surrogate_reach_the_client_replaced(tmp_p
         ) as stream:
             final = stream.get_final_message()
         assert [b.input for b in final.content if b.type == "tool_use"] == [replaced]
+
+
+def test_whitespace_alone_beside_tool_calls_is_no_text_block(tmp_path):
+    """Anthropic's API refuses a text block of whitespace alone in a conversation sent back to it: the
+    space between the reasoning and a call (or the newline between parallel calls) is left out, and an
+    OpenAI reply of calls alone has no content, streamed or not."""
+    reply = ["<think>", "hmm", "</think>", "<tool_call>", *CALL_WORDS, "</tool_call>", "<eos>"]
+    model, tok = scripted_pair(tmp_path, dict(zip(["assistant", *reply], reply)))
+    draft = make_draft(hidden=128, vocab=model.args.vocab_size, block_size=4)
+    with serving(create_app(model, draft, tok, config(defaults=GenerationSettings(max_tokens=40)))) as url:
+        client, anthropic_client = clients(url)
+        messages = [{"role": "user", "content": "weather Paris"}]
+        tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+        kw = dict(model="tiny", messages=messages, tools=tools, max_tokens=40)
+        assert [b.type for b in anthropic_client.messages.create(**kw).content] == ["thinking", "tool_use"]
+        with anthropic_client.messages.stream(**kw) as stream:
+            assert [b.type for b in stream.get_final_message().content] == ["thinking", "tool_use"]
+        r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+        assert r.choices[0].message.content is None and len(r.choices[0].message.tool_calls) == 1
+        chunks = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, stream=True)
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+
+
+def test_a_tool_call_cut_short_by_max_tokens_is_left_out_rather_than_shown_as_markup(scripted):
+    client, anthropic_client = clients(scripted)
+    messages = [{"role": "user", "content": "weather Paris"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=9)
+    message = r.choices[0].message  # (9 tokens: the reply's reasoning, answer and a call's start)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 9
+    assert message.content.strip() == "it is sunny" and not message.tool_calls
+    chunks = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, max_tokens=9, stream=True
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas).strip() == "it is sunny"
+    assert not [t for d in deltas for t in d.tool_calls or []]
+    tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    kw = dict(model="tiny", messages=messages, tools=tools, max_tokens=9)
+    m = anthropic_client.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.stop_reason == "max_tokens"
+    assert "<tool_call>" not in m.content[1].text
+    with anthropic_client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and "<tool_call>" not in final.content[
+        1
+    ].text
 
 
 def test_allowed_tools_in_mode_auto_offer_the_model_those_tools_alone(scripted):

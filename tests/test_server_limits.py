@@ -413,6 +413,8 @@ ALLOWED_UNKNOWN = {
         ("/v1/chat/completions", "tool_choice", "required"),
         ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("/v1/messages", "tool_choice", {"type": "any"}),
+        ("/v1/messages", "output_format", {"type": "json_schema", "schema": {"type": "object"}}),
+        ("/v1/messages", "output_config", {"format": {"type": "json_schema", "schema": {"type": "object"}}}),
         ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {"type": "object"}}]),
         ("/v1/chat/completions", "function_call", {"name": "f"}),
         ("/v1/chat/completions", "modalities", ["text", "audio"]),
@@ -437,6 +439,8 @@ def test_what_the_server_cannot_give_is_refused_rather_than_left_out(server, pat
         "modalities": ["text"],
         "audio": None,
         "stream_options": None,
+        "output_format": None,
+        "output_config": {"effort": "high"},  # (what else it holds is no format)
     }[field]
     assert post(url, path, dict(request(path, "w5"), **{field: asked_not})).status_code == 200
 

@@ -13,6 +13,7 @@ either way the connection stays usable and the server goes on serving.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import hmac
 import logging
@@ -487,7 +488,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     async def prometheus():
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    served = {"id": config.model_id, "object": "model", "created": 0, "owned_by": "dflash-mlx"}
+    served = {"id": config.model_id, "object": "model", "created": int(time.time()), "owned_by": "dflash-mlx"}
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
@@ -603,9 +604,10 @@ def _stream_error(path: str, e: Exception) -> dict:
     return error_body(path, 500, INTERNAL)
 
 
-def _drain(channels: Channels, text: str, finished: bool) -> list[tuple]:
+def _drain(channels: Channels, text: str, finished: bool, cut: bool = False) -> list[tuple]:
+    """`cut`: the reply ended at max_tokens (a tool call it cut short is left out, not shown as text)."""
     events = channels.feed(text)
-    return events + channels.finish() if finished else events
+    return events + channels.finish(cut) if finished else events
 
 
 class _OpenAIReply:
@@ -614,6 +616,7 @@ class _OpenAIReply:
         self.eos = set(tokenizer.eos_token_ids)
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self._decoder, self._chars = codecs.getincrementaldecoder("utf-8")("replace"), 0  # (text_offset)
 
     def _usage(self, generation: Generation, alone: bool = False) -> dict:
         prompt, completion, cached = generation.usage()
@@ -668,19 +671,28 @@ class _OpenAIReply:
         content = [dict(entry(t, lp), top_logprobs=[entry(*x) for x in top]) for t, lp, top in scored]
         return {"content": content, "refusal": None}
 
-    @staticmethod
-    def _text_logprobs(scored: list) -> dict:
+    def _text_logprobs(self, scored: list) -> dict:
+        """The legacy layout. `top_logprobs` holds the chosen token too, as OpenAI's API does (up to
+        logprobs + 1 entries); `text_offset`: the characters before each token, its own bytes and this
+        reply's earlier tokens' (earlier chunks too) decoded together, where a character split over
+        tokens counts from the token that completes it."""
+        offsets = []
+        for raw, _, _ in scored:
+            offsets.append(self._chars)
+            self._chars += len(self._decoder.decode(raw))
         return {
             "tokens": [_text(t) for t, _, _ in scored],
             "token_logprobs": [None if lp is None else max(lp, -9999.0) for _, lp, _ in scored],
-            "top_logprobs": [None if top is None else _best_first(top) for _, _, top in scored],
+            "top_logprobs": [None if top is None else _best_first([*top, (t, lp)]) for t, lp, top in scored],
+            "text_offset": offsets,
         }
 
     def chat(self, generation: Generation, channels: Channels) -> dict:
         parts = {CONTENT: [], REASONING: [], TOOL: []}
-        for kind, value in _drain(channels, generation.text, True):
+        for kind, value in _drain(channels, generation.text, True, generation.finish_reason == "length"):
             parts[kind].append(value)
-        message = {"role": "assistant", "content": "".join(parts[CONTENT]) or (None if parts[TOOL] else "")}
+        content = "".join(parts[CONTENT])
+        message = {"role": "assistant", "content": None if parts[TOOL] and not content.strip() else content}
         if parts[REASONING]:
             message["reasoning_content"] = "".join(parts[REASONING])
         if parts[TOOL]:
@@ -712,7 +724,12 @@ class _OpenAIReply:
         yield chunk({"role": "assistant", "content": ""})
         try:
             async for response in generation.responses():
-                for kind, value in _drain(channels, response.text, response.finish_reason is not None):
+                for kind, value in _drain(
+                    channels,
+                    response.text,
+                    response.finish_reason is not None,
+                    response.finish_reason == "length",
+                ):
                     if kind == TOOL:
                         yield chunk({"tool_calls": [dict(_openai_call(value), index=calls)]})
                         calls += 1
@@ -781,8 +798,9 @@ class _OpenAIReply:
 
 
 def _best_first(top: list[tuple[bytes, float]]) -> dict[str, float]:
-    """The legacy layout's {text: log-probability}, best first; where two tokens read the same, the
-    likelier (-9999 stands for minus infinity, which JSON lacks, as in OpenAI's API)."""
+    """The legacy layout's {text: log-probability}, in the order given (best first, the chosen token
+    last where it is not among them); where two tokens read the same, the first (-9999 stands for minus
+    infinity, which JSON lacks, as in OpenAI's API)."""
     out = {}
     for raw, value in top:
         out.setdefault(_text(raw), max(value, -9999.0))
@@ -844,7 +862,7 @@ class _AnthropicReply:
 
     def message(self, generation: Generation, channels: Channels) -> dict:
         content, calls = [], 0
-        for kind, value in _drain(channels, generation.text, True):
+        for kind, value in _drain(channels, generation.text, True, generation.finish_reason == "length"):
             if kind == TOOL:
                 content.append(
                     {"type": "tool_use", "id": _tool_id(value), "name": value.name, "input": _input(value)}
@@ -854,6 +872,8 @@ class _AnthropicReply:
                 content[-1][_FIELD[kind]] += value
             else:
                 content.append(_block(kind, value))
+        # (Anthropic's API refuses a text block of whitespace alone when the conversation is sent back)
+        content = [b for b in content if b["type"] != "text" or b["text"].strip()]
         reason, sequence = self._stop(generation, calls)
         return {
             "id": self.id,
@@ -868,6 +888,7 @@ class _AnthropicReply:
 
     async def stream(self, generation: Generation, channels: Channels):
         index, open_kind, calls = -1, None, 0
+        held = ""  # whitespace that would open a text block: sent once text follows it (as `message`)
         await generation.begin()  # (how much of the prompt was cached goes in message_start)
         head = {
             "id": self.id,
@@ -883,7 +904,19 @@ class _AnthropicReply:
         yield sse({"type": "ping"}, "ping")
         try:
             async for response in generation.responses():
-                for kind, value in _drain(channels, response.text, response.finish_reason is not None):
+                for kind, value in _drain(
+                    channels,
+                    response.text,
+                    response.finish_reason is not None,
+                    response.finish_reason == "length",
+                ):
+                    if kind == CONTENT and open_kind != CONTENT:
+                        held += value
+                        if not held.strip():
+                            continue
+                        value, held = held, ""
+                    elif kind != CONTENT:
+                        held = ""
                     if kind != open_kind or kind == TOOL:
                         if open_kind is not None:
                             yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")

@@ -77,14 +77,15 @@ class Channels:
         self.held = buf[len(buf) - keep :]
         return events + self._emit(buf[: len(buf) - keep])
 
-    def finish(self) -> list[tuple]:
+    def finish(self, cut: bool = False) -> list[tuple]:
         """The end of the reply: held text goes out, and a tool call still open is read as far as it
         goes (formats whose calls have no end marker end with the reply; a call the parser cannot read
-        is shown as text)."""
+        is shown as text, unless the reply was `cut` at its most tokens: then it is a call cut short,
+        left out, as mlx-lm's server does, rather than markup shown to the user)."""
         events = self._emit(self.held)
         self.held = ""
         if self.state == TOOL:
-            events += self._tool_call(closed=False)
+            events += self._tool_call(closed=False, cut=cut)
             self.state = CONTENT
         return events
 
@@ -96,7 +97,7 @@ class Channels:
             return []
         return [(self.state, text)]
 
-    def _tool_call(self, closed: bool = True) -> list[tuple]:
+    def _tool_call(self, closed: bool = True, cut: bool = False) -> list[tuple]:
         text, self.call = self.call, ""
         try:
             parsed = self.parser(text, self.tools)
@@ -105,6 +106,8 @@ class Channels:
                 for c in (parsed if isinstance(parsed, list) else [parsed])
             ]
         except (ValueError, KeyError, TypeError, AttributeError):  # not a call the parser reads: text
+            if cut:
+                return []
             start = next(m for m, channel in self.starts.items() if channel == TOOL)
             return [(CONTENT, start + text + (self.ends[TOOL] if closed else ""))]
         return [(TOOL, call) for call in calls]

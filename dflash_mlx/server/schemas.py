@@ -349,6 +349,14 @@ class TokenCountRequest(_Sampling):
         cannot give."""
         if (self.tool_choice or {}).get("type") not in (None, "auto", "none"):
             return "tool_choice", FORCED_TOOLS + '{"type": "auto"} or {"type": "none"}'
+        extra = self.model_extra or {}
+        config = extra.get("output_config")
+        if extra.get("output_format") or (isinstance(config, dict) and config.get("format")):
+            field = "output_format" if extra.get("output_format") else "output_config"
+            return (
+                field,
+                "this server does not constrain answers to a format (structured outputs); leave it out",
+            )
         return _not_text(self.system, "system", _media, "blocks") or _unread(self.messages, _media, "blocks")
 
     def function_tools(self) -> list[dict] | None:
