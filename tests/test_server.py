@@ -441,7 +441,9 @@ def test_reasoning_and_tool_calls_are_split_from_the_answer_in_openai_replies(sc
     messages = [{"role": "user", "content": "weather Paris"}]
     r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
     message = r.choices[0].message
-    assert message.model_extra["reasoning_content"].strip() == "hmm"
+    assert (
+        message.model_extra["reasoning_content"].strip() == "hmm" == message.model_extra["reasoning"].strip()
+    )
     assert message.content.strip() == "it is sunny"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
         (CALL["name"], CALL["arguments"])
@@ -449,7 +451,8 @@ def test_reasoning_and_tool_calls_are_split_from_the_answer_in_openai_replies(sc
     assert r.choices[0].finish_reason == "tool_calls"
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas).strip() == "hmm"
+    for name in ("reasoning_content", "reasoning"):  # (the names clients read)
+        assert "".join(d.model_extra.get(name) or "" for d in deltas).strip() == "hmm"
     assert "".join(d.content or "" for d in deltas).strip() == "it is sunny"
     calls = [t for d in deltas for t in d.tool_calls or []]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [

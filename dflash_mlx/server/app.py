@@ -693,8 +693,8 @@ class _OpenAIReply:
             parts[kind].append(value)
         content = "".join(parts[CONTENT])
         message = {"role": "assistant", "content": None if parts[TOOL] and not content.strip() else content}
-        if parts[REASONING]:
-            message["reasoning_content"] = "".join(parts[REASONING])
+        if parts[REASONING]:  # (under both names clients read: DeepSeek's and vLLM's, and mlx-lm's)
+            message["reasoning_content"] = message["reasoning"] = "".join(parts[REASONING])
         if parts[TOOL]:
             message["tool_calls"] = [_openai_call(c) for c in parts[TOOL]]
         choice = {
@@ -734,7 +734,11 @@ class _OpenAIReply:
                         yield chunk({"tool_calls": [dict(_openai_call(value), index=calls)]})
                         calls += 1
                     else:
-                        yield chunk({"reasoning_content" if kind == REASONING else "content": value})
+                        yield chunk(
+                            {"reasoning_content": value, "reasoning": value}
+                            if kind == REASONING
+                            else {"content": value}
+                        )
         except Exception as e:  # noqa: BLE001  (the stream has begun: the error goes in it)
             yield sse(_stream_error("/v1/chat/completions", e))
             return
