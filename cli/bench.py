@@ -93,6 +93,11 @@ def bench(
             )
         bs = _listed("--block-sizes", block_sizes or "16,adaptive", _policy, "4,16,tree16,adaptive")
         ts = _listed("--temps", temps or "0", float, "0,0.7")
+        if no_lookup and concurrency is None and all(isinstance(b, int) for b in bs):
+            raise UserError(
+                "--no-lookup leaves lookup out of the adaptive policy's and trees' proposals; fixed blocks "
+                "use none: drop it, or add adaptive or treeN to --block-sizes"
+            )
         levels = None if concurrency is None else _listed("--concurrency", concurrency, int, "1,2,4,8")
         if rounds < 1 or (rounds > 1 and concurrency is not None):
             raise UserError(f"--rounds takes a number of 1 or more, without --concurrency; got {rounds}")

@@ -30,6 +30,7 @@ from .options import (
     Temp,
     Think,
     busy,
+    check_lookup,
     check_utf8,
     mix_text,
     user_errors,
@@ -65,6 +66,7 @@ def chat(
     """Talk to a model in the terminal; answers stream as the target accepts them."""
     console = Console(highlight=False)
     with user_errors():
+        check_lookup(no_lookup, block_size)
         GenerationSettings(
             temperature=temp,
             repetition_penalty=repetition_penalty,

@@ -41,6 +41,7 @@ from .options import (
     TopK,
     TopP,
     Tree,
+    check_lookup,
     check_utf8,
     mix_text,
     stderr,
@@ -102,6 +103,7 @@ def generate(
                 "--no-draft is mlx-lm's plain decoding: drop --draft, --block-size, --tree, --no-lookup "
                 "and --draft-window"
             )
+        check_lookup(no_lookup, block_size)
         if (system is not None or think is not None) and not chat_template:
             raise UserError("--system and --think/--no-think need the chat template: drop --no-chat-template")
         check_utf8(prompt, "the prompt")

@@ -129,11 +129,10 @@ def warm(target, drafter, console: Console, adaptive: bool = True, batches=()) -
 
 
 @contextmanager
-def measuring():
+def measuring(label: str = "measuring this machine's costs for the pair (kept for later runs)"):
     """A progress bar for a measurement of the pair's costs (`costs_for`'s `progress`), shown from the
-    first pass timed, if any (once per machine and pair: half a minute to a few minutes); where stderr
-    is no terminal, a line when it starts."""
-    label = "measuring this machine's costs for the pair (once)"
+    first pass timed, if any (half a minute to a few minutes, where they are not kept yet); where
+    stderr is no terminal, a line when it starts."""
     bar, task = progress_bar(label), None
 
     def shown(done: int, total: int) -> None:
@@ -150,6 +149,15 @@ def measuring():
     finally:
         if task is not None:  # (a bar never started prints nothing, not even an empty line)
             bar.stop()
+
+
+def check_lookup(no_lookup: bool, block_size: int | None) -> None:
+    """--no-lookup with a fixed block, which never uses lookup: a flag with nothing to do is refused."""
+    if no_lookup and block_size is not None:
+        raise UserError(
+            "--no-lookup leaves lookup out of the adaptive policy's choices; a fixed --block-size uses none: "
+            "drop one of them"
+        )
 
 
 @contextmanager

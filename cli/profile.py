@@ -92,7 +92,7 @@ def profile(
 def _pair(model: str, draft: str | None, as_json: bool) -> None:
     with user_errors():
         target, drafter, _ = load_pair(model, draft)
-        with measuring() as shown:
+        with measuring("measuring the pair's costs again") as shown:
             r = profile_pair(target, drafter, progress=shown)
     if as_json:
         typer.echo(json.dumps(r, indent=2))

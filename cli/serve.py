@@ -28,6 +28,7 @@ from .options import (
     Think,
     TopK,
     TopP,
+    check_lookup,
     stderr,
     user_errors,
     warm,
@@ -103,8 +104,13 @@ def serve(
 ):
     """Serve the pair over HTTP: OpenAI chat completions and completions, Anthropic messages."""
     with user_errors():
-        if not 1 <= max_concurrency <= 256 or not 0 <= max_queue <= 10_000 or not 0 <= cache_gb < 1 << 20:
-            raise UserError("--max-concurrency must be 1-256, --max-queue 0-10000 and --cache-gb at least 0")
+        for flag, value, ok, what in (
+            ("--max-concurrency", max_concurrency, 1 <= max_concurrency <= 256, "from 1 to 256"),
+            ("--max-queue", max_queue, 0 <= max_queue <= 10_000, "from 0 to 10000"),
+            ("--cache-gb", cache_gb, 0 <= cache_gb < 1 << 20, "0 or more"),
+        ):
+            if not ok:
+                raise UserError(f"{flag} must be {what}, got {value}")
         if request_timeout is not None and not request_timeout > 0:
             raise UserError(f"--request-timeout must be a number of seconds above 0, got {request_timeout}")
         # (empty, each would open the server up: every address, or no key asked for)
@@ -114,6 +120,7 @@ def serve(
             raise UserError("--name is empty: give the model name clients use, or leave it out")
         if api_key is not None and not api_key.strip():
             raise UserError("the API key (--api-key or DFLASH_MLX_API_KEY) is empty: give one or none")
+        check_lookup(no_lookup, block_size)
         defaults = GenerationSettings(
             temperature=temp,
             top_p=top_p,

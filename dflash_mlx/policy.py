@@ -1109,12 +1109,7 @@ def costs_for(target, draft, batches=(), progress=None) -> CostModel:
     # Two processes measuring at once would each time passes slowed by the other's: the second waits,
     # then reads what the first measured.
     with one_at_a_time(f"costs-{path.stem}"):
-        costs = None
-        if path.exists():
-            try:
-                costs = CostModel(**json.loads(path.read_text()))
-            except (OSError, ValueError, TypeError, KeyError):
-                pass  # unreadable or not a cost model: measure again
+        costs = kept_costs(path)
         contexts, widths, _ = _plan(target, draft) if costs is None else (costs.contexts, costs.widths, 0)
         priced = len(contexts) * len(widths) * len(_unpriced(costs.batches if costs else {}, batches))
         total = (costs is None) * measured_passes(target, draft) + priced
@@ -1126,6 +1121,14 @@ def costs_for(target, draft, batches=(), progress=None) -> CostModel:
         if batched is not costs:
             keep_costs(path, batched)
     return batched
+
+
+def kept_costs(path: Path) -> CostModel | None:
+    """The costs kept at `path`, or None (none, unreadable, or not a cost model: measured again)."""
+    try:
+        return CostModel(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 def keep_costs(path: Path, costs: CostModel) -> bool:

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -37,6 +38,7 @@ from .policy import (
     costs_path,
     fastest_seconds,
     keep_costs,
+    kept_costs,
     measure_costs,
     measured_passes,
     ticker,
@@ -220,6 +222,9 @@ def profile_pair(model, draft, progress=None) -> dict:
     target = prepare(model, draft)
     costs = measure_costs(target, draft, tick=ticker(progress, measured_passes(target, draft)))
     path = costs_path(target, draft)
+    old = kept_costs(path)
+    if old is not None and (old.contexts, old.widths) == (costs.contexts, costs.widths):
+        costs = replace(costs, batches=old.batches)  # (batched passes are not measured here: kept)
     kept = keep_costs(path, costs)
     context = costs.contexts[0]
     overhead = policy_overhead_s(costs, draft.block_size - 1 if draft is not None else 0, context)

@@ -236,7 +236,8 @@ class PreparedRun:
 
     def evaluate(self, draft: DFlashDraftModel, note: Callable[[str], None] = _stderr) -> dict:
         # (minutes on a CPU, where a short run's steps took seconds: said, so it does not look stuck)
-        note(f"measuring acceptance on {len(self.held_out)} held-out prompts (--eval-prompts) ...")
+        n = len(self.held_out)
+        note(f"measuring acceptance on {n} held-out prompt{'s' * (n != 1)} (--eval-prompts) ...")
         target = Target(self.target, draft.config.target_layer_ids)
         settings = GenerationSettings(max_tokens=HELD_OUT_TOKENS)
         answers = answers_on_prompts(

@@ -320,9 +320,15 @@ def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
         ("--no-draft --no-lookup", "--no-draft is mlx-lm's plain decoding"),
         ("--no-chat-template --system 'Be brief.'", "--system and --think/--no-think need"),
         ("--no-chat-template --no-think", "--system and --think/--no-think need"),
+        ("--no-lookup --block-size 4", "a fixed --block-size uses none"),
     ):
         r = run(f"generate -m {root}/target -p w5 {args}")
         assert r.exit_code == 1 and message in r.stderr and r.stdout == "", (args, r.output)
+    for command in ("chat", "serve"):  # (said before loading)
+        r = run(f"{command} -m {root}/nowhere --no-lookup --block-size 4")
+        assert r.exit_code == 1 and "a fixed --block-size uses none" in r.stderr, r.output
+    r = run(f"bench -m {root}/nowhere --no-lookup --block-sizes 4,16")
+    assert r.exit_code == 1 and "fixed blocks use none" in r.stderr, r.output
     r = run(f"chat -m {root}/nowhere --temp -1")  # said before looking for the model
     assert r.exit_code == 1 and "temperature must be a number from 0 to 10000" in r.stderr
     for path in ("--no-draft", f"-d {root}/draft"):
@@ -438,7 +444,7 @@ def test_measuring_the_costs_says_so_in_a_log_too(pair, tmp_path):
     errs = [
         subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env).stderr for _ in range(2)
     ]
-    line = "measuring this machine's costs for the pair (once): "
+    line = "measuring this machine's costs for the pair (kept for later runs): "
     first = errs[0].splitlines()[0]
     assert first.startswith(line) and first.endswith(" passes ...") and line not in errs[1], errs
     passes = int(first.removeprefix(line).split()[0])

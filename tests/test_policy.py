@@ -910,6 +910,25 @@ def test_a_measurement_of_costs_reports_each_pass_it_times_against_the_passes_it
     assert reports((2, 4, 8))[1] == 0
 
 
+def test_profile_measures_the_costs_again_and_keeps_the_batched_passes_priced(tmp_path, monkeypatch):
+    """`profile -m` times the single passes again; the batched ones `serve` priced stay, so the next
+    `serve` does not spend a minute pricing them again."""
+    from dflash_mlx.policy import costs_for, costs_path, kept_costs
+    from dflash_mlx.profile import profile_pair
+
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path))
+    draft = make_draft()
+    target = prepare(make_target("llama"), draft)
+    costs_for(target, draft, (2,))
+    before = kept_costs(costs_path(target, draft))
+    timed = []
+    profile_pair(target, draft, progress=lambda done, total: timed.append(done))
+    after = kept_costs(costs_path(target, draft))
+    assert timed and after.batches == before.batches and set(after.batches) == {2}
+    costs_for(target, draft, (2,), progress=lambda done, total: timed.append(-done))
+    assert min(timed) > 0  # (nothing measured again)
+
+
 def test_two_processes_needing_a_pairs_costs_at_once_measure_them_once(tmp_path):
     """Measured at once, each process would time passes slowed by the other's: the second waits for
     the first's measurement and reads it."""

@@ -866,6 +866,9 @@ def test_an_api_key_guards_every_endpoint_but_health(tiny):
         assert httpx.get(f"{url}/health").status_code == 200
         r = httpx.get(f"{url}/v1/models")
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.json()["error"]["message"].endswith("Authorization: Bearer <key>")
+        r = httpx.post(f"{url}/v1/messages", json={})  # (Anthropic's clients send x-api-key)
+        assert r.status_code == 401 and r.json()["error"]["message"].endswith("or x-api-key: <key>")
         assert httpx.get(f"{url}/metrics").status_code == 401
         with pytest.raises(openai.AuthenticationError):
             clients(url, "wrong")[0].models.list()
@@ -1112,7 +1115,8 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
     for more, line in (
         (["--port", "70000"], "error: --port must be from 1 to 65535, got 70000"),
         (["--host", "999.1.1.1"], "choose another --host"),
-        (["--cache-gb", "nan"], "--cache-gb at least 0"),
+        (["--cache-gb", "nan"], "error: --cache-gb must be 0 or more, got nan"),
+        (["--max-concurrency", "0"], "error: --max-concurrency must be from 1 to 256, got 0"),
         (["--host", " "], "error: --host is empty"),  # (empty, each would let everyone in)
         (["--api-key", ""], "error: the API key (--api-key or DFLASH_MLX_API_KEY) is empty"),
         (["--name", ""], "error: --name is empty"),

@@ -91,7 +91,9 @@ class Guard:
 
         headers = dict(scope["headers"])
         if self.config.api_key and path != "/health" and not self._authorized(headers):
-            message = "a valid API key is needed: Authorization: Bearer <key>"
+            message = "a valid API key is needed: Authorization: Bearer <key>" + (
+                " or x-api-key: <key>" if api == "anthropic" else ""
+            )
             reply = error_response(path, 401, message, code="invalid_api_key")
             return await reply(scope, receive, counted_send)
         if b"transfer-encoding" in headers and b"content-length" in headers:
