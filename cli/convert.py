@@ -26,8 +26,10 @@ Q_BITS, Q_GROUP_SIZES = (2, 3, 4, 5, 6, 8), (32, 64, 128)  # what MLX's affine q
 
 
 def convert(
-    source: str = typer.Argument(..., help="Drafter or target: Hugging Face id, folder, or .gguf file."),
-    output: str = typer.Argument(..., help="Folder to write (must not exist unless --force)."),
+    source: str = typer.Argument(
+        ..., metavar="SRC", help="Drafter or target: Hugging Face id, folder, or .gguf file."
+    ),
+    output: str = typer.Argument(..., metavar="DST", help="Folder to write (must not exist unless --force)."),
     dtype: str | None = typer.Option(
         None,
         help="float16, bfloat16 or float32 (drafter default: bfloat16; "
