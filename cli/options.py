@@ -129,7 +129,7 @@ def warm(target, drafter, console: Console, adaptive: bool = True, batches=()) -
 
 
 @contextmanager
-def measuring(label: str = "measuring this machine's costs for the pair (kept for later runs)"):
+def measuring(label: str = "measuring this machine's costs for the pair"):
     """A progress bar for a measurement of the pair's costs (`costs_for`'s `progress`), shown from the
     first pass timed, if any (half a minute to a few minutes, where they are not kept yet); where
     stderr is no terminal, a line when it starts."""
@@ -139,7 +139,9 @@ def measuring(label: str = "measuring this machine's costs for the pair (kept fo
         nonlocal task
         if task is None:
             if not bar.console.is_terminal:
-                bar.console.print(f"{label}: {total} passes ...", highlight=False, soft_wrap=True)
+                bar.console.print(
+                    f"{label}: {total} passes, kept for later runs ...", highlight=False, soft_wrap=True
+                )
             bar.start()
             task = bar.add_task("", total=total)
         bar.update(task, completed=done)
