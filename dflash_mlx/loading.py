@@ -80,7 +80,15 @@ def registry() -> list[Pair]:
 
 
 def find_pair(name: str) -> Pair | None:
-    return next((p for p in registry() if p.matches(name)), None)
+    """The registry's pair for a name, or for the path of the demo's GGUF file (its target)."""
+    pair = next((p for p in registry() if p.matches(name)), None)
+    if pair is None and str(name).lower().endswith(".gguf"):
+        try:
+            if Path(name).expanduser().resolve() == smollm2_gguf().resolve():
+                return find_pair("smollm2-135m-instruct")
+        except (NotFound, OSError):
+            pass
+    return pair
 
 
 def template_kwargs(model: str, think: bool | None = None, tokenizer=None) -> dict:

