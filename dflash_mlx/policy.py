@@ -950,14 +950,18 @@ def measured_passes(target, draft) -> int:
 
 
 def ticker(progress, total: int):
-    """-> a `tick()` that reports each pass timed as `progress(done, total)` (None: nothing to report)."""
+    """-> a `tick()` that reports each pass timed as `progress(done, total)` (does nothing without one)."""
     if progress is None or not total:
-        return None
+        return _nothing
     done = itertools.count(1)
     return lambda: progress(next(done), total)
 
 
-def measure_costs(target, draft, repeats: int = 3, tick=None, **plan) -> CostModel:
+def _nothing() -> None:
+    pass
+
+
+def measure_costs(target, draft, repeats: int = 3, tick=_nothing, **plan) -> CostModel:
     """Time the target's passes by width and the drafter's by proposals, after random prompts of each
     context length (`_plan`'s); `tick()` after each pass is timed (for a progress bar)."""
     contexts, widths, proposals = _plan(target, draft, **plan)
@@ -966,8 +970,7 @@ def measure_costs(target, draft, repeats: int = 3, tick=None, **plan) -> CostMod
 
     def timed(fn) -> float:
         seconds = fastest_seconds(fn, repeats)
-        if tick is not None:
-            tick()
+        tick()
         return seconds
 
     table, drafts, ahead, built = [], [], [], []
@@ -1033,7 +1036,7 @@ def _unpriced(priced, sizes) -> list[int]:
     return sorted({b for b in sizes if b > 1} - set(priced))
 
 
-def with_batches(costs: CostModel, target, sizes, repeats: int = 3, tick=None) -> CostModel:
+def with_batches(costs: CostModel, target, sizes, repeats: int = 3, tick=_nothing) -> CostModel:
     """These costs with a target pass over each batch size in `sizes` measured (at every context and
     width of the table), where it is not already: the rows of one random prompt's cache per context;
     `tick()` after each pass is timed."""
@@ -1052,8 +1055,7 @@ def with_batches(costs: CostModel, target, sizes, repeats: int = 3, tick=None) -
             for w in costs.widths:
                 tokens = mx.random.randint(0, vocab, (b, w), key=key)
                 row.append(fastest_seconds(_batch_pass(target, batch, tokens), repeats))
-                if tick is not None:
-                    tick()
+                tick()
             batches[b].append(row)
     measured = {b: _monotone(rows) for b, rows in batches.items()}
     return replace(costs, batches={**costs.batches, **measured})
@@ -1110,7 +1112,7 @@ def costs_for(target, draft, batches=(), progress=None) -> CostModel:
     # then reads what the first measured.
     with one_at_a_time(f"costs-{path.stem}"):
         costs = kept_costs(path)
-        contexts, widths, _ = _plan(target, draft) if costs is None else (costs.contexts, costs.widths, 0)
+        contexts, widths = (costs.contexts, costs.widths) if costs else _plan(target, draft)[:2]
         priced = len(contexts) * len(widths) * len(_unpriced(costs.batches if costs else {}, batches))
         total = (costs is None) * measured_passes(target, draft) + priced
         tick = ticker(progress, total)
