@@ -63,8 +63,8 @@ def _plain(model, tokenizer, ids, max_tokens, temperature, seed):
 
 
 def _dflash(target, draft, tokenizer, ids, settings: GenerationSettings, seed: int):
-    # Seeded here rather than through `seed=`, which would make each answer start the policy afresh
-    # (for a repeatable answer): the bench measures what a chat or server without seeds gets.
+    # Seeded here rather than through `seed=`, whose answers accept only proposals equal to draws keyed
+    # by position (for a repeatable answer): the bench measures what answers without seeds get.
     mx.random.seed(seed)
     mx.reset_peak_memory()
     tic, first, tokens, acc, mix = time.perf_counter(), None, [], [], Counter()

@@ -78,7 +78,6 @@ class Sequence:
     eos: frozenset = frozenset()
     sampler: Callable | None = None
     compile: bool = True
-    keyed: bool = False  # a seeded answer's draws keyed by their positions (see __post_init__)
     processors: list = field(default_factory=list)  # mlx-lm logits processors, after the settings' own
     scores: list | None = None  # the log-probabilities of the tokens last handed out (`score`)
     produced: int = 0
@@ -88,9 +87,10 @@ class Sequence:
 
     def __post_init__(self):
         """`keyed`: with a seed, above temperature 0, the token at each position is drawn with a key made
-        from the seed and the position, and proposals are accepted where they equal those draws (as
-        with a custom sampler): the answer then depends on the seed alone, not on what was proposed,
-        so not on what runs beside it in a batch either."""
+        from the seed and the position (a custom sampler draws with MLX's generator seeded so), and
+        proposals are accepted where they equal those draws: the answer then depends on the seed alone,
+        not on what the policy chose to propose, so not on the machine's pace or on what runs beside it
+        in a batch either."""
         s, cache = self.settings, self.cache
         # the latest tokens the processors look at (all where one is the caller's own)
         sizes = (s.repetition_context_size, s.presence_context_size, s.frequency_context_size)
@@ -103,9 +103,9 @@ class Sequence:
             )
         if self.sampler is not None:
             self.sampler = guarded(self.sampler)
-        self.keyed = self.keyed and s.seed is not None and not s.greedy and self.sampler is None
+        self.keyed = s.seed is not None and (self.sampler is not None or not s.greedy)
         self.draw, self.accept = acceptance(s, self.sampler)
-        if self.keyed:
+        if self.keyed and self.sampler is None:
             self.draw = lambda logits: (mx.argmax(logits, axis=-1), None)
         matched = self.sampler is not None or s.greedy  # proposals accepted where they equal the target's
         draft = cache.draft
@@ -127,7 +127,6 @@ class Sequence:
             draft_window=cache.draft_window,
             sampled=not matched,
             processed=bool(self.processors),
-            fresh=s.seed is not None,
             tree=s.tree,
             trees=self.trees,
         )
@@ -210,6 +209,13 @@ class Sequence:
     def pick_at(self, logits: mx.array, position: int, depths: list[int] | None = None) -> mx.array:
         """The target's token(s) for logits rows predicting positions `position`, `position` + 1, ...
         (or `position` + depths[j] for row j: a tree's nodes), each row drawn on its own."""
+        if self.keyed and self.sampler is not None:  # (its draws come from MLX's generator)
+            depths = range(logits.shape[0]) if depths is None else depths
+            rows = []
+            for j, d in enumerate(depths):
+                mx.random.seed(_position_seed(self.settings.seed, position + d))
+                rows.append(self.pick(logits[j : j + 1]))
+            return mx.concatenate(rows)
         if self.keyed:
             scaled, seed = self.settings.scaled(logits), self.settings.seed
             depths = range(scaled.shape[0]) if depths is None else depths
@@ -234,8 +240,12 @@ class Sequence:
         return (*self.accept(x, q, logits), None)
 
 
+def _position_seed(seed: int, position: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + position) % 2**64
+
+
 def _position_key(seed: int, position: int) -> mx.array:
-    return mx.random.key((seed * 0x9E3779B97F4A7C15 + position) % 2**64)
+    return mx.random.key(_position_seed(seed, position))
 
 
 @dataclass

@@ -1193,15 +1193,13 @@ def policy_for(
     lookup: bool,
     draft_window: int | None = None,
     sampled: bool = False,
-    fresh: bool = False,
     tree: int | None = None,
     trees: bool = False,
     processed: bool = False,
 ):
     """A fixed block (or a fixed `tree` pass of that width) when one is given (or nothing to choose
-    from), else the adaptive policy (choosing trees too where `trees`): from the priors if `fresh` (a
-    seeded answer, whose draws must not depend on what came before), else from what the last one for
-    the same pair learnt (in this process, else in the last one: `keep_learnt`)."""
+    from), else the adaptive policy (choosing trees too where `trees`), from what the last one for the
+    same pair learnt (in this process, else in the last one: `keep_learnt`)."""
     if tree is not None:
         return FixedPolicy(block_size or draft.block_size, True, tree)
     if block_size is not None or (draft is None and not lookup):
@@ -1217,9 +1215,9 @@ def policy_for(
     # (the weights too: a retrained drafter has its predecessor's costs, not its acceptance)
     key = (path, lookup, draft_window, sampled, trees, weights_digest(target.model), weights_digest(draft))
     key += ("processed",) * processed  # (penalties move acceptance: what they learn is kept apart)
-    if key in _LEARNT and not fresh:
+    if key in _LEARNT:
         policy.learn_from(_LEARNT[key])
-    elif not fresh:
+    else:
         try:  # what the last process learnt
             policy.restore(json.loads(learnt_path(key).read_text()))
         except (OSError, ValueError, KeyError, TypeError):

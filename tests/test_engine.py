@@ -341,7 +341,6 @@ def test_a_seeded_draw_does_not_move_with_the_float_noise_of_a_batched_pass():
         SpeculativeCache(make_target("llama"), None),
         GenerationSettings(temperature=1.0, seed=7, max_tokens=8),
         8,
-        keyed=True,
     )
     logits = (rng.standard_normal((400, vocab)) * 3).astype(np.float32)
     noisy = logits + rng.normal(0, 1e-5, logits.shape).astype(np.float32)

@@ -149,8 +149,9 @@ def test_sampled_output_follows_the_target_distribution_with_the_phrase_tables_p
     monkeypatch.setattr(engine, "policy_for", lambda *a, **k: ScriptedPolicy([Choice(LOOKUP, 4)]))
     tok = make_tokenizer(vocab=V, eos=V + 5)  # (no EOS inside the vocabulary)
     counts = {}
-    for seed in range(RUNS):
-        out = generate(model, draft, tok, PROMPT, max_tokens=T, temperature=0.7, top_p=0.9, seed=seed)
+    for seed in range(RUNS):  # (no `seed=`: rejection sampling, as answers without one)
+        mx.random.seed(seed)
+        out = generate(model, draft, tok, PROMPT, max_tokens=T, temperature=0.7, top_p=0.9)
         counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
     assert len(proposed) > RUNS // 10  # (where the first token, the target's own draw, is a context it knows)
     assert chi_square_p(counts, exact_joint(model, 0.7, 0.9, PROMPT)) > 1e-3

@@ -4,6 +4,7 @@ make changes the output."""
 import dataclasses
 import random
 
+import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 from test_cache import assert_same_caches
@@ -583,8 +584,6 @@ def test_the_next_process_starts_from_what_the_last_one_learnt(as_priced):
     retrained.update(tree_map(lambda p: p + 0.01, retrained.parameters()))
     kept = policy_for(prepare(model, retrained), retrained, block_size=None, lookup=True, trees=True)
     assert kept.costs == last.costs and kept.learnt() == priors
-    _LEARNT.clear()
-    assert policy(fresh=True).learnt() == priors
     other = AdaptivePolicy(last.costs, 7, lookup=True)  # (a drafter with another block)
     with pytest.raises(ValueError):
         other.restore(last.learnt())
@@ -795,8 +794,9 @@ def test_sampled_output_follows_the_target_distribution_with_lookup_and_the_adap
         draft = make_draft(seed=11, vocab=V, block_size=3)
     tok = make_tokenizer(vocab=V, eos=V + 5)
     counts, sources = {}, set()
-    for seed in range(RUNS):
-        out = generate(model, draft, tok, prompt, max_tokens=T, temperature=0.7, top_p=0.9, seed=seed)
+    for seed in range(RUNS):  # (no `seed=`: rejection sampling, as answers without one)
+        mx.random.seed(seed)
+        out = generate(model, draft, tok, prompt, max_tokens=T, temperature=0.7, top_p=0.9)
         counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
         sources |= set(out.sources)
     assert LOOKUP in sources and (mode == "lookup" or DFLASH in sources)

@@ -68,11 +68,15 @@ class TargetPathDraft(DFlashDraftModel):
         return mx.stack(rows)[None, :heads]
 
 
-def sample_counts(model, draft, holder, temperature, top_p, sampler=None, **filters) -> dict:
+def sample_counts(model, draft, holder, temperature, top_p, sampler=None, keyed=False, **filters) -> dict:
+    """RUNS answers' first T tokens. `keyed`: each answer given its own `seed` (draws keyed by position,
+    proposals accepted where they equal them); else MLX's generator seeded before each answer (the
+    acceptance rule of answers without a seed: rejection sampling, or a sampler's own draws)."""
     tok = make_tokenizer(vocab=V, eos=V + 5)  # no EOS inside the vocabulary
     target = speculative.prepare(model, draft)
     counts = {}
     for seed in range(RUNS):
+        mx.random.seed(seed)
         holder[0] = SpeculativeCache(target, draft)
         out = sum(
             (
@@ -86,7 +90,7 @@ def sample_counts(model, draft, holder, temperature, top_p, sampler=None, **filt
                     block_size=None if "tree" in filters or draft is None else B,
                     temperature=temperature,
                     top_p=top_p,
-                    seed=seed,
+                    seed=seed if keyed else None,
                     sampler=sampler,
                     prompt_cache=holder[0],
                     **filters,
@@ -115,8 +119,11 @@ def model():
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-@pytest.mark.parametrize("drafter", ["bad", "good", "none", "dflash2"])
-def test_output_follows_the_target_distribution(model, temperature, top_p, drafter):
+@pytest.mark.parametrize(
+    "drafter,keyed",
+    [("bad", False), ("good", False), ("none", False), ("dflash2", False), ("bad", True), ("good", True)],
+)
+def test_output_follows_the_target_distribution(model, temperature, top_p, drafter, keyed):
     holder = [None]
     if drafter == "none":  # plain decoding (what block size 1 and a missing drafter both run)
         draft = None
@@ -127,7 +134,7 @@ def test_output_follows_the_target_distribution(model, temperature, top_p, draft
     else:
         draft = TargetPathDraft(draft_config(**DRAFT), model, holder)
     joint = exact_joint(model, temperature, top_p)
-    p = chi_square_p(sample_counts(model, draft, holder, temperature, top_p), joint)
+    p = chi_square_p(sample_counts(model, draft, holder, temperature, top_p, keyed=keyed), joint)
     assert p > 1e-3, f"chi-square p-value {p:.2e}: output does not follow the target's distribution"
 
 
@@ -148,24 +155,34 @@ def test_top_k_and_min_p_are_applied_exactly(model):
     assert chi_square_p(counts, exact_joint(model, 0.8, 1.0, **filters)) > 1e-3
 
 
-def test_a_seed_makes_a_sampled_answer_repeatable(model):
-    tok = make_tokenizer(vocab=V, eos=V + 5)
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), "sampler"])
+def test_a_seed_gives_the_same_answer_whatever_proposed_its_tokens(model, sampling):
+    """The adaptive policy's choices follow the machine's measured pace, so a seed's answer must not
+    depend on them: a fixed block, a tree, plain decoding, no lookup and no drafter give it too."""
+    from mlx_lm.sample_utils import make_sampler
 
-    def answer(seed):
-        draft = make_draft(seed=11, **DRAFT)
-        return generate(model, draft, tok, PROMPT, max_tokens=12, temperature=1.0, seed=seed).tokens
+    tok = make_tokenizer(vocab=V, eos=V + 5)
+    if sampling == "sampler":
+        sampling = dict(sampler=make_sampler(0.8, top_k=4))
+
+    def answer(seed, draft=True, **shape):
+        drafter = make_draft(seed=11, **DRAFT) if draft else None
+        return generate(model, drafter, tok, PROMPT, max_tokens=24, seed=seed, **sampling, **shape).tokens
 
     first = answer(3)
-    assert answer(3) == first and any(answer(s) != first for s in range(4, 9))
+    shapes = [dict(block_size=4), dict(block_size=1), dict(tree=4), dict(lookup=False), dict(draft=False)]
+    assert all(answer(3, **shape) == first for shape in shapes)
+    assert any(answer(s) != first for s in range(4, 9))
 
 
-def test_a_custom_sampler_keeps_its_own_distribution(model):
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_custom_sampler_keeps_its_own_distribution(model, keyed):
     from mlx_lm.sample_utils import make_sampler
 
     holder = [None]
-    counts = sample_counts(
-        model, make_draft(seed=11, **DRAFT), holder, 0.0, 1.0, sampler=make_sampler(0.7, top_p=0.9)
-    )
+    sampler = make_sampler(0.7, top_p=0.9)
+    draft = make_draft(seed=11, **DRAFT)
+    counts = sample_counts(model, draft, holder, 0.0, 1.0, sampler=sampler, keyed=keyed)
     assert chi_square_p(counts, exact_joint(model, 0.7, 0.9)) > 1e-3
 
 

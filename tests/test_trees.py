@@ -248,7 +248,7 @@ def test_a_batch_of_seeded_answers_through_trees_samples_each_from_its_own_distr
         settings = [
             GenerationSettings(temperature=1.0, max_tokens=T, tree=3, seed=6 * run + i) for i in range(6)
         ]
-        seqs = [Sequence(SpeculativeCache(target, draft), s, T, keyed=True) for s in settings]
+        seqs = [Sequence(SpeculativeCache(target, draft), s, T) for s in settings]
         out = drive(Engine(target, draft), {0: [(s, PROMPT) for s in seqs]})
         for s in seqs:
             counts[tuple(out[s])] = counts.get(tuple(out[s]), 0) + 1

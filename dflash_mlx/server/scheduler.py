@@ -430,7 +430,7 @@ class Scheduler:
         settings = job.request.settings
         room = min(settings.max_tokens, context_room(self.pool.target, len(job.request.prompt)))
         eos = frozenset(self.tokenizer.eos_token_ids)
-        return Sequence(job.cache, settings, room, eos, keyed=True)
+        return Sequence(job.cache, settings, room, eos)
 
     def _failed(self, job: _Job, error: Exception) -> None:
         if not isinstance(error, UserError):
