@@ -134,7 +134,7 @@ def bench(
             name = draft_for(model, draft)
             if not has_matplotlib() and levels is None:
                 typer.echo(
-                    "note: matplotlib is not installed, so no plot.png (pip install 'dflash-mlx[bench]')",
+                    "note: matplotlib is not installed, so no plot.png (pip install matplotlib)",
                     err=True,
                 )
             if levels is not None or any(b is None for b, _ in grid):  # (not inside the warm-up's bar)

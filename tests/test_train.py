@@ -306,6 +306,47 @@ def test_a_run_whose_loss_is_no_longer_a_number_stops_and_keeps_the_last_good_ch
     assert all(bool(mx.isfinite(w).all()) for w in weights.values())
 
 
+def test_a_check_of_acceptance_cut_short_keeps_the_step_it_checked(tiny_setup, tmp_path):
+    """The held-out check takes minutes on a CPU after steps of seconds: a Ctrl-C there (a signal's
+    KeyboardInterrupt) must not cost the steps trained since the last checkpoint."""
+    model, seqs = tiny_setup
+    cfg = tiny_config(steps=12, eval_every=6, checkpoint_every=4)
+    logged = []
+
+    def check(draft):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(Target(model), make_tokenizer(), seqs, tmp_path, cfg, on_step=logged.append, evaluate=check)
+    assert [r["step"] for r in logged] == list(range(1, 7)) and logged[-1]["eval_error"] == "interrupted"
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["step"] == 6
+    # A stop asked for before the check skips it: the step is checkpointed, the run ends there.
+    checked, logged = [], []
+    train(
+        Target(model),
+        make_tokenizer(),
+        seqs,
+        tmp_path,
+        replace(cfg, eval_every=1),
+        on_step=logged.append,
+        evaluate=lambda draft: checked.append(1) or {},
+        stop=lambda: True,
+    )
+    assert not checked and [r["step"] for r in logged] == [7] and "offline_tau" not in logged[0]
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["step"] == 7
+
+
+@pytest.mark.parametrize("damaged", ["state.json", "model.safetensors", "optimizer.safetensors"])
+def test_a_damaged_checkpoint_is_named_in_one_line(tiny_setup, tmp_path, damaged):
+    model, seqs = tiny_setup
+    cfg = tiny_config(steps=2, checkpoint_every=1)
+    train(Target(model), make_tokenizer(), seqs, tmp_path, cfg)
+    file = tmp_path / "checkpoint" / damaged
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])  # (a copy cut short)
+    with pytest.raises(UserError, match=f"checkpoint/{damaged} is damaged .*: this run cannot go on"):
+        train(Target(model), make_tokenizer(), seqs, tmp_path, replace(cfg, steps=3))
+
+
 def test_resume_continues_the_same_run(tiny_setup, tmp_path):
     model, seqs = tiny_setup
     cfg = tiny_config(steps=60, lr=3e-3, warmup=10, checkpoint_every=20)
@@ -825,7 +866,8 @@ def test_greedy_answers_finished_before_a_stop_are_kept_and_not_generated_again(
     generate_data(model, tok, prompts, tmp_path / "whole", **options)
     whole = sorted(map(tuple, (ids for ids, _ in load_shards(tmp_path / "whole"))))
 
-    def stop(finished, _):
+    def stop(finished, _, tokens):
+        assert tokens > 0
         if finished:
             raise KeyboardInterrupt
 
@@ -834,7 +876,7 @@ def test_greedy_answers_finished_before_a_stop_are_kept_and_not_generated_again(
     kept = [tuple(ids) for ids, _ in load_shards(tmp_path / "stopped")]
     assert 0 < len(kept) < len(prompts) and set(kept) <= set(whole)
     seen = []
-    generate_data(model, tok, prompts, tmp_path / "stopped", progress=lambda k, _: seen.append(k), **options)
+    generate_data(model, tok, prompts, tmp_path / "stopped", progress=lambda k, *_: seen.append(k), **options)
     assert sorted(map(tuple, (ids for ids, _ in load_shards(tmp_path / "stopped")))) == whole
     assert seen[0] >= len(kept)  # the kept answers count as done, and are not answered twice
 
@@ -885,6 +927,28 @@ def test_a_repeated_prompt_is_answered_once_also_across_a_resume(tmp_path):
     assert [ids[:plen] for ids, plen in load_shards(tmp_path)] == [
         apply_chat_template(tok, prompts[i]) for i in (0, 1, 3, 5)
     ]
+
+
+def test_a_damaged_shard_removed_as_told_has_its_prompts_answered_again_and_nothing_written_over(tmp_path):
+    model, tok = make_target("llama"), make_tokenizer(eos=95)
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 2}"}] for i in range(5, 15)]
+    kw = dict(max_new_tokens=3, batch_size=3, shard_size=2)
+    assert generate_data(model, tok, prompts, tmp_path, limit=8, **kw) == 8
+    whole = {tuple(ids) for ids, _ in load_shards(tmp_path)}
+    (tmp_path / "shard-00001.npz").write_bytes(b"")  # (a disk that filled up)
+    (tmp_path / ".shard-00004.tmp.npz").write_bytes(b"x")  # (a write a kill cut short)
+    (tmp_path / ".DS_Store").write_bytes(b"")  # (what a Mac's Finder leaves)
+    told = r"shard-00001.npz is not a shard .*: remove it \(`train data` answers its prompts again"
+    with pytest.raises(UserError, match=told):
+        generate_data(model, tok, prompts, tmp_path, **kw)
+    last = (tmp_path / "shard-00003.npz").read_bytes()
+    (tmp_path / "shard-00001.npz").unlink()
+    assert generate_data(model, tok, prompts, tmp_path, **kw) == 10
+    assert (tmp_path / "shard-00003.npz").read_bytes() == last  # (not written over by the next shard)
+    assert not list(tmp_path.glob(".shard-*"))
+    seqs = load_shards(tmp_path)
+    assert sorted(ids[:plen] for ids, plen in seqs) == sorted(apply_chat_template(tok, m) for m in prompts)
+    assert whole <= {tuple(ids) for ids, _ in seqs}  # prompts 2 and 3 answered again, as they were
 
 
 def test_data_generation_resumes_only_the_same_prompts_answered_alike(tmp_path):
