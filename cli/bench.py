@@ -36,6 +36,7 @@ from .options import (
     measuring,
     progress_bar,
     stdout,
+    terminated_as_interrupted,
     user_errors,
 )
 
@@ -123,68 +124,75 @@ def bench(
         folder = Path(out).expanduser()
         made = not folder.exists()
         folder.mkdir(parents=True, exist_ok=True)
-        try:
-            ps = first_prompts(prompts, limit)
-            if levels is not None and max(levels) > len(ps):  # (each level's batches are priced first)
-                raise UserError(
-                    f"--concurrency {max(levels)} runs more answers at once than there are prompts "
-                    f"({len(ps)}): give more prompts (--limit) or fewer answers at once"
-                )
-            target, drafter, tokenizer = load_pair(model, draft)
-            name = draft_for(model, draft)
-            if not has_matplotlib() and levels is None:
-                typer.echo(
-                    "note: matplotlib is not installed, so no plot.png (pip install matplotlib)",
-                    err=True,
-                )
-            if levels is not None or any(b is None for b, _ in grid):  # (not inside the warm-up's bar)
-                with measuring() as shown:
-                    batches = batch_sizes(max(levels)) if levels else ()
-                    costs_for(prepare(target, drafter), drafter, batches, progress=shown)
-            with progress_bar("{task.description}") as bar:
-                done = lambda d, _: bar.update(task, completed=d, description="benchmarking")  # noqa: E731
-                if levels is not None:
-                    task = bar.add_task("warming up (not counted)", total=len(levels))
-                    results = run_concurrent(
-                        target,
-                        drafter,
-                        tokenizer,
-                        ps,
-                        concurrency=levels,
-                        max_tokens=max_tokens,
-                        lookup=not no_lookup,
-                        draft_window=draft_window,
-                        template_kwargs=template_kwargs(model, think, tokenizer),
-                        progress=done,
+        # SIGTERM (`timeout`, `kill`, a job's time limit) stops it as Ctrl-C does, keeping what finished
+        with terminated_as_interrupted() as terminated:
+            try:
+                ps = first_prompts(prompts, limit)
+                if levels is not None and max(levels) > len(ps):  # (each level's batches are priced first)
+                    raise UserError(
+                        f"--concurrency {max(levels)} runs more answers at once than there are prompts "
+                        f"({len(ps)}): give more prompts (--limit) or fewer answers at once"
                     )
-                else:
-                    common = dict(
-                        block_sizes=bs,
-                        lookup=not no_lookup,
-                        draft_window=draft_window,
-                        max_tokens=max_tokens,
-                        template_kwargs=template_kwargs(model, think, tokenizer),
-                        progress=done,
+                target, drafter, tokenizer = load_pair(model, draft)
+                name = draft_for(model, draft)
+                if not has_matplotlib() and levels is None:
+                    typer.echo(
+                        "note: matplotlib is not installed, so no plot.png (pip install matplotlib)",
+                        err=True,
                     )
-                    if fresh is not None:
-                        task = bar.add_task("loading", total=len(ps) * (1 + len(grid)))
-                        results = run_fresh(
-                            (model, draft), target, drafter, tokenizer, ps, answers=fresh, **common
+                if levels is not None or any(b is None for b, _ in grid):  # (not inside the warm-up's bar)
+                    with measuring() as shown:
+                        batches = batch_sizes(max(levels)) if levels else ()
+                        costs_for(prepare(target, drafter), drafter, batches, progress=shown)
+                with progress_bar("{task.description}") as bar:
+                    done = lambda d, _: bar.update(task, completed=d, description="benchmarking")  # noqa: E731
+                    if levels is not None:
+                        task = bar.add_task("warming up (not counted)", total=len(levels))
+                        results = run_concurrent(
+                            target,
+                            drafter,
+                            tokenizer,
+                            ps,
+                            concurrency=levels,
+                            max_tokens=max_tokens,
+                            lookup=not no_lookup,
+                            draft_window=draft_window,
+                            template_kwargs=template_kwargs(model, think, tokenizer),
+                            progress=done,
                         )
                     else:
-                        runs = len({t for _, t in grid}) + len(grid)  # the plain baseline at each temperature
-                        task = bar.add_task("warming up (not counted)", total=rounds * len(ps) * runs)
-                        results = run_bench(
-                            target, drafter, tokenizer, ps, temperatures=ts, rounds=rounds, **common
+                        common = dict(
+                            block_sizes=bs,
+                            lookup=not no_lookup,
+                            draft_window=draft_window,
+                            max_tokens=max_tokens,
+                            template_kwargs=template_kwargs(model, think, tokenizer),
+                            progress=done,
                         )
-        except BaseException as e:  # nothing to show: do not leave behind an empty folder this run made
-            if made and not any(folder.iterdir()):
-                folder.rmdir()
-            if isinstance(e, KeyboardInterrupt):
-                typer.secho(
-                    "stopped with Ctrl-C before anything finished: nothing written", fg="yellow", err=True
-                )
-            raise
+                        if fresh is not None:
+                            task = bar.add_task("loading", total=len(ps) * (1 + len(grid)))
+                            results = run_fresh(
+                                (model, draft), target, drafter, tokenizer, ps, answers=fresh, **common
+                            )
+                        else:
+                            # (the plain baseline at each temperature, then each setting)
+                            runs = len({t for _, t in grid}) + len(grid)
+                            task = bar.add_task("warming up (not counted)", total=rounds * len(ps) * runs)
+                            results = run_bench(
+                                target, drafter, tokenizer, ps, temperatures=ts, rounds=rounds, **common
+                            )
+            except BaseException as e:  # nothing to show: do not leave behind an empty folder this run made
+                if made and not any(folder.iterdir()):
+                    folder.rmdir()
+                if isinstance(e, KeyboardInterrupt):
+                    typer.secho(
+                        f"stopped {_by(terminated)} before anything finished: nothing written",
+                        fg="yellow",
+                        err=True,
+                    )
+                    if terminated:
+                        raise typer.Exit(143) from None
+                raise
         results.update(model=model, draft=name, prompt_set=prompts)
         title = f"dflash-mlx bench: {model} + {name} on {prompts}"
         try:
@@ -214,11 +222,15 @@ def bench(
             else counted(len(results["prompts"]), "prompt run")
         )
         typer.secho(
-            f"stopped with Ctrl-C: the results cover the {done} finished by then", fg="yellow", err=True
+            f"stopped {_by(terminated)}: the results cover the {done} finished by then", fg="yellow", err=True
         )
-        raise typer.Exit(130)
+        raise typer.Exit(143 if terminated else 130)
     if bad:
         raise typer.Exit(1)
+
+
+def _by(terminated: list) -> str:
+    return "by SIGTERM" if terminated else "with Ctrl-C"
 
 
 def _listed(flag: str, value: str, kind, example: str) -> list:

@@ -45,6 +45,7 @@ from .options import (
     check_utf8,
     mix_text,
     stderr,
+    terminated_as_interrupted,
     user_errors,
     warm,
 )
@@ -141,8 +142,8 @@ def generate(
             )
         )
         interrupted = False
-        try:
-            with ctrl_c_in_mlx():
+        try:  # (SIGTERM as Ctrl-C: `timeout` and `kill` keep what came too)
+            with terminated_as_interrupted() as terminated, ctrl_c_in_mlx():
                 for last in stream:
                     if not as_json:
                         sys.stdout.write(last.text)
@@ -181,7 +182,7 @@ def generate(
         if as_json:  # (inside user_errors: a reader gone away ends it quietly, as for the text)
             typer.echo(json.dumps(record))
             if interrupted:
-                raise typer.Exit(130)
+                raise typer.Exit(143 if terminated else 130)
             return
         typer.echo()
     stats = counted(len(tokens), "token")
@@ -193,7 +194,7 @@ def generate(
         stats += f", mean acceptance {tau:.2f} over {len(acc)} cycles ({mix_text(record['mix'])})"
     typer.secho(stats + (" · interrupted" if interrupted else ""), err=True, dim=True)
     if interrupted:
-        raise typer.Exit(130)
+        raise typer.Exit(143 if terminated else 130)
 
 
 def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: Sequence[str] = ()):

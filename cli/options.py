@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_mlx.data import prompt_source
 from dflash_mlx.errors import UserError, unpaired_surrogate
 from dflash_mlx.pairing import prepare
-from dflash_mlx.platform import backend
+from dflash_mlx.platform import backend, home_advice
 from dflash_mlx.policy import costs_for, warm_up
 
 DEMO = "smollm2-135m-instruct"
@@ -138,10 +138,12 @@ def measuring(label: str = "measuring this machine's costs for the pair"):
     def shown(done: int, total: int) -> None:
         nonlocal task
         if task is None:
+            advice = home_advice()  # (then measured again by every run: said once each time)
+            if advice is not None:
+                bar.console.print(f"note: {advice}", highlight=False, soft_wrap=True)
             if not bar.console.is_terminal:
-                bar.console.print(
-                    f"{label}: {total} passes, kept for later runs ...", highlight=False, soft_wrap=True
-                )
+                kept = "for this run only" if advice else "kept for later runs"
+                bar.console.print(f"{label}: {total} passes, {kept} ...", highlight=False, soft_wrap=True)
             bar.start()
             task = bar.add_task("", total=total)
         bar.update(task, completed=done)

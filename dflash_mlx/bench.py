@@ -568,9 +568,7 @@ def markdown(results: dict, title: str) -> str:
     if "concurrency" in results:
         return markdown_concurrent(results, title)
     m = results["machine"]
-    stopped = (
-        " (stopped early with Ctrl-C: the prompts finished by then)" if results.get("interrupted") else ""
-    )
+    stopped = " (stopped early: the prompts finished by then)" if results.get("interrupted") else ""
     n = results.get("rounds", 1)
     rounds = f", {n} rounds (a speedup: the rounds' median, and their range)" if n > 1 else ""
     answers = results.get("fresh")

@@ -41,6 +41,8 @@ def atomic_folder(dest: str | Path, force: bool = False):
     try:
         yield tmp
         tmp.chmod(0o755)  # mkdtemp makes it private
+        if dest.exists() and not force:  # (another process wrote it meanwhile: its work stays)
+            raise AlreadyExists(f"{dest} was written meanwhile by another process (--force replaces it)")
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old")
             _remove(old)

@@ -132,7 +132,8 @@ def test_generate_warms_up_on_a_gpu_only(pair, device, monkeypatch):
 
 
 @pytest.mark.parametrize("plain", [False, True])
-def test_generate_stopped_with_ctrl_c_still_gives_what_came(pair, monkeypatch, plain):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
+def test_generate_stopped_with_ctrl_c_still_gives_what_came(pair, monkeypatch, plain, sig):
     import dflash_mlx.cli.generate as command
 
     root, model = pair
@@ -142,20 +143,23 @@ def test_generate_stopped_with_ctrl_c_still_gives_what_came(pair, monkeypatch, p
     def stopped_after_three(*args, **kw):
         for n, response in enumerate(real(*args, **kw)):
             if n == 3:
-                raise KeyboardInterrupt
+                os.kill(os.getpid(), sig)  # (Ctrl-C, or `kill`/`timeout`, which lost the whole record)
+                time.sleep(10)  # (its handler raises here)
             yield response
 
     monkeypatch.setattr(command, name, stopped_after_three)
     flags = "--no-draft" if plain else f"-d {root}/draft --block-size 2"
     r = run(f"generate -m {root}/target {flags} -p 'w5 w6 w7' --max-tokens 12 --no-chat-template --json")
-    assert r.exit_code == 130
+    assert r.exit_code == 128 + sig
     record = json.loads(r.stdout)
     want = greedy_reference(model, [5, 6, 7], 12, eos={95})
     assert record["finish_reason"] == "interrupted" and 3 <= len(record["tokens"]) < 12
     assert record["tokens"] == want[: len(record["tokens"])]
     r = run(f"generate -m {root}/target {flags} -p 'w5 w6 w7' --max-tokens 12 --no-chat-template")
     shown = r.stdout.split()  # the text so far, then its statistics, which say it was cut
-    assert r.exit_code == 130 and shown == [f"w{t}" for t in want[: len(shown)]] and 3 <= len(shown) < 12
+    assert (
+        r.exit_code == 128 + sig and shown == [f"w{t}" for t in want[: len(shown)]] and 3 <= len(shown) < 12
+    )
     assert f"{len(record['tokens'])} tokens" in r.stderr and r.stderr.strip().endswith("interrupted")
 
 
@@ -450,6 +454,12 @@ def test_measuring_the_costs_says_so_in_a_log_too(pair, tmp_path):
     assert line not in errs[1], errs
     passes = int(first.removeprefix(line).split()[0])
     assert f" {passes}/{passes} " in errs[0]  # (the bar, at its end: every pass was timed)
+    # A home that cannot keep them (a file in its way, a read-only place): said, and not called kept.
+    (tmp_path / "file").write_text("")
+    env = dict(os.environ, DFLASH_MLX_HOME=str(tmp_path / "file" / "home"))
+    err = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env).stderr
+    assert err.startswith(f"note: the home {tmp_path}/file/home ({tmp_path}/file is a file) cannot keep"), err
+    assert f"{line}{passes} passes, for this run only ..." in err
 
 
 def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair):
@@ -663,7 +673,7 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
     assert calls == [(k, 9) for k in range(6)]  # 0 when the warm-up ends, then every counted run
     assert results["interrupted"] and len(results["prompts"]) == 1
     assert all(s["prompts"] == 1 and s["identical"] for s in results["summary"])
-    assert "stopped early with Ctrl-C" in markdown(results, "t")
+    assert "stopped early: the prompts finished by then" in markdown(results, "t")
     with pytest.raises(KeyboardInterrupt):  # nothing finished yet: nothing to report
         run_bench(
             target,
@@ -931,6 +941,23 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
         f"{tmp_path}/c --block-sizes 16"  # one run a prompt, so the third is prompt 1's
     )
     assert r.exit_code == 130 and "DFlash output differed" in r.stderr and "stopped with Ctrl-C" in r.stderr
+    # `kill` or `timeout` (SIGTERM) keeps what finished as Ctrl-C does: it left no results at all
+    runs.clear()
+
+    def terminated_at_the_third(*a, **k):
+        runs.append(1)
+        if len(runs) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # (its handler raises here)
+        return real(*a, **k)
+
+    monkeypatch.setattr(dflash_mlx.bench, "_dflash", terminated_at_the_third)
+    r = run(
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 16 -o "
+        f"{tmp_path}/d --block-sizes 16"
+    )
+    assert r.exit_code == 143 and "stopped by SIGTERM: the results cover the 1 prompt run" in r.stderr
+    assert json.loads((tmp_path / "d" / "results.json").read_text())["interrupted"]
 
 
 def test_models_and_doctor_speak_json():

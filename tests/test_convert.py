@@ -658,6 +658,21 @@ def test_a_failed_replace_keeps_the_old_folder(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary or .old folder left
 
 
+def test_a_folder_written_meanwhile_by_another_process_is_kept_without_force(tmp_path):
+    """Two `convert`s into one new folder: the one that ends second is refused, not swapped over the
+    first (whose "wrote ..." would be false)."""
+    from dflash_mlx.errors import AlreadyExists
+    from dflash_mlx.files import atomic_folder
+
+    dest = tmp_path / "model"
+    with pytest.raises(AlreadyExists, match="model was written meanwhile by another process"):
+        with atomic_folder(dest) as tmp:
+            (tmp / "config.json").write_text("[]")
+            dest.mkdir()  # (the other process's rename)
+            (dest / "config.json").write_text("{}")
+    assert (dest / "config.json").read_text() == "{}" and sorted(tmp_path.iterdir()) == [dest]
+
+
 def test_a_folder_moved_aside_by_a_swap_cut_short_is_put_back_or_cleared(tmp_path):
     from dflash_mlx.files import atomic_folder
 
