@@ -158,6 +158,7 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
     dest = cache_home() / "gguf" / f"{path.stem}-{tag}-{where}-{state}"
     if (dest / "config.json").exists():
         return dest
+    check_utf8_name(dest)  # (a home named in another encoding: before anything is made or said)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # (the folder it would name is one the user never gave)

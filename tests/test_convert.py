@@ -341,6 +341,19 @@ def test_gguf_target_converts_to_the_same_model(tmp_path, family):
     assert tokenizer.eos_token == "<|end|>" and tokenizer.encode("<|end|>", add_special_tokens=False) == [258]
 
 
+def test_a_home_named_in_another_encoding_is_refused_before_a_conversion_is_made_or_said(
+    tmp_path, monkeypatch, capsys
+):
+    from dflash_mlx.loading import gguf_folder
+
+    home = os.fsdecode(bytes(tmp_path) + b"/bad\xff")
+    monkeypatch.setenv("DFLASH_MLX_HOME", home)
+    write_gguf(tmp_path / "tiny.gguf", "llama")
+    with pytest.raises(UserError, match="MLX needs a name in UTF-8"):
+        gguf_folder(tmp_path / "tiny.gguf", mx.float32)
+    assert not os.path.exists(home) and "converting" not in capsys.readouterr().err
+
+
 def test_a_gguf_loaded_by_path_is_converted_once_and_again_only_when_the_file_changes(tmp_path, monkeypatch):
     from dflash_mlx.loading import gguf_folder
 
