@@ -32,6 +32,7 @@ from .errors import NotFound, UserError, unpaired_surrogate
 from .files import check_writable
 from .hub import download
 from .platform import backend, ctrl_c_in_mlx, device_memory
+from .policy import weights_digest
 from .settings import GenerationSettings
 
 SHAREGPT_HELDOUT = 100  # the last 100 usable ShareGPT conversations are kept for evaluation
@@ -382,9 +383,14 @@ def _training_data(folder: str) -> list[tuple[list[int], int]]:
 
 def shards_tokenizer(folder: str | Path) -> str:
     """The tokenizer fingerprint a data folder was made with ("" if its shards predate the record)."""
+    return _recorded(folder, "tokenizer")
+
+
+def _recorded(folder: str | Path, key: str) -> str:
+    """What the folder's last shard records as `key` ("" where none does, or shards predate it)."""
     shards = _shards(folder)
     last = _read_shard(shards[-1]) if shards else {}
-    return str(last["tokenizer"]) if "tokenizer" in last else ""
+    return str(last[key]) if key in last else ""
 
 
 def check_data_tokenizer(
@@ -413,6 +419,7 @@ def _write_shard(
     tokenizer: str,
     prompts: str = "",
     settings: str = "",
+    target: str = "",
 ) -> None:
     tokens = np.concatenate([np.asarray(s, dtype=np.uint32) for s, _ in seqs])
     offsets = np.cumsum([0] + [len(s) for s, _ in seqs])
@@ -429,6 +436,7 @@ def _write_shard(
         tokenizer=np.array(tokenizer),
         prompts=np.array(prompts),
         settings=np.array(settings),
+        target=np.array(target),
     )
     os.replace(tmp, folder / f"shard-{index:05d}.npz")
 
@@ -723,6 +731,12 @@ def generate_data(
             f"{folder} holds answers written by a model with another vocabulary: write this "
             "target's answers to a new --out folder"
         )
+    target = weights_digest(model)
+    if _recorded(folder, "target") not in ("", target):
+        raise UserError(
+            f"{folder} holds answers of another target (the same vocabulary, other weights): write "
+            "this one's answers to a new --out folder (`train run` takes several --data folders)"
+        )
     for stale in folder.glob(".shard-*.tmp.npz"):  # (a write cut short by a kill)
         stale.unlink()
     index = max((int(p.stem.split("-")[1]) + 1 for p in _shards(folder) if p.stem[6:].isdigit()), default=0)
@@ -776,6 +790,7 @@ def generate_data(
                     fingerprint,
                     made_from,
                     settings,
+                    target,
                 )
                 index += 1
             done, admitted = done + len(seqs), admitted - len(seqs)
@@ -786,7 +801,7 @@ def generate_data(
         seqs = [seq for shard in shards for seq in ended(shard)]
         if seqs:
             first = shards[0]["first"]
-            _write_shard(folder, index, seqs, first, first, source, fingerprint, made_from, settings)
+            _write_shard(folder, index, seqs, first, first, source, fingerprint, made_from, settings, target)
 
     try:
         with ctrl_c_in_mlx():

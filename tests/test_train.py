@@ -987,6 +987,10 @@ def test_data_made_with_another_vocabulary_is_refused(tmp_path):
         check_data_tokenizer([(tmp_path, seqs)], other, 96, "tiny")
     with pytest.raises(ValueError, match="holds answers written by a model with another vocabulary"):
         generate_data(model, other, prompts, tmp_path, **kw)
+    # Another target of the same vocabulary (another size of a family, a fine-tune): not mixed in.
+    with pytest.raises(ValueError, match="holds answers of another target .* to a new --out folder"):
+        generate_data(make_target("llama", seed=1), tok, prompts, tmp_path, **kw)
+    assert generate_data(model, tok, prompts, tmp_path, **kw) == 4  # (its own target goes on)
     # Shards from before the tokenizer was recorded (the shipped data): an id past the vocabulary still is.
     old = tmp_path / "old"
     old.mkdir()
