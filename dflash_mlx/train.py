@@ -705,7 +705,7 @@ def train(
             )
         history.append({k: record[k] for k in ("step", "loss")})
         checking = cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
-        interrupted = False  # the check cut short (a second Ctrl-C): the step is kept, then the run ends
+        interrupted = False  # the check cut short (a Ctrl-C during it): the step is kept, then the run ends
         if checking and not (stop is not None and stop()):  # (a stop asked for skips it)
             try:
                 tau, acc = evaluate_blocks(draft, target, features_of, seqs, range(cfg.holdout), cfg)
