@@ -265,8 +265,8 @@ def run(
     """Train a drafter on self-distilled data (the paper's recipe); Ctrl-C checkpoints and stops, and the
     same command resumes.
 
-    A resumed run keeps its recipe and architecture; --steps, --eval-every, --checkpoint-every and
-    --micro-batch may change.
+    A resumed run keeps its recipe and architecture; --steps, --eval-every, --checkpoint-every,
+    --micro-batch, --eval-prompts, --feature-cache-gb and --export may change.
     """
     with user_errors():
         recipe = {
@@ -307,7 +307,7 @@ def run(
                         f"  tau {r['tau']:.2f}" if "tau" in r else ""
                     )
                     bar.console.print(f"step {r['step']}: {desc}")
-                if "eval_error" in r:
+                if r.get("eval_error", "interrupted") != "interrupted":  # (a stop cut it short: said)
                     bar.console.print(
                         f"step {r['step']}: the held-out tau check failed ({r['eval_error']}); "
                         "training goes on"

@@ -308,14 +308,14 @@ def _shards(folder: str | Path) -> list[Path]:
     return sorted(Path(folder).glob("shard-*.npz"))
 
 
-def _read_shard(shard: Path) -> dict:
-    """A shard's arrays, all read; one clear line if the file is no shard (damaged, or another's)."""
+def _read_shard(shard: Path, keys: tuple[str, ...] | None = None) -> dict:
+    """A shard's arrays (those of `keys` it holds; None: all); one clear line if the file is no shard
+    (damaged, or another's)."""
     try:
         with np.load(shard) as d:
-            out = {k: d[k] for k in d.files}
-        if missing := {"prompt_lens", "tokens", "offsets", "first_prompt"} - out.keys():
-            raise KeyError(f"no {', '.join(sorted(missing))}")
-        return out
+            if missing := {"prompt_lens", "tokens", "offsets", "first_prompt"} - set(d.files):
+                raise KeyError(f"no {', '.join(sorted(missing))}")
+            return {k: d[k] for k in d.files if keys is None or k in keys}
     except (OSError, ValueError, KeyError, EOFError, AttributeError, TypeError, zipfile.BadZipFile) as e:
         raise UserError(
             f"{shard} is not a shard `dflash-mlx train data` wrote ({e or type(e).__name__}): remove it "
@@ -389,7 +389,7 @@ def shards_tokenizer(folder: str | Path) -> str:
 def _recorded(folder: str | Path, key: str) -> str:
     """What the folder's last shard records as `key` ("" where none does, or shards predate it)."""
     shards = _shards(folder)
-    last = _read_shard(shards[-1]) if shards else {}
+    last = _read_shard(shards[-1], (key,)) if shards else {}
     return str(last[key]) if key in last else ""
 
 
@@ -470,7 +470,9 @@ def resume_point(
     shards answer other prompts (another list than `prompts`, or, where shards do not record their
     prompts, another source name), or were made with other `settings` (`data_settings`)."""
     folder = Path(folder)
-    shards = [_read_shard(s) for s in _shards(folder)]
+    paths = _shards(folder)
+    keys = ("prompt_lens", "first_prompt", "next_prompt", "prompts", "source", "settings")
+    shards = [_read_shard(s, keys) for s in paths]
     if not shards:
         return 0, 0
     done = sum(len(s["prompt_lens"]) for s in shards)
@@ -501,23 +503,17 @@ def resume_point(
             f"{folder} holds answers made with {differ}: give the same to go on, or write to a new "
             "--out folder"
         )
-    # Resume at the first prompt no shard consumed: after the last one's, unless a shard was removed
-    # (a damaged one, as its error says), whose prompts are then answered again; the answered prompts
-    # read again after it are skipped. Shards written before next_prompt was recorded: assume the
-    # same shard size as now.
-    spans = sorted(
-        (
-            int(s["first_prompt"]),
-            int(s["next_prompt"]) if "next_prompt" in s else int(s["first_prompt"]) + shard_size,
-        )
-        for s in shards
-    )
-    consumed = 0
-    for first, following in spans:
-        if first > consumed:
-            break
-        consumed = max(consumed, following)
-    return done, consumed
+
+    def end(s: dict) -> int:  # (shards written before next_prompt was recorded: the same size as now)
+        return int(s["next_prompt"]) if "next_prompt" in s else int(s["first_prompt"]) + shard_size
+
+    # After the last prompt the folder consumed; where a shard is missing from the numbering (a damaged
+    # one removed, as its error says), from where it began, so that its prompts are answered again (the
+    # answered ones read again after it are skipped).
+    for k, path in enumerate(paths):
+        if path.name != f"shard-{k:05d}.npz":
+            return done, end(shards[k - 1]) if k else 0
+    return done, end(shards[-1])
 
 
 def answer_rows(model, longest: int) -> int:

@@ -127,6 +127,7 @@ class Sequence:
             draft_window=cache.draft_window,
             sampled=not matched,
             processed=bool(self.processors),
+            keyed=self.keyed,
             tree=s.tree,
             trees=self.trees,
         )

@@ -1196,6 +1196,7 @@ def policy_for(
     tree: int | None = None,
     trees: bool = False,
     processed: bool = False,
+    keyed: bool = False,
 ):
     """A fixed block (or a fixed `tree` pass of that width) when one is given (or nothing to choose
     from), else the adaptive policy (choosing trees too where `trees`), from what the last one for the
@@ -1215,6 +1216,7 @@ def policy_for(
     # (the weights too: a retrained drafter has its predecessor's costs, not its acceptance)
     key = (path, lookup, draft_window, sampled, trees, weights_digest(target.model), weights_digest(draft))
     key += ("processed",) * processed  # (penalties move acceptance: what they learn is kept apart)
+    key += ("keyed",) * keyed  # (seeded answers accept by matching keyed draws, not by rejection sampling)
     if key in _LEARNT:
         policy.learn_from(_LEARNT[key])
     else:

@@ -462,7 +462,9 @@ def checkpoint_file(file: Path) -> Iterator[None]:
         yield
     except UserError:
         raise
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+    except OSError as e:  # (a permission, a failing disk: the run itself may be whole)
+        raise UserError(f"cannot read {file} ({e.strerror or e})") from None
+    except (ValueError, RuntimeError, KeyError, TypeError) as e:
         raise UserError(
             f"{file} is damaged ({e}): this run cannot go on from its checkpoint; start a new run (another "
             "-o), from an exported drafter with --init if you have one"
@@ -705,7 +707,7 @@ def train(
             )
         history.append({k: record[k] for k in ("step", "loss")})
         checking = cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
-        interrupted = False  # the check cut short (a Ctrl-C during it): the step is kept, then the run ends
+        interrupted = False  # the check cut short (a Ctrl-C during it): the step is kept, the run ends
         if checking and not (stop is not None and stop()):  # (a stop asked for skips it)
             try:
                 tau, acc = evaluate_blocks(draft, target, features_of, seqs, range(cfg.holdout), cfg)
@@ -729,7 +731,7 @@ def train(
             )
             if master is not None and step + 1 < cfg.steps and not stopping:
                 draft.set_dtype(compute)
-        if interrupted:
+        if interrupted and step + 1 < cfg.steps:  # (at the last step, the run is done all the same)
             raise KeyboardInterrupt
         if stopping:
             break

@@ -268,14 +268,14 @@ class PreparedRun:
                 note("stopping: the acceptance check ends here; this step's checkpoint is kept")
                 raise KeyboardInterrupt
             if reached + 1 >= self.cfg.steps:  # (the run ends with this step: it is finished, not stopped)
-                note("this is the last step: the run finishes with it (Ctrl-C again stops at once)")
+                note("the last step: the run finishes with it, unchecked (Ctrl-C again stops at once)")
             else:
                 note("stopping after this step, with a checkpoint (Ctrl-C again stops at once)")
 
         def check(draft: DFlashDraftModel) -> dict:
             nonlocal checking
-            if asked is not None:  # (asked for during the step's other checks)
-                raise KeyboardInterrupt
+            if asked is not None:  # (asked for during the step's other checks: the stop skips it)
+                return {}
             checking = True
             try:
                 return self.evaluate(draft, note)

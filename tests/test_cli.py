@@ -1428,7 +1428,7 @@ def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_ru
         json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == n
     )  # nothing lost
     assert f"stopped at step {n} of 100000 with a checkpoint: run the same command to go on" in err
-    assert "stopping after this step, with a checkpoint" in err and "this is the last step" not in err
+    assert "stopping after this step, with a checkpoint" in err and "the last step" not in err
     # Then a crash: a step logged after the checkpoint, and a line cut short. Resuming does that step again
     # and the log keeps each step once.
     log.write_text(log.read_text() + json.dumps({"step": n + 1, "loss": -1.0}) + "\n" + '{"step": ')
@@ -1464,6 +1464,7 @@ def test_a_ctrl_c_during_the_check_of_acceptance_ends_it_keeping_the_step(pair, 
     assert r.exit_code == 130, r.output
     assert "stopping: the acceptance check ends here; this step's checkpoint is kept" in r.stderr
     assert "interrupted at step 3: the checkpoint of step 3 is kept" in r.stderr
+    assert "training goes on" not in r.stderr
     assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == 3
 
 

@@ -535,6 +535,10 @@ def test_a_later_answer_starts_from_what_the_policy_learnt_in_an_earlier_one():
     assert two.dflash.trials == one.dflash.trials and two.dflash is not one.dflash
     policy_for(target, draft, block_size=None, lookup=True, sampled=True).dflash.observe(15, 15)
     assert policy_for(target, draft, block_size=None, lookup=True).dflash.trials == one.dflash.trials
+    # Seeded answers accept by matching keyed draws, not by rejection sampling: learnt apart too.
+    sampled = policy_for(target, draft, block_size=None, lookup=True, sampled=True).dflash.trials
+    policy_for(target, draft, block_size=None, lookup=True, sampled=True, keyed=True).dflash.observe(15, 0)
+    assert policy_for(target, draft, block_size=None, lookup=True, sampled=True).dflash.trials == sampled
 
 
 @pytest.fixture

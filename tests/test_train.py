@@ -334,6 +334,9 @@ def test_a_check_of_acceptance_cut_short_keeps_the_step_it_checked(tiny_setup, t
     )
     assert not checked and [r["step"] for r in logged] == [7] and "offline_tau" not in logged[0]
     assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["step"] == 7
+    # Cut short at the last step: the run is done all the same (nothing raised, the last step kept).
+    train(Target(model), make_tokenizer(), seqs, tmp_path / "last", replace(cfg, steps=3), evaluate=check)
+    assert json.loads((tmp_path / "last" / "checkpoint" / "state.json").read_text())["step"] == 3
 
 
 @pytest.mark.parametrize("damaged", ["state.json", "model.safetensors", "optimizer.safetensors"])
@@ -344,6 +347,22 @@ def test_a_damaged_checkpoint_is_named_in_one_line(tiny_setup, tmp_path, damaged
     file = tmp_path / "checkpoint" / damaged
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])  # (a copy cut short)
     with pytest.raises(UserError, match=f"checkpoint/{damaged} is damaged .*: this run cannot go on"):
+        train(Target(model), make_tokenizer(), seqs, tmp_path, replace(cfg, steps=3))
+
+
+def test_a_checkpoint_that_cannot_be_read_is_not_called_damaged(tiny_setup, tmp_path, monkeypatch):
+    """A permission or a failing disk is no reason to give up the run: not "start a new run"."""
+    model, seqs = tiny_setup
+    cfg = tiny_config(steps=2, checkpoint_every=1)
+    train(Target(model), make_tokenizer(), seqs, tmp_path, cfg)
+
+    def refused(path, *a, **k):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(mx, "load", refused)
+    with pytest.raises(
+        UserError, match=r"^cannot read .*checkpoint/model.safetensors \(Permission denied\)$"
+    ):
         train(Target(model), make_tokenizer(), seqs, tmp_path, replace(cfg, steps=3))
 
 
@@ -949,6 +968,19 @@ def test_a_damaged_shard_removed_as_told_has_its_prompts_answered_again_and_noth
     seqs = load_shards(tmp_path)
     assert sorted(ids[:plen] for ids, plen in seqs) == sorted(apply_chat_template(tok, m) for m in prompts)
     assert whole <= {tuple(ids) for ids, _ in seqs}  # prompts 2 and 3 answered again, as they were
+
+
+def test_a_finished_folder_with_a_chunk_of_skipped_prompts_is_finished(tmp_path):
+    """A chunk whose prompts were all skipped (too long) writes no shard: that is no removed shard."""
+    from dflash_mlx.data import resume_point
+
+    model, tok = make_target("llama"), make_tokenizer(eos=95)
+    prompts = [
+        [{"role": "user", "content": " ".join(f"w{i}" for i in range(5, n))}] for n in (7, 8, 40, 41, 9, 10)
+    ]
+    kw = dict(max_new_tokens=2, batch_size=2, shard_size=2, max_prompt_tokens=20)
+    assert generate_data(model, tok, prompts, tmp_path, **kw) == 4
+    assert resume_point(tmp_path, "", 2, prompts) == (4, 6)
 
 
 def test_data_generation_resumes_only_the_same_prompts_answered_alike(tmp_path):
