@@ -507,13 +507,23 @@ def resume_point(
     def end(s: dict) -> int:  # (shards written before next_prompt was recorded: the same size as now)
         return int(s["next_prompt"]) if "next_prompt" in s else int(s["first_prompt"]) + shard_size
 
-    # After the last prompt the folder consumed; where a shard is missing from the numbering (a damaged
-    # one removed, as its error says), from where it began, so that its prompts are answered again (the
-    # answered ones read again after it are skipped).
-    for k, path in enumerate(paths):
-        if path.name != f"shard-{k:05d}.npz":
-            return done, end(shards[k - 1]) if k else 0
-    return done, end(shards[-1])
+    # The prompts consumed: each shard's span, and between two shards numbered one after the other
+    # the prompts of chunks that wrote none (all skipped). Where a number is missing (a damaged shard
+    # removed, as its error says), its prompts are not covered until a later run answers them again:
+    # the resume point is the first prompt not covered (answered ones read again after it are skipped).
+    covered, before, number = [], 0, -1  # (the prompts up to shard 0's first, as if after shard -1)
+    for path, shard in zip(paths, shards):
+        first, n = int(shard["first_prompt"]), path.stem.removeprefix("shard-")
+        if n.isdigit() and int(n) == number + 1:
+            covered.append((before, first))
+        covered.append((first, end(shard)))
+        before, number = end(shard), int(n) if n.isdigit() else -2
+    consumed = 0
+    for first, following in sorted(covered):
+        if first > consumed:
+            break
+        consumed = max(consumed, following)
+    return done, consumed
 
 
 def answer_rows(model, longest: int) -> int:

@@ -949,6 +949,8 @@ def test_a_repeated_prompt_is_answered_once_also_across_a_resume(tmp_path):
 
 
 def test_a_damaged_shard_removed_as_told_has_its_prompts_answered_again_and_nothing_written_over(tmp_path):
+    from dflash_mlx.data import resume_point
+
     model, tok = make_target("llama"), make_tokenizer(eos=95)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 2}"}] for i in range(5, 15)]
     kw = dict(max_new_tokens=3, batch_size=3, shard_size=2)
@@ -965,6 +967,7 @@ def test_a_damaged_shard_removed_as_told_has_its_prompts_answered_again_and_noth
     assert generate_data(model, tok, prompts, tmp_path, **kw) == 10
     assert (tmp_path / "shard-00003.npz").read_bytes() == last  # (not written over by the next shard)
     assert not list(tmp_path.glob(".shard-*"))
+    assert resume_point(tmp_path, "", 2, prompts) == (10, 10)  # (the gap answered: nothing left)
     seqs = load_shards(tmp_path)
     assert sorted(ids[:plen] for ids, plen in seqs) == sorted(apply_chat_template(tok, m) for m in prompts)
     assert whole <= {tuple(ids) for ids, _ in seqs}  # prompts 2 and 3 answered again, as they were
