@@ -308,6 +308,12 @@ def _shards(folder: str | Path) -> list[Path]:
     return sorted(Path(folder).glob("shard-*.npz"))
 
 
+def _number(shard: Path) -> int | None:
+    """A shard's number in its name (`shard-00007.npz`: 7), None for another name."""
+    n = shard.stem.removeprefix("shard-")
+    return int(n) if n.isdigit() else None
+
+
 def _read_shard(shard: Path, keys: tuple[str, ...] | None = None) -> dict:
     """A shard's arrays (those of `keys` it holds; None: all); one clear line if the file is no shard
     (damaged, or another's)."""
@@ -317,10 +323,14 @@ def _read_shard(shard: Path, keys: tuple[str, ...] | None = None) -> dict:
                 raise KeyError(f"no {', '.join(sorted(missing))}")
             return {k: d[k] for k in d.files if keys is None or k in keys}
     except (OSError, ValueError, KeyError, EOFError, AttributeError, TypeError, zipfile.BadZipFile) as e:
-        raise UserError(
-            f"{shard} is not a shard `dflash-mlx train data` wrote ({e or type(e).__name__}): remove it "
-            "(`train data` answers its prompts again)"
-        ) from e
+        raise _not_a_shard(shard, e) from e
+
+
+def _not_a_shard(shard: Path, e: Exception) -> UserError:
+    return UserError(
+        f"{shard} is not a shard `dflash-mlx train data` wrote ({e or type(e).__name__}): remove it "
+        "(`train data` answers its prompts again)"
+    )
 
 
 def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:
@@ -331,8 +341,8 @@ def load_shards(folder: str | Path) -> list[tuple[list[int], int]]:
         try:
             for k, plen in enumerate(d["prompt_lens"]):
                 seqs.append((d["tokens"][d["offsets"][k] : d["offsets"][k + 1]].tolist(), int(plen)))
-        except (ValueError, IndexError, TypeError) as e:
-            raise UserError(f"{shard} is not a shard `dflash-mlx train data` wrote ({e}): remove it") from e
+        except (ValueError, IndexError, TypeError) as e:  # (offsets that do not fit its tokens)
+            raise _not_a_shard(shard, e) from e
     return seqs
 
 
@@ -513,11 +523,11 @@ def resume_point(
     # the resume point is the first prompt not covered (answered ones read again after it are skipped).
     covered, before, number = [], 0, -1  # (the prompts up to shard 0's first, as if after shard -1)
     for path, shard in zip(paths, shards):
-        first, n = int(shard["first_prompt"]), path.stem.removeprefix("shard-")
-        if n.isdigit() and int(n) == number + 1:
+        first, n = int(shard["first_prompt"]), _number(path)
+        if n is not None and n == number + 1:
             covered.append((before, first))
         covered.append((first, end(shard)))
-        before, number = end(shard), int(n) if n.isdigit() else -2
+        before, number = end(shard), n if n is not None else -2
     consumed = 0
     for first, following in sorted(covered):
         if first > consumed:
@@ -745,7 +755,7 @@ def generate_data(
         )
     for stale in folder.glob(".shard-*.tmp.npz"):  # (a write cut short by a kill)
         stale.unlink()
-    index = max((int(p.stem.split("-")[1]) + 1 for p in _shards(folder) if p.stem[6:].isdigit()), default=0)
+    index = max((n + 1 for p in _shards(folder) if (n := _number(p)) is not None), default=0)
     seen = {tuple(ids[:plen]) for ids, plen in load_shards(folder)}  # a prompt is answered once
     # An answer does not depend on what else is in the batch (sampled ones draw from their prompt's
     # place in the list and `seed`), so the next shard's prompts join as soon as there is room.

@@ -210,16 +210,15 @@ class Sequence:
     def pick_at(self, logits: mx.array, position: int, depths: list[int] | None = None) -> mx.array:
         """The target's token(s) for logits rows predicting positions `position`, `position` + 1, ...
         (or `position` + depths[j] for row j: a tree's nodes), each row drawn on its own."""
-        if self.keyed and self.sampler is not None:  # (its draws come from MLX's generator)
-            depths = range(logits.shape[0]) if depths is None else depths
-            rows = []
-            for j, d in enumerate(depths):
-                mx.random.seed(_position_seed(self.settings.seed, position + d))
-                rows.append(self.pick(logits[j : j + 1]))
-            return mx.concatenate(rows)
         if self.keyed:
-            scaled, seed = self.settings.scaled(logits), self.settings.seed
-            depths = range(scaled.shape[0]) if depths is None else depths
+            depths, seed = range(logits.shape[0]) if depths is None else depths, self.settings.seed
+            if self.sampler is not None:  # (its draws come from MLX's generator)
+                rows = []
+                for j, d in enumerate(depths):
+                    mx.random.seed(_position_seed(seed, position + d))
+                    rows.append(self.pick(logits[j : j + 1]))
+                return mx.concatenate(rows)
+            scaled = self.settings.scaled(logits)
             noise = mx.stack(
                 [mx.random.gumbel(scaled.shape[-1:], key=_position_key(seed, position + d)) for d in depths]
             )
