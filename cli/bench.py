@@ -86,7 +86,7 @@ def bench(
 ):
     """DFlash against plain mlx-lm decoding of the same target, prompt by prompt (or many at once with
     --concurrency), in one process (or, with --fresh, in new ones)."""
-    with user_errors():
+    with user_errors({"temperature": "--temps", "block size": "--block-sizes"}):
         if concurrency is not None and (block_sizes is not None or temps is not None):
             raise UserError(
                 "--concurrency runs the adaptive policy at temperature 0: leave out "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 from collections import Counter
@@ -20,6 +21,7 @@ from dflash_mlx.settings import GenerationSettings
 
 from .options import (
     DEMO,
+    SAMPLING,
     BlockSize,
     Draft,
     DraftWindow,
@@ -40,14 +42,15 @@ from .options import (
 HELP = """[bold]commands[/bold]
   /help            this list
   /reset           forget the conversation
-  /system TEXT     set the system prompt (empty: none)
+  /system TEXT     set the system prompt (nothing after it: the template's own)
   /temp X          sampling temperature (0 = greedy, exactly the target's text)
   /block N         a fixed DFlash block of N (0: back to choosing each cycle)
   /stats           totals for this conversation
   /save FILE       write the conversation as JSON
   /exit            quit (or Ctrl-D)
 Ctrl-C stops an answer and keeps what was written (before the answer starts, or a second time:
-drops the message). End a line with \\ to continue it, or wrap several lines in \"\"\"."""
+drops the message). End a line with \\ to continue it, or wrap several lines in \"\"\"; a pasted
+text is one message, sent with Enter."""
 
 
 def chat(
@@ -65,7 +68,7 @@ def chat(
 ):
     """Talk to a model in the terminal; answers stream as the target accepts them."""
     console = Console(highlight=False)
-    with user_errors():
+    with user_errors(SAMPLING):
         check_lookup(no_lookup, block_size)
         GenerationSettings(
             temperature=temp,
@@ -170,9 +173,13 @@ def status_line(turn: dict) -> str:
 
 def run(session, console: Console, banner: str, hide_thinking: bool = False) -> None:
     try:
-        import readline  # noqa: F401  (arrow keys and history for input())
+        import readline  # (arrow keys and history for input())
     except ImportError:  # pragma: no cover - Windows
-        pass
+        readline = None
+    if readline is not None and "libedit" not in (readline.__doc__ or ""):
+        # Python turns GNU readline's bracketed paste off; on, a pasted text with line breaks is one
+        # message, sent with Enter, rather than a message per line
+        readline.parse_and_bind("set enable-bracketed-paste on")
     console.print(banner)
     console.print("[dim]type /help for commands, Ctrl-D to quit[/dim]")
     while True:
@@ -213,7 +220,7 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
     messages = len(session.messages)
     pieces = session.reply(text, should_stop=lambda: stop)
     previous = signal.signal(signal.SIGINT, on_sigint)
-    echo = _control_echo_off()
+    echo = _echo_off()
     try:
         console.print("[bold blue]model>[/bold blue] ", end="")
         for piece in pieces:
@@ -223,8 +230,16 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
                     continue
                 console.print(escape(part), end="", style="dim" if is_thinking else None, soft_wrap=True)
     except UserError as e:  # a full context (ContextFull) or settings the model refuses: the chat goes on
-        console.print(f"\n[yellow]{e}[/yellow]")
+        if console.is_terminal and not started:  # (the refusal takes the label's place: no answer came)
+            console.file.write("\r\x1b[2K")
+        else:
+            console.print()
+        console.print(f"[yellow]{e}[/yellow]")
         return
+    except SystemExit:  # SIGTERM, or the terminal closing (SIGHUP): the shell's prompt on a line of its own
+        with contextlib.suppress(OSError):
+            console.print()
+        raise
     except KeyboardInterrupt:
         try:
             pieces.close()  # if it came between two cycles, the answer so far is kept as after one Ctrl-C
@@ -246,9 +261,10 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
     console.print(f"[dim]{status_line(session.turns[-1])}[/dim]")
 
 
-def _control_echo_off():
-    """Stop the terminal echoing Ctrl-C as "^C" (into the answer's text, which goes on to the cycle's
-    end); -> a call that puts the terminal back as it was."""
+def _echo_off():
+    """Stop the terminal echoing what is typed while an answer streams: Ctrl-C as "^C", and text typed
+    ahead, which would land inside the answer's text (readline shows it at the next prompt); -> a call
+    that puts the terminal back as it was (if it is still there)."""
     try:
         import termios
     except ImportError:  # pragma: no cover - Windows
@@ -259,9 +275,14 @@ def _control_echo_off():
     except (termios.error, OSError, ValueError):  # no terminal
         return lambda: None
     quiet = list(saved)
-    quiet[3] &= ~termios.ECHOCTL
+    quiet[3] &= ~(termios.ECHOCTL | termios.ECHO)
     termios.tcsetattr(fd, termios.TCSANOW, quiet)
-    return lambda: termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+    def restore():
+        with contextlib.suppress(termios.error, OSError):  # (a terminal that closed)
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+    return restore
 
 
 def _number(text: str, kind, usage: str):
@@ -287,7 +308,8 @@ def command(session, console: Console, line: str) -> str | None:
             console.print("[dim]conversation cleared[/dim]")
         elif name == "/system":
             session.system = arg or None
-            console.print(f"[dim]system prompt {'set' if arg else 'cleared'}[/dim]")
+            said = "system prompt set" if arg else "system prompt: the template's own (if it has one)"
+            console.print(f"[dim]{said}[/dim]")
         elif name == "/temp":
             session.settings = replace(session.settings, temperature=_number(arg, float, "/temp X"))
             console.print(f"[dim]temperature {session.settings.temperature}[/dim]")

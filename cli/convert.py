@@ -41,7 +41,7 @@ def convert(
     export: bool = typer.Option(
         False, help="Export an MLX drafter to z-lab's Hugging Face layout (bf16; vLLM and SGLang read it)."
     ),
-    force: bool = typer.Option(False, help="Replace OUTPUT if it exists (a model folder, or a file)."),
+    force: bool = typer.Option(False, help="Replace DST if it exists (a model folder, or a file)."),
 ):
     """Convert a drafter or a target to an MLX folder, or export a drafter to z-lab's layout."""
     with user_errors():

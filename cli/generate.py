@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -26,6 +27,7 @@ from dflash_mlx.speculative import StopText, stream_generate
 
 from .options import (
     DEMO,
+    SAMPLING,
     BlockSize,
     Draft,
     DraftWindow,
@@ -80,10 +82,9 @@ def generate(
     as_json: Json = False,
 ):
     """Answer one prompt: the text on stdout, the statistics on stderr."""
-    if prompt is None and sys.stdin.isatty():
-        typer.secho("error: give --prompt, or pipe the prompt on stdin", fg="red", err=True)
-        raise typer.Exit(2)
-    with user_errors():
+    with user_errors(SAMPLING):
+        if prompt is None and sys.stdin.isatty():
+            raise UserError("give --prompt, or pipe the prompt on stdin")
         if prompt is None:  # the newline `echo` adds is dropped, as $(...) drops it
             prompt = read_text(sys.stdin, "the prompt on stdin").removesuffix("\n")
         settings = GenerationSettings(
@@ -146,8 +147,7 @@ def generate(
             with terminated_as_interrupted() as terminated, ctrl_c_in_mlx():
                 for last in stream:
                     if not as_json:
-                        sys.stdout.write(last.text)
-                        sys.stdout.flush()
+                        _show(last.text)
                     text.append(last.text)
                     tokens += last.tokens if drafter is not None else [last.token]
                     if getattr(last, "accepted", None) is not None:
@@ -180,11 +180,11 @@ def generate(
             "draft": None if drafter is None else draft_for(model, draft),  # (as bench names it)
         }
         if as_json:  # (inside user_errors: a reader gone away ends it quietly, as for the text)
-            typer.echo(json.dumps(record))
+            _show(json.dumps(record) + "\n")
             if interrupted:
                 raise typer.Exit(143 if terminated else 130)
             return
-        typer.echo()
+        _show("\n")
     stats = counted(len(tokens), "token")
     if len(tokens) > 1:  # a rate needs a second token (the first comes with the prompt)
         stats += f", {record['generation_tps']:.1f} tokens/s"
@@ -195,6 +195,19 @@ def generate(
     typer.secho(stats + (" · interrupted" if interrupted else ""), err=True, dim=True)
     if interrupted:
         raise typer.Exit(143 if terminated else 130)
+
+
+def _show(text: str) -> None:
+    """Text on stdout, now; a stdout that cannot take it (a full disk behind `>`) is one line that says
+    so. A reader gone away (`| head`) is `reader_gone`'s."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit)
+        raise UserError(f"cannot write the answer to standard output: {e.strerror or e}") from None
 
 
 def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: Sequence[str] = ()):

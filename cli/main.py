@@ -34,8 +34,9 @@ def main(
     ),
 ):
     """DFlash block-diffusion speculative decoding for MLX."""
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _terminated)
+    for name in ("SIGTERM", "SIGHUP"):  # (not where ignored: `nohup` keeps running; no SIGHUP on Windows)
+        if (sig := getattr(signal, name, None)) and signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _terminated)
     # Bytes on stdin that are not UTF-8 arrive as lone surrogates, which the commands name in one line
     # (check_utf8), in every locale: most UTF-8 locales would raise on them instead, the C one does not.
     if isinstance(sys.stdin, io.TextIOWrapper) and sys.stdin.encoding.lower().replace("-", "") == "utf8":
@@ -43,8 +44,8 @@ def main(
 
 
 def _terminated(signum, frame):
-    """SIGTERM (`kill`, `timeout`, a closing terminal) unwinds as Ctrl-C does, so that what was being
-    written is removed rather than left as a hidden partial folder the size of a model."""
+    """SIGTERM (`kill`, `timeout`) and SIGHUP (a closing terminal) unwind as Ctrl-C does, so that what
+    was being written is removed rather than left as a hidden partial folder the size of a model."""
     raise SystemExit(128 + signum)
 
 

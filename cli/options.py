@@ -138,7 +138,7 @@ def measuring(label: str = "measuring this machine's costs for the pair"):
     def shown(done: int, total: int) -> None:
         nonlocal task
         if task is None:
-            advice = home_advice()  # (then measured again by every run: said once each time)
+            advice = home_advice(("costs",))  # (then measured again by every run: said once each time)
             if advice is not None:
                 bar.console.print(f"note: {advice}", highlight=False, soft_wrap=True)
             if not bar.console.is_terminal:
@@ -192,15 +192,16 @@ def terminated_as_interrupted():
 
 
 @contextmanager
-def user_errors():
+def user_errors(named: dict[str, str] | None = None):
     """Bad input (a UserError) or a failed file, permission or network operation (an OSError) ends the command
     with one clear line on stderr and exit code 1; any other exception is a bug, shown with its traceback.
-    A reader that went away ends it quietly (`reader_gone`)."""
+    A reader that went away ends it quietly (`reader_gone`). `named`: the command's own flags for
+    settings whose flag differs between commands (`flagged`)."""
     try:
         with reader_gone():
             yield
     except (UserError, OSError) as e:
-        typer.secho(f"error: {flagged(str(e))}", fg="red", err=True)
+        typer.secho(f"error: {flagged(str(e), named)}", fg="red", err=True)
         raise typer.Exit(1) from None
     except RuntimeError as e:
         if str(e) != NO_SUCH_USER:
@@ -209,17 +210,30 @@ def user_errors():
         raise typer.Exit(1) from None
 
 
-# The settings' errors name the Python parameter; on the command line, the flag that set it (those
-# that mean the same flag in every command: a temperature or a block size is --temps or --block-sizes
-# in bench).
-FLAGS = ("max_tokens", "top_p", "top_k", "min_p", "repetition_penalty", "draft_window", "tree", "seed")
+# The settings' errors name the Python parameter; on the command line, the flag that set it. These
+# mean the same flag in every command; a temperature or a block size is --temp and --block-size in some,
+# --temps and --block-sizes in bench (`named`).
+FLAGS = {
+    name: "--" + name.replace("_", "-")
+    for name in (
+        "max_tokens",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "draft_window",
+        "tree",
+        "seed",
+    )
+}
+SAMPLING = {"temperature": "--temp", "block size": "--block-size"}  # generate's, chat's, serve's, profile's
 
 
-def flagged(message: str) -> str:
+def flagged(message: str, named: dict[str, str] | None = None) -> str:
     """An error message that starts with a setting's name ("max_tokens must be ..."), with its flag."""
-    name, space, rest = message.partition(" ")
-    if name in FLAGS and rest.startswith("must "):
-        return "--" + name.replace("_", "-") + space + rest
+    for name, flag in {**FLAGS, **(named or {})}.items():
+        if message.startswith(name + " must "):
+            return flag + message[len(name) :]
     return message
 
 

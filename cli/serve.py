@@ -17,6 +17,7 @@ from dflash_mlx.settings import GenerationSettings
 
 from .options import (
     DEMO,
+    SAMPLING,
     BlockSize,
     Draft,
     DraftWindow,
@@ -103,7 +104,7 @@ def serve(
     name: str | None = typer.Option(None, help="The model name clients use (default: --model)."),
 ):
     """Serve the pair over HTTP: OpenAI chat completions and completions, Anthropic messages."""
-    with user_errors():
+    with user_errors(SAMPLING):
         for flag, value, ok, what in (
             ("--max-concurrency", max_concurrency, 1 <= max_concurrency <= 256, "from 1 to 256"),
             ("--max-queue", max_queue, 0 <= max_queue <= 10_000, "from 0 to 10000"),

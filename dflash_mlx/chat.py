@@ -204,7 +204,7 @@ class ChatSession:
         self.max_context = max_context or context_length(self.target) or 4096
         if not 1 <= max_tokens < self.max_context:
             raise UserError(
-                f"max tokens must be between 1 and {self.max_context - 1} (the model's context holds "
+                f"max_tokens must be from 1 to {self.max_context - 1} (the model's context holds "
                 f"{self.max_context}), got {max_tokens}"
             )
         self.template_kwargs = template_kwargs or {}
@@ -222,7 +222,7 @@ class ChatSession:
     def conversation(self, messages: list[dict] | None = None) -> list[dict]:
         """The system message (if any) and `messages` (by default the whole conversation's)."""
         messages = self.messages if messages is None else messages
-        return ([{"role": "system", "content": self.system}] if self.system else []) + messages
+        return ([{"role": "system", "content": self.system}] if self.system is not None else []) + messages
 
     def context_tokens(self) -> int:
         """Tokens the conversation takes: the cache's, or after a dropped cache, the rendered conversation's

@@ -296,15 +296,19 @@ def report() -> dict:
     return {"facts": facts, "advice": advice + known_problems(dev)}
 
 
-def home_advice() -> str | None:
-    """What to do where the home (`cache_home`) cannot hold what is kept there: a file in its way, or
-    a place this user cannot write."""
+def home_advice(folders: tuple[str, ...] = ("costs", "gguf", "locks", "policies")) -> str | None:
+    """What to do where the home (`cache_home`) cannot hold what is kept there, in any of its `folders`:
+    a file in its way, or a place this user cannot write."""
     home = cache_home()
-    there = next(p for p in (home, *home.parents) if p.exists())  # (the root at least)
-    if not there.is_dir():
-        why = f"{there} is a file"
-    elif not os.access(there, os.W_OK | os.X_OK):
-        why = f"{there} cannot be written"
+    for folder in folders:
+        place = home / folder
+        there = next(p for p in (place, *place.parents) if p.exists())  # (the root at least)
+        if not there.is_dir():
+            why = f"{there} is a file"
+            break
+        if not os.access(there, os.W_OK | os.X_OK):
+            why = f"{there} cannot be written"
+            break
     else:
         return None
     return (

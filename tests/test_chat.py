@@ -117,7 +117,7 @@ def test_a_full_context_is_refused_politely(smollm2, capfd, caplog):
     assert session.messages == kept
     session.reset()
     assert session.messages == session.turns == []  # /stats starts again with the conversation
-    with pytest.raises(UserError, match="max tokens must be between 1 and 79"):
+    with pytest.raises(UserError, match="max_tokens must be from 1 to 79"):
         ChatSession(model, draft, tokenizer, max_tokens=80, max_context=80)  # no room left for any message
     with pytest.raises(ContextFull, match="a shorter message"):  # longer than the model's own 8,192
         list(ChatSession(model, draft, tokenizer, max_tokens=8).reply("word " * 9000))
@@ -320,6 +320,20 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
         child.sendline("/stats")
         child.expect(r"1 answer, \d+ tokens")
         child.expect(PROMPT)
+        assert "\x1b[?2004h" in child.before  # (the terminal is asked to mark what is pasted)
+        # a pasted text (bracketed paste) is one message, line breaks and all, sent with Enter; text typed
+        # while its answer streams waits for the next prompt, not shown inside the answer
+        child.send("\x1b[200~Write a poem about the sea.\nMake it rhyme.\x1b[201~")
+        child.send("\r")
+        child.expect(r"model>")
+        child.expect(r"\w+ \w+ \w+")
+        child.send("/stats")
+        child.expect(r"tokens/s")
+        assert "/stats" not in child.before
+        child.expect(PROMPT)
+        child.send("\r")
+        child.expect(r"2 answers, \d+ tokens")
+        child.expect(PROMPT)
         child.sendline("/temp warm")
         child.expect(r"/temp X takes a number, got 'warm'")
         child.expect(PROMPT)
@@ -338,7 +352,7 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
         child.expect("/reset takes nothing after it")
         child.expect(PROMPT)
         child.sendline("/stats")
-        child.expect(r"3 answers, \d+ tokens")
+        child.expect(r"4 answers, \d+ tokens")
         child.expect(PROMPT)
         child.sendline("/reset")
         child.expect(PROMPT)

@@ -242,24 +242,26 @@ def test_generate_json_and_the_plain_baseline_agree(pair):
 def test_bad_flags_and_inputs_fail_clearly(pair):
     root, _ = pair
     r = run(f"generate -m {root}/target -d {root}/draft -p w5 --temp -1")
-    assert r.exit_code == 1 and "temperature must be a number from 0 to 10000" in r.stderr
+    assert r.exit_code == 1 and "--temp must be a number from 0 to 10000" in r.stderr
     r = run("generate --max-tokens lots")
     assert r.exit_code == 2 and "Invalid value for '--max-tokens'" in r.output
     r = run(f"generate -m {root}/nowhere -p w5")
     assert r.exit_code == 1 and "no model folder" in r.stderr
     r = run(f"bench -m {root}/target -d {root}/draft --block-sizes 0")
-    assert r.exit_code == 1 and "block size must be between 1 and 256, got 0" in r.stderr
+    assert r.exit_code == 1 and "--block-sizes must be between 1 and 256, got 0" in r.stderr
     r = run(f"bench -m {root}/target -d {root}/draft --block-sizes 4,x")
     assert r.exit_code == 1 and "comma-separated" in r.stderr
     for size in ("0", "100000"):
         r = run(f"generate -m {root}/nowhere -p w5 --block-size {size}")  # said before loading
-        assert r.exit_code == 1 and f"block size must be between 1 and 256, got {size}" in r.stderr
+        assert r.exit_code == 1 and f"--block-size must be between 1 and 256, got {size}" in r.stderr
         r = run(f"chat -m {root}/target -d {root}/draft --block-size {size}")
-        assert r.exit_code == 1 and f"block size must be between 1 and 256, got {size}" in r.stderr
+        assert r.exit_code == 1 and f"--block-size must be between 1 and 256, got {size}" in r.stderr
+    r = run(f"chat -m {root}/target -d {root}/draft --max-tokens 100000000")  # (past the context)
+    assert r.exit_code == 1 and "error: --max-tokens must be from 1 to " in r.stderr, r.output
     # The plain baseline checks its settings as the drafted path does (mlx-lm would not).
     gen = f"generate -m {root}/target --no-draft -p w5 --no-chat-template"
     r = run(f"{gen} --temp -1")
-    assert r.exit_code == 1 and "temperature must be a number from 0 to 10000" in r.stderr
+    assert r.exit_code == 1 and "--temp must be a number from 0 to 10000" in r.stderr
     r = run(f"{gen} --top-p 2")
     assert r.exit_code == 1 and "--top-p must be from 0 to 1, got 2" in r.stderr
     r = run(f"{gen} --max-tokens -1")  # mlx-lm reads -1 as "no limit"
@@ -318,7 +320,7 @@ def test_generate_and_profile_take_a_draft_window(pair):
 def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
     root, _ = pair
     for args, message in (
-        ("--temp nan", "temperature must be a number from 0 to 10000, got nan"),
+        ("--temp nan", "--temp must be a number from 0 to 10000, got nan"),
         (f"--no-draft -d {root}/draft", "--no-draft is mlx-lm's plain decoding"),
         ("--no-draft --block-size 4", "--no-draft is mlx-lm's plain decoding"),
         ("--no-draft --no-lookup", "--no-draft is mlx-lm's plain decoding"),
@@ -334,7 +336,7 @@ def test_settings_that_would_be_ignored_or_garbage_are_refused(pair):
     r = run(f"bench -m {root}/nowhere --no-lookup --block-sizes 4,16")
     assert r.exit_code == 1 and "fixed blocks use none" in r.stderr, r.output
     r = run(f"chat -m {root}/nowhere --temp -1")  # said before looking for the model
-    assert r.exit_code == 1 and "temperature must be a number from 0 to 10000" in r.stderr
+    assert r.exit_code == 1 and "--temp must be a number from 0 to 10000" in r.stderr
     for path in ("--no-draft", f"-d {root}/draft"):
         r = run(f"generate -m {root}/target {path} -p w5 --max-tokens 0 --json")
         assert r.exit_code == 0 and json.loads(r.stdout)["tokens"] == []  # as the drafted path does
@@ -460,6 +462,13 @@ def test_measuring_the_costs_says_so_in_a_log_too(pair, tmp_path):
     err = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env).stderr
     assert err.startswith(f"note: the home {tmp_path}/file/home ({tmp_path}/file is a file) cannot keep"), err
     assert f"{line}{passes} passes, for this run only ..." in err
+    # a file where the costs' own folder goes does the same (the home itself is a folder)
+    (tmp_path / "home2").mkdir()
+    (tmp_path / "home2" / "costs").write_text("")
+    env = dict(os.environ, DFLASH_MLX_HOME=str(tmp_path / "home2"))
+    err = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env).stderr
+    assert err.startswith(f"note: the home {tmp_path}/home2 ({tmp_path}/home2/costs is a file) cannot"), err
+    assert f"{line}{passes} passes, for this run only ..." in err
 
 
 def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair):
@@ -502,6 +511,22 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     p = subprocess.Popen(cmd + ["-p", "w5", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()
     assert p.wait(timeout=120) == 141 and p.stderr.read() == b""
+    # a stdout that cannot take the answer (`> /dev/full`, a full disk) is one line that says so
+    if os.path.exists("/dev/full"):
+        for extra in ([], ["--json"]):
+            with open("/dev/full", "w") as full:
+                r = subprocess.run(
+                    cmd + ["-p", "w5", *extra], stdout=full, stderr=subprocess.PIPE, timeout=120
+                )
+            assert r.returncode == 1 and r.stderr.decode().endswith(
+                "error: cannot write the answer to standard output: No space left on device\n"
+            ), r.stderr
+    # a terminal on stdin and no --prompt: bad input, so exit code 1 with a line that says what to give
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(cmd[0], cmd[1:], encoding="utf-8", timeout=120)
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 1 and "error: give --prompt, or pipe the prompt on stdin" in child.before
     # stdout closed by the caller (`>&-`): the answer goes nowhere, as asked, and nothing fails
     entry = [sys.executable, "-c", "from dflash_mlx.cli import run; run()"]
     r = subprocess.run(entry + cmd[3:] + ["-p", "w5"], capture_output=True, preexec_fn=lambda: os.close(1))
@@ -644,7 +669,7 @@ def test_bench_checks_its_output_first_and_a_ctrl_c_keeps_the_finished_prompts(p
         m.setattr(loading, "load", lambda *a, **k: pytest.fail("the target was loaded first"))
         for args, message in (
             (f"-o {tmp_path}/afile", "--out"),
-            ("--temps nan", "temperature must be a number from 0 to 10000, got nan"),
+            ("--temps nan", "--temps must be a number from 0 to 10000, got nan"),
             ("--max-tokens 0", "--max-tokens must be >= 1, got 0"),
             (f"-o {tmp_path}/afile/sub", f"cannot write to --out {tmp_path}/afile/sub"),
             ("-o '  '", "--out needs a folder's name"),
@@ -1070,7 +1095,7 @@ def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
     passes = len(widths)
     for size in (1, 257):  # the range a drafter's block has everywhere else
         r = run(f"profile --hidden 64 --layers 1 --vocab 256 --cycles 2 --block-size {size}")
-        assert r.exit_code == 1 and f"block size must be from 2 to 256, got {size}" in r.stderr, r.output
+        assert r.exit_code == 1 and f"--block-size must be from 2 to 256, got {size}" in r.stderr, r.output
     r = run("profile -d /no/such/drafter --cycles 2")  # (it would time the random pair and say nothing)
     assert r.exit_code == 1 and "--draft goes with --model" in r.stderr and len(widths) == passes, r.output
 

@@ -716,12 +716,15 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(zlab, tmp_path, monkeypatch)
     assert list((tmp_path / "disk").iterdir()) == []
 
 
-def test_sigterm_during_a_conversion_leaves_no_partial_folder(tmp_path):
-    """`kill`, `timeout` or a closed terminal stop a conversion as Ctrl-C does: its partial folder (as
-    large as the model) goes with it."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_sigterm_during_a_conversion_leaves_no_partial_folder(tmp_path, sig):
+    """`kill`, `timeout` (SIGTERM) or a closed terminal (SIGHUP) stop a conversion as Ctrl-C does: its
+    partial folder (as large as the model) goes with it."""
     import signal
     import subprocess
     import sys
+
+    sig = getattr(signal, sig)
 
     write_gguf(tmp_path / "tiny.gguf", "llama")
     code = (
@@ -736,9 +739,11 @@ def test_sigterm_during_a_conversion_leaves_no_partial_folder(tmp_path):
     cmd = [sys.executable, "-c", code, "convert", str(tmp_path / "tiny.gguf"), str(tmp_path / "out")]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline() == "writing\n"
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=30) == 128 + signal.SIGTERM and "Traceback" not in p.stderr.read()
+    p.send_signal(sig)
+    assert p.wait(timeout=30) == 128 + sig and "Traceback" not in p.stderr.read()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+    if sig != signal.SIGTERM:
+        return
     # SIGKILL leaves it (nothing runs): the next write of the same folder clears it away, and leaves
     # what a writer still running (this process) or another host's has under way
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
