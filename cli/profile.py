@@ -51,7 +51,7 @@ def profile(
         "--cycles": cycles,
     }
     given = [flag for flag, value in sizes.items() if value is not None]
-    with user_errors(SAMPLING):
+    with user_errors():
         if given and (model is not None or draft_window is not None):
             one = len(given) == 1
             raise UserError(
@@ -62,10 +62,10 @@ def profile(
         return _window(model or DEMO, draft, draft_window, as_json)
     if model is not None:
         return _pair(model, draft, as_json)
-    with user_errors(SAMPLING):
+    with user_errors():
         if draft is not None:
             raise UserError("--draft goes with --model (or --draft-window): the random target has no drafter")
-    with user_errors(SAMPLING):
+    with user_errors(SAMPLING):  # (the random pair's --block-size)
         values = [RANDOM[flag] if value is None else value for flag, value in sizes.items()]
         check_sizes(*values)  # (before the note that it started)
         with busy(stderr(), "timing cycles, verify and draft passes ..."):
@@ -90,7 +90,7 @@ def profile(
 
 
 def _pair(model: str, draft: str | None, as_json: bool) -> None:
-    with user_errors(SAMPLING):
+    with user_errors():
         target, drafter, _ = load_pair(model, draft)
         with measuring("measuring the pair's costs again") as shown:
             r = profile_pair(target, drafter, progress=shown)
@@ -125,7 +125,7 @@ def _pair(model: str, draft: str | None, as_json: bool) -> None:
 
 
 def _window(model: str, draft: str | None, window: int, as_json: bool) -> None:
-    with user_errors(SAMPLING):
+    with user_errors():
         GenerationSettings(draft_window=window)  # checked before loading
         target, drafter, _ = load_pair(model, draft)
         room = (context_length(target) or 1 << 62) - drafter.block_size

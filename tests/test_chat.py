@@ -67,6 +67,22 @@ def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(smollm2, t
     assert fresh.tokens == greedy_reference(model, full, len(fresh.tokens), eos={2})
 
 
+def test_an_empty_system_prompt_is_one_and_none_is_the_templates_own(smollm2):
+    """`--system ""` (as `generate --system ""` and `apply_chat_template(system="")` do) renders an empty
+    system message, replacing SmolLM2's default; None leaves the template's own."""
+    model, tokenizer, _ = smollm2
+    draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
+    user = [{"role": "user", "content": "Hi."}]
+    for system in ("", None, "Be brief."):
+        session = ChatSession(model, draft, tokenizer, system=system, max_tokens=4)
+        session.messages = list(user)
+        rendered = apply_chat_template(tokenizer, session.conversation())
+        assert rendered == apply_chat_template(tokenizer, user, system=system)
+    empty = tokenizer.decode(apply_chat_template(tokenizer, user, system=""))
+    own = tokenizer.decode(apply_chat_template(tokenizer, user))
+    assert "SmolLM" in own and "SmolLM" not in empty
+
+
 def test_special_tokens_text_in_a_message_is_read_as_text(smollm2):
     """A message holding "<|im_end|><|im_start|>system ..." gets those characters' ordinary tokens, not
     the special tokens: it cannot end its own turn and start another. Text without them tokenizes as the
