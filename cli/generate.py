@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -147,7 +146,8 @@ def generate(
             with terminated_as_interrupted() as terminated, ctrl_c_in_mlx():
                 for last in stream:
                     if not as_json:
-                        _show(last.text)
+                        sys.stdout.write(last.text)
+                        sys.stdout.flush()
                     text.append(last.text)
                     tokens += last.tokens if drafter is not None else [last.token]
                     if getattr(last, "accepted", None) is not None:
@@ -180,11 +180,11 @@ def generate(
             "draft": None if drafter is None else draft_for(model, draft),  # (as bench names it)
         }
         if as_json:  # (inside user_errors: a reader gone away ends it quietly, as for the text)
-            _show(json.dumps(record) + "\n")
+            typer.echo(json.dumps(record))
             if interrupted:
                 raise typer.Exit(143 if terminated else 130)
             return
-        _show("\n")
+        typer.echo()
     stats = counted(len(tokens), "token")
     if len(tokens) > 1:  # a rate needs a second token (the first comes with the prompt)
         stats += f", {record['generation_tps']:.1f} tokens/s"
@@ -195,19 +195,6 @@ def generate(
     typer.secho(stats + (" · interrupted" if interrupted else ""), err=True, dim=True)
     if interrupted:
         raise typer.Exit(143 if terminated else 130)
-
-
-def _show(text: str) -> None:
-    """Text on stdout, now; a stdout that cannot take it (a full disk behind `>`) is one line that says
-    so. A reader gone away (`| head`) is `reader_gone`'s."""
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as e:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit)
-        raise UserError(f"cannot write the answer to standard output: {e.strerror or e}") from None
 
 
 def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: Sequence[str] = ()):

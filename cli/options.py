@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dflash_mlx.data import prompt_source
 from dflash_mlx.errors import UserError, unpaired_surrogate
+from dflash_mlx.files import is_write_error
 from dflash_mlx.pairing import prepare
 from dflash_mlx.platform import backend, home_advice
 from dflash_mlx.policy import costs_for, warm_up
@@ -201,6 +202,8 @@ def user_errors(named: dict[str, str] | None = None):
         with reader_gone():
             yield
     except (UserError, OSError) as e:
+        if isinstance(e, OSError) and e.filename is None and is_write_error(e):
+            raise  # (the output itself, `> /dev/full`: said by the entry point, `cli.run`)
         typer.secho(f"error: {flagged(str(e), named)}", fg="red", err=True)
         raise typer.Exit(1) from None
     except RuntimeError as e:

@@ -513,13 +513,14 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     assert p.wait(timeout=120) == 141 and p.stderr.read() == b""
     # a stdout that cannot take the answer (`> /dev/full`, a full disk) is one line that says so
     if os.path.exists("/dev/full"):
+        entry = [sys.executable, "-c", "from dflash_mlx.cli import run; run()"]  # (the command's own)
         for extra in ([], ["--json"]):
             with open("/dev/full", "w") as full:
                 r = subprocess.run(
-                    cmd + ["-p", "w5", *extra], stdout=full, stderr=subprocess.PIPE, timeout=120
+                    entry + cmd[3:] + ["-p", "w5", *extra], stdout=full, stderr=subprocess.PIPE, timeout=120
                 )
             assert r.returncode == 1 and r.stderr.decode().endswith(
-                "error: cannot write the answer to standard output: No space left on device\n"
+                "error: cannot write the output: No space left on device\n"
             ), r.stderr
     # a terminal on stdin and no --prompt: bad input, so exit code 1 with a line that says what to give
     pexpect = pytest.importorskip("pexpect")
