@@ -12,6 +12,7 @@ import typer
 
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
+from dflash_mlx.platform import default_workers
 from dflash_mlx.policy import batch_sizes
 from dflash_mlx.settings import GenerationSettings
 
@@ -82,6 +83,11 @@ def serve(
     ),
     max_concurrency: int = typer.Option(4, help="Requests generated at once (batched in each step)."),
     max_queue: int = typer.Option(16, help="Requests waiting beyond those; past that: 429."),
+    workers: int | None = typer.Option(
+        None,
+        help="Threads that answer requests, each its share of them on a core of its own (default: "
+        "the CPU's cores, on a GPU 1).",
+    ),
     cache_gb: float = typer.Option(4.0, help="Memory for kept prompt caches (0: keep none)."),
     request_timeout: float | None = typer.Option(
         None, help="End an answer this many seconds after its request arrived (default: no limit)."
@@ -108,6 +114,7 @@ def serve(
         for flag, value, ok, what in (
             ("--max-concurrency", max_concurrency, 1 <= max_concurrency <= 256, "from 1 to 256"),
             ("--max-queue", max_queue, 0 <= max_queue <= 10_000, "from 0 to 10000"),
+            ("--workers", workers, workers is None or 1 <= workers <= 256, "from 1 to 256"),
             ("--cache-gb", cache_gb, 0 <= cache_gb < 1 << 20, "0 or more"),
         ):
             if not ok:
@@ -139,9 +146,11 @@ def serve(
         most = max(16, files - SPARE_FILES - backlog)
         sock = _claim_port(host, port, backlog)  # before minutes of loading, not after
         target, drafter, tokenizer = load_pair(model, draft)
+        workers = min(workers or default_workers(), max_concurrency)
+        share = -(-max_concurrency // workers)  # (the most requests one worker batches)
         template = template_kwargs(model, think, tokenizer)
         # Measured now, not in the first request's time; batched passes are priced for the adaptive policy.
-        warm(target, drafter, stderr(), batches=batch_sizes(max_concurrency) if block_size is None else ())
+        warm(target, drafter, stderr(), batches=batch_sizes(share) if block_size is None else ())
         # Imported here: FastAPI and uvicorn take about 0.3 s to import, which every other
         # command (each `generate`) would pay too.
         import uvicorn
@@ -156,6 +165,7 @@ def serve(
             api_key=api_key,
             max_active=max_concurrency,
             max_waiting=max_queue,
+            workers=workers,
             cache_bytes=int(cache_gb * (1 << 30)),
             request_timeout=request_timeout,
             client_templates=allow_client_templates,

@@ -211,6 +211,12 @@ class SpeculativeCache:
         layers = self.target_cache + (self._draft_cache or [])
         return sum(c.nbytes for c in layers) + sum(f.nbytes for f in self.unabsorbed)
 
+    def settle(self) -> None:
+        """Compute whatever it holds that is still lazy: MLX computes an array only in the thread whose
+        stream built it, and a kept cache may go on in another thread (the server's workers)."""
+        layers = self.target_cache + (self._draft_cache or [])
+        mx.eval([c.state for c in layers], self.unabsorbed, self.snapshot and self.snapshot[1])
+
     def compact(self) -> None:
         """Hold each plain KV layer's buffers at the size of its positions rather than of the blocks
         they grew in (for a cache kept for later: it grows again when it is used)."""

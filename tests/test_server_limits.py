@@ -939,7 +939,7 @@ def test_short_prompts_waiting_at_once_prefill_together_where_that_pays_and_answ
 
     prefill_together = scheduler_module.prefill_together
     monkeypatch.setattr(scheduler_module, "prefill_together", counted)
-    monkeypatch.setattr(Scheduler, "_together", lambda self, k: together)
+    monkeypatch.setattr(scheduler_module._Worker, "_together", lambda self, k: together)
     scheduler = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), Metrics(), 4, 4)
     prompts = [tok.encode(words(120 + i, 3 + 4 * i), add_special_tokens=False) for i in range(4)]
     settings = GenerationSettings(max_tokens=16)
@@ -970,7 +970,7 @@ def test_short_prompts_waiting_at_once_prefill_together_where_that_pays_and_answ
 
 def test_short_prompts_go_together_where_that_gives_their_first_tokens_sooner_on_average(tiny):  # noqa: F811
     target, draft, tok = tiny
-    s = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), Metrics(), 4, 4)
+    s = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), Metrics(), 4, 4).workers[0]
     assert s._together(4)  # (together not measured yet: tried)
     s.short_rates = {False: None, True: 100.0}
     assert not s._together(4)  # (one at a time not measured yet)
@@ -1145,3 +1145,49 @@ def test_a_model_error_at_shutdown_is_the_shutdown_and_others_a_500(tiny, monkey
         monkeypatch.setattr(SpeculativeCache, "_run", real_run)
     assert stopped.status_code == 503 and "shutting down" in stopped.json()["error"]["message"]
     assert [r.levelname for r in caplog.records] == ["WARNING"] and not caplog.records[0].exc_info
+
+
+def test_two_workers_share_the_requests_and_each_answer_is_the_one_generate_gives_alone(tiny):  # noqa: F811
+    """Requests go to the worker with fewer under way (each a thread of its own, with its own engine and
+    MLX stream, keeping caches in the one pool): every answer is `generate`'s alone, both workers
+    answered some, and a kept cache is taken up again."""
+    target, draft, tok = tiny
+    pool = PromptCachePool(target, draft, 1 << 30)
+    scheduler = Scheduler(target, draft, tok, pool, Metrics(), 4, 8, workers=2)
+    answered_by: dict[int, set] = {}
+    take = pool.take
+
+    def taken(prompt, reuse=True):
+        answered_by.setdefault(len(prompt), set()).add(threading.current_thread().name)
+        return take(prompt, reuse)
+
+    pool.take = taken
+    sizes = ((1, 30), (2, 90), (3, 50), (4, 120), (5, 40), (6, 70))  # (seed, words)
+    prompts = [tok.encode(words(seed, n), add_special_tokens=False) for seed, n in sizes]
+    prompts.append(prompts[3] + tok.encode(words(9, 12), add_special_tokens=False))  # goes on from one
+    got, finished = {i: [] for i in range(len(prompts))}, []
+    scheduler.start()
+    try:
+        for batch in (prompts[:6], prompts[6:]):
+            for prompt in batch:
+                i = prompts.index(prompt)
+
+                def emit(event, i=i):
+                    if isinstance(event, Finished):
+                        finished.append(event.error)
+                    elif hasattr(event, "tokens"):
+                        got[i] += event.tokens
+
+                scheduler.admit()
+                scheduler.submit(Request(prompt, GenerationSettings(max_tokens=24), [], emit))
+            deadline = time.monotonic() + 120
+            while len(finished) < prompts.index(batch[-1]) + 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    assert finished == [None] * len(prompts)
+    for i, prompt in enumerate(prompts):
+        assert got[i] == generate(target, draft, tok, prompt, max_tokens=24).tokens
+    assert len(set().union(*answered_by.values())) == 2
+    assert pool.hits >= 1  # (the last prompt took the cache of the one it goes on from)

@@ -55,6 +55,7 @@ class ServerConfig:
     api_key: str | None = None
     max_active: int = 4
     max_waiting: int = 16
+    workers: int = 1  # threads answering requests, each its share of max_active (scheduler.py)
     cache_bytes: int = 4 << 30
     max_body_bytes: int = 8 << 20
     max_body_items: int = 1 << 16  # JSON objects, arrays and keys in a body
@@ -336,7 +337,9 @@ def sse(data: dict | str, event: str | None = None) -> str:
 def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     metrics = Metrics()
     pool = PromptCachePool(target, draft, config.cache_bytes, config.defaults.draft_window)
-    scheduler = Scheduler(target, draft, tokenizer, pool, metrics, config.max_active, config.max_waiting)
+    scheduler = Scheduler(
+        target, draft, tokenizer, pool, metrics, config.max_active, config.max_waiting, config.workers
+    )
     prompts = Prompts(
         tokenizer,
         config.template_kwargs,

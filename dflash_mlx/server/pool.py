@@ -13,6 +13,7 @@ its budget of bytes.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from ..cache import SpeculativeCache
@@ -36,6 +37,7 @@ class PromptCachePool:
         self.draft_window = draft_window
         self.caches: list[SpeculativeCache] = []  # least recently used first
         self.hits = self.misses = self.evictions = self.duplicates = 0
+        self.lock = threading.Lock()  # (the server's workers take and keep caches from their threads)
 
     @property
     def nbytes(self) -> int:
@@ -44,6 +46,10 @@ class PromptCachePool:
     def take(self, prompt: list[int], reuse: bool = True) -> Taken:
         """A cache to answer `prompt` with: its tokens are a prefix of the prompt, leaving at least one
         token of the prompt to prefill (`reuse` False: a new one)."""
+        with self.lock:
+            return self._take(prompt, reuse)
+
+    def _take(self, prompt: list[int], reuse: bool) -> Taken:
         best, shared = None, 0
         for cache in self.caches if reuse else []:
             n = min(common_prefix(cache.tokens, prompt), len(prompt) - 1)
@@ -64,6 +70,11 @@ class PromptCachePool:
         """Keep a request's cache, if it is consistent and holds what no kept cache holds."""
         if cache.broken or cache.in_flight or not cache.tokens:
             return
+        cache.settle()
+        with self.lock:
+            self._put(cache)
+
+    def _put(self, cache: SpeculativeCache) -> None:
         n = len(cache.tokens)
         for kept in self.caches:
             if len(kept.tokens) >= n and common_prefix(kept.tokens, cache.tokens) == n:

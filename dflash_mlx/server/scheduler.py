@@ -125,37 +125,35 @@ class Scheduler:
         metrics: Metrics,
         max_active: int,
         max_waiting: int,
+        workers: int = 1,
     ):
         self.target, self.draft, self.tokenizer, self.pool = target, draft, tokenizer, pool
         self.metrics, self.max_active, self.max_waiting = metrics, max_active, max_waiting
-        self.engine = Engine(pool.target, draft)
         self.waiting: deque[Request] = deque()
-        self.active: list[_Job] = []
         self.admitted = 0  # requests admitted and not yet ended: preparing, waiting, joining or active
-        self.turns = 0
-        self.prefill_rate: float | None = None  # prompt tokens a second in the last prefill chunk
-        # prompt tokens a second of short prompts' prefills, one at a time and together (averages)
-        self.short_rates: dict[bool, float | None] = {False: None, True: None}
-        self.short_choices = 0
-        self.token_seconds: float | None = None  # worker seconds per token a request receives (average)
-        self.launched = 0.0  # when the step under way was launched
-        self.returning: list[_Job] = []  # ended while their step was under way: their caches come back
         self.stopping = False
         self.closing: float | None = None  # shutting down: nothing more joins; answers end by then
         self.closed = threading.Event()  # ... set once `closing` is
         self.lock = threading.Condition()
-        self.thread = threading.Thread(target=self._run, name="dflash-mlx-generation", daemon=True)
+        n = max(1, min(workers, max_active))
+        self.workers = [_Worker(self, i, -(-max_active // n)) for i in range(n)]
+
+    @property
+    def active(self) -> list[_Job]:
+        return [job for worker in self.workers for job in worker.active]
 
     def start(self) -> None:
-        self.thread.start()
+        for worker in self.workers:
+            worker.thread.start()
 
     def stop(self) -> None:
-        """Stop every request (their clients get what they had) and the worker."""
+        """Stop every request (their clients get what they had) and the workers."""
         with self.lock:
             self.stopping = True
-            self.lock.notify()
-        if self.thread.is_alive():
-            self.thread.join()
+            self.lock.notify_all()
+        for worker in self.workers:
+            if worker.thread.is_alive():
+                worker.thread.join()
 
     def close_queue(self, grace: float) -> None:
         """The server is shutting down: requests waiting for their turn end now with a 503, not when its
@@ -202,20 +200,47 @@ class Scheduler:
                 return
             self.waiting.append(request)
             self.metrics.waiting.set(len(self.waiting))
-            self.lock.notify()
+            self.lock.notify_all()
+
+    def _release(self) -> None:
+        with self.lock:
+            self.admitted -= 1
+
+
+class _Worker:
+    """One thread answering its share of the requests over an engine of its own (see the module's
+    docstring): up to its share of `max_active` at once, taken from the common queue."""
+
+    def __init__(self, scheduler: Scheduler, index: int, most: int):
+        self.s, self.most = scheduler, most
+        self.pool, self.metrics, self.tokenizer = scheduler.pool, scheduler.metrics, scheduler.tokenizer
+        self.draft = scheduler.draft
+        self.engine = Engine(self.pool.target, self.draft)
+        self.active: list[_Job] = []
+        self.load = 0  # its active requests and those it is taking (read by the others, under the lock)
+        self.turns = 0
+        self.prefill_rate: float | None = None  # prompt tokens a second in the last prefill chunk
+        # prompt tokens a second of short prompts' prefills, one at a time and together (averages)
+        self.short_rates: dict[bool, float | None] = {False: None, True: None}
+        self.short_choices = 0
+        self.token_seconds: float | None = None  # worker seconds per token a request receives (average)
+        self.launched = 0.0  # when the step under way was launched
+        self.returning: list[_Job] = []  # ended while their step was under way: their caches come back
+        self.thread = threading.Thread(target=self._run, name=f"dflash-mlx-generation-{index}", daemon=True)
 
     def _run(self) -> None:
         while True:
-            with self.lock:
-                while not self.stopping and not self.active and not self.waiting:
-                    self.lock.wait()
-                if self.stopping:
+            with self.s.lock:
+                while not self.s.stopping and not self.active and not self.s.waiting:
+                    self.s.lock.wait()
+                if self.s.stopping:
                     break
-                self._let_go_of_the_gone()  # (each turn: the queue's length is right while others answer)
+                self.s._let_go_of_the_gone()  # (each turn: the queue's length is right while others answer)
                 joining = []
-                while self.waiting and len(self.active) + len(joining) < self.max_active:
-                    joining.append(self.waiting.popleft())
-                self.metrics.waiting.set(len(self.waiting))
+                while self.s.waiting and self._takes(len(self.active) + len(joining)):
+                    joining.append(self.s.waiting.popleft())
+                self.load = len(self.active) + len(joining)
+                self.metrics.waiting.set(len(self.s.waiting))
             try:
                 self._cycle(joining)
             except Exception as e:  # noqa: BLE001  (a bug in a step: the requests in it get the error)
@@ -226,15 +251,20 @@ class Scheduler:
                     self._end(job, e, keep=False)
                 self.returning = []
                 self.engine = Engine(self.pool.target, self.draft)
-            self.metrics.active.set(len(self.active))
+            self.metrics.active.set(len(self.s.active))
         self.engine.close()
         for job in list(self.active):
             self._end(job, None)
-        with self.lock:
-            while self.waiting:
-                self.waiting.popleft().emit(Finished())
+        with self.s.lock:
+            while self.s.waiting:
+                self.s.waiting.popleft().emit(Finished())
         mx.synchronize()  # no model work left running when the process ends (MLX would abort)
         mx.clear_streams()  # (MLX's rule for a thread that ran its work: else an abort at exit, at times)
+
+    def _takes(self, load: int) -> bool:
+        """Whether, with `load` requests, it takes one more from the queue: while it has room and no
+        other worker has fewer (with the lock held)."""
+        return load < self.most and all(load <= w.load for w in self.s.workers if w is not self)
 
     def _cycle(self, joining: list[Request]) -> None:
         """One turn of the worker: collect the step under way, let requests go and come, then either a
@@ -300,7 +330,7 @@ class Scheduler:
         if request.cancelled.is_set():
             self.metrics.cancelled.inc()
             self._end(job, None)
-        elif any(d is not None and time.monotonic() > d for d in (request.deadline, self.closing)):
+        elif any(d is not None and time.monotonic() > d for d in (request.deadline, self.s.closing)):
             self.metrics.timed_out.inc()
             self._cut(job)
         elif job.seq is not None:
@@ -325,14 +355,14 @@ class Scheduler:
     def _start(self, request: Request, level: float) -> None:
         if request.cancelled.is_set():
             self.metrics.cancelled.inc()
-            self._release()
+            self.s._release()
             request.emit(Finished())
             return
         try:  # (a prompt to score is prefilled whole: kept caches hold no logits)
             taken = self.pool.take(request.prompt, reuse=not request.scored)
         except Exception as e:  # noqa: BLE001  (the server goes on; the request gets the error)
             log.exception("a request could not start")
-            self._release()
+            self.s._release()
             request.emit(Finished(e))
             return
         self.metrics.prompt_tokens.inc(len(request.prompt))
@@ -442,7 +472,7 @@ class Scheduler:
         g++ on first use, in the terminal's process group: a Ctrl-C that stops the server ends that
         compiler too, and MLX raises at about the moment the server starts shutting down. That is
         the shutdown, in one line, not a failure."""
-        if isinstance(error, RuntimeError) and self.closed.wait(STOPPED_WITHIN_S):
+        if isinstance(error, RuntimeError) and self.s.closed.wait(STOPPED_WITHIN_S):
             log.warning("an answer ended by the shutdown while MLX compiled a kernel (%s)", error)
             return ApiError(503, SHUTTING_DOWN)
         log.error("generation failed", exc_info=error)
@@ -465,7 +495,7 @@ class Scheduler:
         step = job.request.settings.prefill_step_size or prefill_step()
         if self.prefill_rate is None:
             return min(FIRST_CHUNK, step)
-        seconds = PREFILL_ALONE_S if len(self.active) == 1 and not self.waiting else PREFILL_TURN_S
+        seconds = PREFILL_ALONE_S if len(self.active) == 1 and not self.s.waiting else PREFILL_TURN_S
         return max(1, min(step, int(self.prefill_rate * seconds)))
 
     def _end(self, job: _Job, error: BaseException | None, keep: bool = True) -> None:
@@ -478,7 +508,7 @@ class Scheduler:
                 self.returning.append(job)  # (lent to the step under way)
             else:
                 self._keep(job.cache)
-        self._release()
+        self.s._release()
         job.request.emit(Finished(error))
 
     def _keep(self, cache) -> None:
@@ -487,7 +517,3 @@ class Scheduler:
         self.metrics.evictions.inc(self.pool.evictions - evicted)
         self.metrics.cache_bytes.set(self.pool.nbytes)
         self.metrics.cache_entries.set(len(self.pool.caches))
-
-    def _release(self) -> None:
-        with self.lock:
-            self.admitted -= 1
