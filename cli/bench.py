@@ -77,6 +77,9 @@ def bench(
         help="Comma-separated numbers of answers at a time (e.g. 1,2,4,8): all the prompts at once through "
         "our engine and mlx-lm's continuous batching, aggregate tokens/s (adaptive policy, temperature 0).",
     ),
+    workers: int = typer.Option(
+        1, help="With --concurrency: the worker threads that answer them, as `serve --workers`."
+    ),
     fresh: int | None = typer.Option(
         None,
         help="Answer each prompt in new processes, as `generate` does (plain decoding and each policy in "
@@ -119,6 +122,8 @@ def bench(
             )
         if levels is not None and (not levels or min(levels) < 1):
             raise UserError(f"--concurrency takes numbers of answers of 1 or more, got {concurrency!r}")
+        if not 1 <= workers <= 256 or (workers > 1 and levels is None):
+            raise UserError(f"--workers takes a number from 1 to 256, with --concurrency; got {workers}")
         grid = settings_grid(bs, ts, max_tokens, lookup=not no_lookup, draft_window=draft_window)
         check_writable(out, "--out")  # now, not after hours of benchmarking
         folder = Path(out).expanduser()
@@ -154,6 +159,7 @@ def bench(
                             tokenizer,
                             ps,
                             concurrency=levels,
+                            workers=workers,
                             max_tokens=max_tokens,
                             lookup=not no_lookup,
                             draft_window=draft_window,

@@ -12,7 +12,6 @@ import typer
 
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
-from dflash_mlx.platform import default_workers
 from dflash_mlx.policy import batch_sizes
 from dflash_mlx.settings import GenerationSettings
 
@@ -83,10 +82,10 @@ def serve(
     ),
     max_concurrency: int = typer.Option(4, help="Requests generated at once (batched in each step)."),
     max_queue: int = typer.Option(16, help="Requests waiting beyond those; past that: 429."),
-    workers: int | None = typer.Option(
-        None,
-        help="Threads that answer requests, each its share of them on a core of its own (default: "
-        "the CPU's cores, on a GPU 1).",
+    workers: int = typer.Option(
+        1,
+        help="Threads that answer requests, each its share of them (on a CPU, each on a core of its "
+        "own: more for long prompts, see docs/server.md).",
     ),
     cache_gb: float = typer.Option(4.0, help="Memory for kept prompt caches (0: keep none)."),
     request_timeout: float | None = typer.Option(
@@ -114,7 +113,7 @@ def serve(
         for flag, value, ok, what in (
             ("--max-concurrency", max_concurrency, 1 <= max_concurrency <= 256, "from 1 to 256"),
             ("--max-queue", max_queue, 0 <= max_queue <= 10_000, "from 0 to 10000"),
-            ("--workers", workers, workers is None or 1 <= workers <= 256, "from 1 to 256"),
+            ("--workers", workers, 1 <= workers <= 256, "from 1 to 256"),
             ("--cache-gb", cache_gb, 0 <= cache_gb < 1 << 20, "0 or more"),
         ):
             if not ok:
@@ -146,7 +145,7 @@ def serve(
         most = max(16, files - SPARE_FILES - backlog)
         sock = _claim_port(host, port, backlog)  # before minutes of loading, not after
         target, drafter, tokenizer = load_pair(model, draft)
-        workers = min(workers or default_workers(), max_concurrency)
+        workers = min(workers, max_concurrency)
         share = -(-max_concurrency // workers)  # (the most requests one worker batches)
         template = template_kwargs(model, think, tokenizer)
         # Measured now, not in the first request's time; batched passes are priced for the adaptive policy.

@@ -24,6 +24,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,9 +37,7 @@ from mlx_lm import stream_generate as plain_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from .cache import SpeculativeCache
 from .chat import apply_chat_template
-from .engine import Engine, Sequence
 from .errors import UserError
 from .files import atomic_file
 from .loading import load, load_pair
@@ -386,14 +385,15 @@ def run_concurrent(
     prompts: list[list[dict]],
     *,
     concurrency=(1, 2, 4, 8),
+    workers: int = 1,
     max_tokens: int = 256,
     lookup: bool = True,
     draft_window: int | None = None,
     template_kwargs: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict:
-    """-> results: per number of sequences at a time, mlx-lm's batched plain decoding and our engine
-    (adaptive policy, temperature 0) over all the prompts, submitted together."""
+    """-> results: per number of sequences at a time, mlx-lm's batched plain decoding and `serve`'s
+    `workers` (adaptive policy, temperature 0) over all the prompts, submitted together."""
     settings = GenerationSettings(max_tokens=max_tokens, lookup=lookup, draft_window=draft_window)
     levels = list(dict.fromkeys(int(c) for c in concurrency))
     if not levels or min(levels) < 1:
@@ -408,13 +408,13 @@ def run_concurrent(
     eos = frozenset(tokenizer.eos_token_ids)
     costs_for(target, draft, batches=batch_sizes(max(levels)))  # priced as `serve` prices them
     _batched_plain(model, encoded[:1], 1, max_tokens, eos)  # warm-ups, not counted
-    _engine(target, draft, encoded[:1], 1, settings, eos)
+    _served(model, draft, tokenizer, encoded[:1], 1, 1, settings)
     rows, interrupted = [], False
     for c in levels:
         try:
             with ctrl_c_in_mlx():
                 base = _batched_plain(model, encoded, c, max_tokens, eos)
-                ours = _engine(target, draft, encoded, c, settings, eos)
+                ours = _served(model, draft, tokenizer, encoded, c, workers, settings)
         except KeyboardInterrupt:
             if not rows:
                 raise
@@ -436,6 +436,7 @@ def run_concurrent(
                 "mix": ours["mix"],
                 "plain_steps": ours["plain_steps"],
                 "steps": ours["steps"],
+                "workers": ours["workers"],
             }
         )
         if progress:
@@ -476,40 +477,57 @@ def _batched_plain(model, encoded, c: int, max_tokens: int, eos) -> dict:
     return {"tokens": out, "n": n, "tps": n / seconds, "ttft_s": sum(firsts.values()) / len(firsts)}
 
 
-def _engine(target, draft, encoded, c: int, settings: GenerationSettings, eos) -> dict:
-    """All prompts through our engine, c sequences at a time (the next one starting when one ends)."""
-    engine, waiting = Engine(target, draft), list(range(len(encoded)))
-    tokens, firsts, seqs, index = {}, {}, {}, {}
-    mix, steps, plain_steps = Counter(), 0, 0
+def _served(model, draft, tokenizer, encoded, c: int, workers: int, settings: GenerationSettings) -> dict:
+    """All prompts through `serve`'s workers and engines (its scheduler, without HTTP), c requests at a
+    time (the next one starting when one ends)."""
+    from .server.metrics import Metrics
+    from .server.pool import PromptCachePool
+    from .server.scheduler import Finished, Request, Scheduler
+
+    metrics, lock = Metrics(), threading.Lock()
+    workers = min(workers, c)
+    pool = PromptCachePool(model, draft, 0)  # (nothing kept: each level starts from its prompts)
+    scheduler = Scheduler(model, draft, tokenizer, pool, metrics, c, len(encoded), workers)
+    tokens, firsts, errors, mix = {k: [] for k in range(len(encoded))}, {}, [], Counter()
     tic = time.perf_counter()
-    while waiting or engine.active:
-        while waiting and sum(s.finish is None for s in seqs.values()) < c:
-            k = waiting.pop(0)
-            cache = SpeculativeCache(target, draft, settings.draft_window)
-            seq = Sequence(cache, settings, settings.max_tokens, eos)
-            engine.other_work()
-            seqs[k], index[id(seq)], tokens[k] = seq, k, seq.start(encoded[k])
-            firsts[k] = time.perf_counter() - tic
-            if seq.finish is None:
-                engine.add(seq)
-        engine.launch()
-        results = engine.collect()
-        steps += 1
-        plain_steps += all(r.proposed == 0 for r in results)
-        for r in results:
-            tokens[index[id(r.seq)]] += r.tokens
-            mix[r.source] += 1
+
+    def emit(event, k):
+        with lock:
+            if isinstance(event, Finished):
+                errors.append(event.error)
+            elif getattr(event, "tokens", None) is not None:
+                firsts.setdefault(k, time.perf_counter() - tic)
+                tokens[k] += event.tokens
+                if event.source is not None:  # (None: the first token, from the prompt's pass)
+                    mix[event.source] += 1
+
+    scheduler.start()
+    try:
+        for k, ids in enumerate(encoded):
+            scheduler.admit()
+            scheduler.submit(Request(ids, settings, [], lambda e, k=k: emit(e, k)))
+        while len(errors) < len(encoded):
+            time.sleep(0.005)
+    finally:
+        scheduler.stop()
     seconds = time.perf_counter() - tic
+    if failed := next((e for e in errors if e is not None), None):
+        raise failed
     out = [tokens[k] for k in range(len(encoded))]
     n = sum(map(len, out))
+    steps = {
+        kind: metrics.registry.get_sample_value("dflash_mlx_steps_total", {"kind": kind}) or 0
+        for kind in ("plain", "speculative")
+    }
     return {
         "tokens": out,
         "n": n,
         "tps": n / seconds,
         "ttft_s": sum(firsts.values()) / len(firsts),
         "mix": dict(mix),
-        "steps": steps,
-        "plain_steps": plain_steps,
+        "steps": int(sum(steps.values())),
+        "plain_steps": int(steps["plain"]),
+        "workers": workers,
     }
 
 
@@ -639,18 +657,19 @@ def markdown_concurrent(results: dict, title: str) -> str:
         f"Machine: {m.get('platform')}, MLX {m.get('mlx')} on {m.get('mlx backend')}, "
         f"BLAS: {m.get('blas preload')}. {counted(rows[0]['prompts'], 'prompt')} submitted together, up to "
         f"{results['max_tokens']} tokens each, temperature 0; mlx-lm's continuous batching (BatchGenerator) "
-        f"against our engine with {policy}, the same number of sequences at a time.",
+        f"against `serve`'s workers and engines with {policy}, the same number of sequences at a time.",
         "",
         "| sequences at a time | mlx-lm tok/s | ours tok/s | ratio | TTFT mlx-lm / ours (s) "
-        "| cycles: dflash / lookup / plain | steps all plain | identical |",
-        "|---|---|---|---|---|---|---|---|",
+        "| our workers | cycles: dflash / lookup / plain | steps all plain | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mix = " / ".join(str(r["mix"].get(k, 0)) for k in ("dflash", "lookup", "plain"))
         same = "yes" if r["identical"] else f"**NO** ({counted(len(r['mismatched_prompts']), 'prompt')})"
         lines.append(
             f"| {r['concurrency']} | {r['baseline_tps']:.1f} | {r['dflash_tps']:.1f} | "
-            f"{_fmt(r['speedup'], '.2f', 'x')} | {r['baseline_ttft_s']:.2f} / {r['ttft_s']:.2f} | {mix} | "
+            f"{_fmt(r['speedup'], '.2f', 'x')} | {r['baseline_ttft_s']:.2f} / {r['ttft_s']:.2f} | "
+            f"{r.get('workers', 1)} | {mix} | "
             f"{r['plain_steps']} of {r['steps']} | {same} |"
         )
     return "\n".join(lines) + "\n"

@@ -212,17 +212,6 @@ def backend() -> str:
     return "cpu"
 
 
-def default_workers() -> int:
-    """How many threads a server answers with by default: on a CPU, one per core (MLX computes each
-    thread's work on one core, so a second thread doubles what the CPU does: server.md), on a GPU one
-    (a device that one batch fills better than several)."""
-    if backend() != "cpu":
-        return 1
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def device_memory() -> int | None:
     """Bytes of memory the GPU gives MLX (Metal: its recommended working set; CUDA: the card's); None
     on a CPU."""

@@ -20,6 +20,7 @@ target's lm_head after the drafter's own final `norm`. The checkpoint layout is 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -46,6 +47,10 @@ def is_drafter_config(cfg: dict) -> bool:
         or ("mask_token_id" in cfg and "target_layer_ids" in cfg)
     )
 
+
+# A compiled step looks up (or traces) its graph in state shared by every thread that calls it (the
+# server's workers): one call at a time. The call builds the pass; running it is not held up.
+_TRACING = threading.Lock()
 
 @dataclass
 class DFlashConfig:
@@ -413,7 +418,8 @@ class DFlashDraftModel(nn.Module):
         keys = [c.keys for c in cache]
         values = [c.values for c in cache]
         step = self._compiled_step if compiled else self._eager_step
-        h = step(block, keys, values, mx.array(cache[0].rows), mx.array(cache[0].offset))
+        with _TRACING:
+            h = step(block, keys, values, mx.array(cache[0].rows), mx.array(cache[0].offset))
         return h[:, 1 : 1 + heads]
 
     def propose_logits(self, last_token, cache, block_size, compiled=True, heads=None):

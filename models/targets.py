@@ -17,6 +17,7 @@ a pass over that prefix would have left.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,12 @@ class Undo:
     inputs: dict[int, mx.array]
     states: dict[int, list]
     buffers: dict[int, tuple] | None = None
+
+
+# A pass is built with taps in the model's layer list, and a tree's with its own positions in their
+# rotary embeddings (trees.py): swapped in on the shared model object while the pass is built (not run),
+# so threads that share a model (the server's workers) build their passes one at a time.
+_BUILDING = threading.RLock()
 
 
 class Target:
@@ -241,7 +248,7 @@ class Target:
         if trees is not None and any(t is not None for t in trees):
             if self._recurrent:
                 raise ValueError("a target with recurrent layers verifies chains only")
-            with TreePass(self.inner.layers, cache, trees, tokens.shape[1]) as lent:
+            with _BUILDING, TreePass(self.inner.layers, cache, trees, tokens.shape[1]) as lent:
                 logits, features, _ = self._run(tokens, lent, False, [])
             return logits, features, Undo(tokens.shape[1], {}, {})
         states = {i: list(cache[i].cache) for i in self._recurrent}
@@ -262,15 +269,16 @@ class Target:
 
     def _run(self, tokens, cache, last_logits_only: bool, recurrent: list[int], lengths=None):
         record: dict[int, Any] = {}
-        layers = self.inner.layers
-        watched = set(self.layer_ids) | set(recurrent)
-        self.inner.layers = [
-            _Tap(layer, i, record) if i in watched else layer for i, layer in enumerate(layers)
-        ]
-        try:
-            h = self.inner(tokens, cache)
-        finally:
-            self.inner.layers = layers
+        with _BUILDING:
+            layers = self.inner.layers
+            watched = set(self.layer_ids) | set(recurrent)
+            self.inner.layers = [
+                _Tap(layer, i, record) if i in watched else layer for i, layer in enumerate(layers)
+            ]
+            try:
+                h = self.inner(tokens, cache)
+            finally:
+                self.inner.layers = layers
         if lengths is not None:
             h = h[mx.arange(h.shape[0]), mx.array(lengths) - 1][:, None]
         elif last_logits_only:

@@ -910,7 +910,18 @@ def test_bench_concurrency_races_mlx_lms_continuous_batching_with_the_same_outpu
         assert r.exit_code == 0, r.output
         mixes[name] = json.loads((tmp_path / name / "results.json").read_text())["concurrency"][0]["mix"]
     assert "lookup" in mixes["f"] and "lookup" not in mixes["e"], mixes
-    assert "our engine with the adaptive policy without lookup" in (tmp_path / "e" / "summary.md").read_text()
+    summary = (tmp_path / "e" / "summary.md").read_text()
+    assert "workers and engines with the adaptive policy without lookup" in summary
+    # two workers (threads of their own, as `serve --workers 2`) give the same outputs
+    r = run(
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --concurrency 3 "
+        f"--max-tokens 24 --workers 2 -o {tmp_path}/w"
+    )
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads((tmp_path / "w" / "results.json").read_text())["concurrency"]
+    assert row["identical"] and row["workers"] == 2
+    r = run(f"bench -m {root}/target -d {root}/draft --workers 2 -o {tmp_path}/d")
+    assert r.exit_code == 1 and "--workers takes a number from 1 to 256, with --concurrency" in r.stderr
     for args in ("--temps 1", "--block-sizes 4", "--temps 0 --block-sizes adaptive"):
         r = run(f"bench -m {root}/target -d {root}/draft --concurrency 2 {args} -o {tmp_path}/d")
         assert r.exit_code == 1 and "--concurrency runs the adaptive policy at temperature 0" in r.stderr

@@ -1,21 +1,24 @@
-"""One generation worker for every request, over one engine (engine.py).
+"""The generation workers, each a thread over an engine of its own (engine.py), and their one queue.
 
-The models run on one thread. Requests that are answering step together: each engine step is one target
-pass over all of them, so every stream moves each step and none waits for another to finish. A request
-joins once its prompt is prefilled; short prompts that wait at once are prefilled together in one pass
-where that has measured faster than one at a time (a GPU); a long prompt is prefilled a chunk at a time
-between steps, each chunk sized by the prefill speed last measured to take about PREFILL_TURN_S while
-others are under way (about PREFILL_ALONE_S alone, which is as long as a request that arrives meanwhile
-waits). Turns go to whatever has received the fewest tokens: the batch (its least served request) or a
-prefilling request, a chunk counting as the tokens the batch's requests receive in its time, so a long
-prompt shares the worker with the streams under way rather than holding them up. A request whose reader
-has fallen behind (a slow client) leaves the batch until it catches up; one whose reader takes nothing
-for STALLED_S meanwhile (a hung client, which TCP may keep connected for hours) ends there, so that it
-does not hold its slot for good. Requests are admitted before their prompts are made (`admit`), so a
-full server refuses them (`Busy`) before any work: up to `max_active` in flight and `max_waiting` more.
-A request whose client has gone, or that has run past its deadline, is taken out before the next step;
-its cache, left consistent, goes back to the pool like any other (a request that failed leaves its
-cache out).
+A request goes to the worker with the fewest under way, up to its share of `max_active`. MLX's CPU
+backend computes a thread's work on one core, so on a CPU of several cores the workers' passes run at
+once (docs/server.md says when that pays); kept caches (pool.py) are shared, computed before another
+thread may take them up. Within a worker, requests that are answering step together: each engine step
+is one target pass over all of them, so every stream moves each step and none waits for another to
+finish. A request joins once its prompt is prefilled; short prompts that wait at once are prefilled
+together in one pass where that has measured faster than one at a time (a GPU); a long prompt is
+prefilled a chunk at a time between steps, each chunk sized by the prefill speed last measured to take
+about PREFILL_TURN_S while others are under way (about PREFILL_ALONE_S alone, which is as long as a
+request that arrives meanwhile waits). Turns go to whatever has received the fewest tokens: the batch
+(its least served request) or a prefilling request, a chunk counting as the tokens the batch's requests
+receive in its time, so a long prompt shares the worker with the streams under way rather than holding
+them up. A request whose reader has fallen behind (a slow client) leaves the batch until it catches up;
+one whose reader takes nothing for STALLED_S meanwhile (a hung client, which TCP may keep connected for
+hours) ends there, so that it does not hold its slot for good. Requests are admitted before their
+prompts are made (`admit`), so a full server refuses them (`Busy`) before any work: up to `max_active`
+in flight and `max_waiting` more. A request whose client has gone, or that has run past its deadline,
+is taken out before the next step; its cache, left consistent, goes back to the pool like any other (a
+request that failed leaves its cache out).
 
 Steps are pipelined: the next is launched before the last one's tokens are handed to the readers.
 A request with a seed draws each token with a key made from its seed and the token's position, so it
