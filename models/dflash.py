@@ -52,6 +52,7 @@ def is_drafter_config(cfg: dict) -> bool:
 # server's workers): one call at a time. The call builds the pass; running it is not held up.
 _TRACING = threading.Lock()
 
+
 @dataclass
 class DFlashConfig:
     hidden_size: int

@@ -920,6 +920,19 @@ def test_a_body_of_the_wrong_shape_gets_the_field_named_in_the_clients_terms(ser
     assert r.status_code == 400 and r.json()["error"]["message"] == message
 
 
+def _submit(scheduler, prompt: list[int], settings, tokens: list, finished: list) -> None:
+    """Admit and queue a request: its tokens go to `tokens`, its end's error (or None) to `finished`."""
+
+    def emit(event):
+        if isinstance(event, Finished):
+            finished.append(event.error)
+        elif hasattr(event, "tokens"):
+            tokens.extend(event.tokens)
+
+    scheduler.admit()
+    scheduler.submit(Request(prompt, settings, [], emit))
+
+
 @pytest.mark.parametrize("together", [False, True], ids=["one at a time", "together"])
 def test_short_prompts_waiting_at_once_prefill_together_where_that_pays_and_answer_as_alone(
     tiny,  # noqa: F811
@@ -945,15 +958,7 @@ def test_short_prompts_waiting_at_once_prefill_together_where_that_pays_and_answ
     settings = GenerationSettings(max_tokens=16)
     got, finished = {i: [] for i in range(4)}, []
     for i, prompt in enumerate(prompts):
-
-        def emit(event, i=i):
-            if isinstance(event, Finished):
-                finished.append(event.error)
-            elif hasattr(event, "tokens"):
-                got[i] += event.tokens
-
-        scheduler.admit()
-        scheduler.submit(Request(prompt, settings, [], emit))
+        _submit(scheduler, prompt, settings, got[i], finished)
     scheduler.start()
     try:
         deadline = time.monotonic() + 120
@@ -1168,18 +1173,10 @@ def test_two_workers_share_the_requests_and_each_answer_is_the_one_generate_give
     got, finished = {i: [] for i in range(len(prompts))}, []
     scheduler.start()
     try:
+        settings = GenerationSettings(max_tokens=24)
         for batch in (prompts[:6], prompts[6:]):
             for prompt in batch:
-                i = prompts.index(prompt)
-
-                def emit(event, i=i):
-                    if isinstance(event, Finished):
-                        finished.append(event.error)
-                    elif hasattr(event, "tokens"):
-                        got[i] += event.tokens
-
-                scheduler.admit()
-                scheduler.submit(Request(prompt, GenerationSettings(max_tokens=24), [], emit))
+                _submit(scheduler, prompt, settings, got[prompts.index(prompt)], finished)
             deadline = time.monotonic() + 120
             while len(finished) < prompts.index(batch[-1]) + 1:
                 assert time.monotonic() < deadline

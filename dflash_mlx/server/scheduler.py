@@ -234,6 +234,7 @@ class _Worker:
     def _run(self) -> None:
         while True:
             with self.s.lock:
+                self.load = len(self.active)  # (what it had taken and has ended meanwhile is not counted)
                 while not self.s.stopping and not self.active and not self.s.waiting:
                     self.s.lock.wait()
                 if self.s.stopping:
