@@ -145,17 +145,19 @@ def serve(
         most = max(16, files - SPARE_FILES - backlog)
         sock = _claim_port(host, port, backlog)  # before minutes of loading, not after
         target, drafter, tokenizer = load_pair(model, draft)
-        workers = min(workers, max_concurrency)
-        share = -(-max_concurrency // workers)  # (the most requests one worker batches)
         template = template_kwargs(model, think, tokenizer)
-        # Measured now, not in the first request's time; batched passes are priced for the adaptive policy.
-        warm(target, drafter, stderr(), batches=batch_sizes(share) if block_size is None else ())
         # Imported here: FastAPI and uvicorn take about 0.3 s to import, which every other
         # command (each `generate`) would pay too.
         import uvicorn
 
         from dflash_mlx.server.app import ServerConfig, create_app
         from dflash_mlx.server.connections import protocol
+        from dflash_mlx.server.scheduler import worker_share
+
+        # Measured now, not in the first request's time; batched passes are priced for the adaptive
+        # policy, up to the most requests one worker batches.
+        share = worker_share(max_concurrency, workers)[1]
+        warm(target, drafter, stderr(), batches=batch_sizes(share) if block_size is None else ())
 
         config = ServerConfig(
             model_id=name or model,

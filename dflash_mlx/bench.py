@@ -485,7 +485,6 @@ def _served(model, draft, tokenizer, encoded, c: int, workers: int, settings: Ge
     from .server.scheduler import Finished, Request, Scheduler
 
     metrics, lock = Metrics(), threading.Lock()
-    workers = min(workers, c)
     pool = PromptCachePool(model, draft, 0)  # (nothing kept: each level starts from its prompts)
     scheduler = Scheduler(model, draft, tokenizer, pool, metrics, c, len(encoded), workers)
     tokens, firsts, errors, mix = {k: [] for k in range(len(encoded))}, {}, [], Counter()
@@ -527,7 +526,7 @@ def _served(model, draft, tokenizer, encoded, c: int, workers: int, settings: Ge
         "mix": dict(mix),
         "steps": int(sum(steps.values())),
         "plain_steps": int(steps["plain"]),
-        "workers": workers,
+        "workers": len(scheduler.workers),
     }
 
 

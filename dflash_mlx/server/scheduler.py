@@ -118,6 +118,12 @@ class _Job:
     scores: list | None = None  # the prompt's scores so far, where they are wanted
 
 
+def worker_share(max_active: int, workers: int) -> tuple[int, int]:
+    """-> (the workers that answer, at most one per request; the most requests each has at once)."""
+    n = max(1, min(workers, max_active))
+    return n, -(-max_active // n)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -138,8 +144,8 @@ class Scheduler:
         self.closing: float | None = None  # shutting down: nothing more joins; answers end by then
         self.closed = threading.Event()  # ... set once `closing` is
         self.lock = threading.Condition()
-        n = max(1, min(workers, max_active))
-        self.workers = [_Worker(self, i, -(-max_active // n)) for i in range(n)]
+        n, share = worker_share(max_active, workers)
+        self.workers = [_Worker(self, i, share) for i in range(n)]
 
     @property
     def active(self) -> list[_Job]:
