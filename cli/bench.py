@@ -80,6 +80,9 @@ def bench(
     workers: int = typer.Option(
         1, help="With --concurrency: the worker threads that answer them, as `serve --workers`."
     ),
+    processes: int = typer.Option(
+        1, help="With --concurrency: the processes answering them, as `serve --processes`."
+    ),
     fresh: int | None = typer.Option(
         None,
         help="Answer each prompt in new processes, as `generate` does (plain decoding and each policy in "
@@ -124,6 +127,8 @@ def bench(
             raise UserError(f"--concurrency takes numbers of answers of 1 or more, got {concurrency!r}")
         if not 1 <= workers <= 256 or (workers > 1 and levels is None):
             raise UserError(f"--workers takes a number from 1 to 256, with --concurrency; got {workers}")
+        if not 1 <= processes <= 64 or (processes > 1 and levels is None):
+            raise UserError(f"--processes takes a number from 1 to 64, with --concurrency; got {processes}")
         grid = settings_grid(bs, ts, max_tokens, lookup=not no_lookup, draft_window=draft_window)
         check_writable(out, "--out")  # now, not after hours of benchmarking
         folder = Path(out).expanduser()
@@ -160,6 +165,8 @@ def bench(
                             ps,
                             concurrency=levels,
                             workers=workers,
+                            processes=processes,
+                            names=(model, draft),
                             max_tokens=max_tokens,
                             lookup=not no_lookup,
                             draft_window=draft_window,

@@ -87,6 +87,11 @@ def serve(
         help="Threads that answer requests, each its share of them (on a CPU, each on a core of its "
         "own: more for long prompts, see docs/server.md).",
     ),
+    processes: int = typer.Option(
+        1,
+        help="Processes answering requests, each with --workers threads and its own copy of the pair "
+        "(on a CPU of several cores: more requests at once, see docs/server.md).",
+    ),
     cache_gb: float = typer.Option(4.0, help="Memory for kept prompt caches (0: keep none)."),
     request_timeout: float | None = typer.Option(
         None, help="End an answer this many seconds after its request arrived (default: no limit)."
@@ -114,6 +119,7 @@ def serve(
             ("--max-concurrency", max_concurrency, 1 <= max_concurrency <= 256, "from 1 to 256"),
             ("--max-queue", max_queue, 0 <= max_queue <= 10_000, "from 0 to 10000"),
             ("--workers", workers, 1 <= workers <= 256, "from 1 to 256"),
+            ("--processes", processes, 1 <= processes <= 64, "from 1 to 64"),
             ("--cache-gb", cache_gb, 0 <= cache_gb < 1 << 20, "0 or more"),
         ):
             if not ok:
@@ -156,7 +162,7 @@ def serve(
 
         # Measured now, not in the first request's time; batched passes are priced for the adaptive
         # policy, up to the most requests one worker batches.
-        share = worker_share(max_concurrency, workers)[1]
+        share = worker_share(max_concurrency, workers * processes)[1]
         warm(target, drafter, stderr(), batches=batch_sizes(share) if block_size is None else ())
 
         config = ServerConfig(
@@ -167,6 +173,8 @@ def serve(
             max_active=max_concurrency,
             max_waiting=max_queue,
             workers=workers,
+            processes=processes,
+            names=(model, draft),
             cache_bytes=int(cache_gb * (1 << 30)),
             request_timeout=request_timeout,
             client_templates=allow_client_templates,

@@ -18,6 +18,7 @@ and time to first token, outputs checked equal at temperature 0.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import signal
@@ -386,6 +387,8 @@ def run_concurrent(
     *,
     concurrency=(1, 2, 4, 8),
     workers: int = 1,
+    processes: int = 1,
+    names: tuple[str, str | None] | None = None,
     max_tokens: int = 256,
     lookup: bool = True,
     draft_window: int | None = None,
@@ -393,7 +396,9 @@ def run_concurrent(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """-> results: per number of sequences at a time, mlx-lm's batched plain decoding and `serve`'s
-    `workers` (adaptive policy, temperature 0) over all the prompts, submitted together."""
+    `workers` in each of its `processes` (the others loading the pair by `names`; adaptive policy,
+    temperature 0) over all the prompts, submitted together."""
+    served = functools.partial(_served, workers=workers, processes=processes, names=names)
     settings = GenerationSettings(max_tokens=max_tokens, lookup=lookup, draft_window=draft_window)
     levels = list(dict.fromkeys(int(c) for c in concurrency))
     if not levels or min(levels) < 1:
@@ -408,13 +413,13 @@ def run_concurrent(
     eos = frozenset(tokenizer.eos_token_ids)
     costs_for(target, draft, batches=batch_sizes(max(levels)))  # priced as `serve` prices them
     _batched_plain(model, encoded[:1], 1, max_tokens, eos)  # warm-ups, not counted
-    _served(model, draft, tokenizer, encoded[:1], 1, 1, settings)
+    served(model, draft, tokenizer, encoded[:1], 1, settings)
     rows, interrupted = [], False
     for c in levels:
         try:
             with ctrl_c_in_mlx():
                 base = _batched_plain(model, encoded, c, max_tokens, eos)
-                ours = _served(model, draft, tokenizer, encoded, c, workers, settings)
+                ours = served(model, draft, tokenizer, encoded, c, settings)
         except KeyboardInterrupt:
             if not rows:
                 raise
@@ -437,6 +442,7 @@ def run_concurrent(
                 "plain_steps": ours["plain_steps"],
                 "steps": ours["steps"],
                 "workers": ours["workers"],
+                "processes": ours["processes"],
             }
         )
         if progress:
@@ -477,17 +483,23 @@ def _batched_plain(model, encoded, c: int, max_tokens: int, eos) -> dict:
     return {"tokens": out, "n": n, "tps": n / seconds, "ttft_s": sum(firsts.values()) / len(firsts)}
 
 
-def _served(model, draft, tokenizer, encoded, c: int, workers: int, settings: GenerationSettings) -> dict:
+def _served(
+    model, draft, tokenizer, encoded, c: int, settings: GenerationSettings, workers, processes, names
+) -> dict:
     """All prompts through `serve`'s workers and engines (its scheduler, without HTTP), c requests at a
-    time (the next one starting when one ends)."""
+    time (the next one starting when one ends); worker processes start before the clock does."""
     from .server.metrics import Metrics
     from .server.pool import PromptCachePool
+    from .server.processes import Remote
     from .server.scheduler import Finished, Request, Scheduler
 
     metrics, lock = Metrics(), threading.Lock()
     pool = PromptCachePool(model, draft, 0)  # (nothing kept: each level starts from its prompts)
-    scheduler = Scheduler(model, draft, tokenizer, pool, metrics, c, len(encoded), workers)
+    remote = functools.partial(Remote, names=names, pool_args=(0, settings.draft_window))
+    scheduler = Scheduler(model, draft, tokenizer, pool, metrics, c, len(encoded), workers, processes, remote)
+    metrics.sources = [r.counters for r in scheduler.remotes]
     tokens, firsts, errors, mix = {k: [] for k in range(len(encoded))}, {}, [], Counter()
+    scheduler.start()
     tic = time.perf_counter()
 
     def emit(event, k):
@@ -500,24 +512,22 @@ def _served(model, draft, tokenizer, encoded, c: int, workers: int, settings: Ge
                 if event.source is not None:  # (None: the first token, from the prompt's pass)
                     mix[event.source] += 1
 
-    scheduler.start()
     try:
         for k, ids in enumerate(encoded):
             scheduler.admit()
             scheduler.submit(Request(ids, settings, [], lambda e, k=k: emit(e, k)))
         while len(errors) < len(encoded):
             time.sleep(0.005)
+        seconds = time.perf_counter() - tic
+        steps = {
+            kind: metrics.total("dflash_mlx_steps_total", kind=kind) for kind in ("plain", "speculative")
+        }
     finally:
         scheduler.stop()
-    seconds = time.perf_counter() - tic
     if failed := next((e for e in errors if e is not None), None):
         raise failed
     out = [tokens[k] for k in range(len(encoded))]
     n = sum(map(len, out))
-    steps = {
-        kind: metrics.registry.get_sample_value("dflash_mlx_steps_total", {"kind": kind}) or 0
-        for kind in ("plain", "speculative")
-    }
     return {
         "tokens": out,
         "n": n,
@@ -526,7 +536,8 @@ def _served(model, draft, tokenizer, encoded, c: int, workers: int, settings: Ge
         "mix": dict(mix),
         "steps": int(sum(steps.values())),
         "plain_steps": int(steps["plain"]),
-        "workers": len(scheduler.workers),
+        "workers": len(scheduler.local),  # (in each process)
+        "processes": 1 + len(scheduler.remotes),
     }
 
 
@@ -668,10 +679,15 @@ def markdown_concurrent(results: dict, title: str) -> str:
         lines.append(
             f"| {r['concurrency']} | {r['baseline_tps']:.1f} | {r['dflash_tps']:.1f} | "
             f"{_fmt(r['speedup'], '.2f', 'x')} | {r['baseline_ttft_s']:.2f} / {r['ttft_s']:.2f} | "
-            f"{r.get('workers', 1)} | {mix} | "
+            f"{_workers(r)} | {mix} | "
             f"{r['plain_steps']} of {r['steps']} | {same} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _workers(row: dict) -> str:
+    workers, processes = row.get("workers", 1), row.get("processes", 1)
+    return str(workers) if processes == 1 else f"{workers} in each of {processes} processes"
 
 
 def plot(results: dict, path: Path) -> None:

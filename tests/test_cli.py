@@ -922,6 +922,17 @@ def test_bench_concurrency_races_mlx_lms_continuous_batching_with_the_same_outpu
     assert row["identical"] and row["workers"] == 2
     r = run(f"bench -m {root}/target -d {root}/draft --workers 2 -o {tmp_path}/d")
     assert r.exit_code == 1 and "--workers takes a number from 1 to 256, with --concurrency" in r.stderr
+    # ... and so do two processes (as `serve --processes 2`, the second loading the pair from its folders)
+    r = run(
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --concurrency 3 "
+        f"--max-tokens 24 --processes 2 -o {tmp_path}/p"
+    )
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads((tmp_path / "p" / "results.json").read_text())["concurrency"]
+    assert row["identical"] and row["processes"] == 2 and row["steps"] > 0
+    assert "| 1 in each of 2 processes |" in (tmp_path / "p" / "summary.md").read_text()
+    r = run(f"bench -m {root}/target -d {root}/draft --processes 2 -o {tmp_path}/d")
+    assert r.exit_code == 1 and "--processes takes a number from 1 to 64, with --concurrency" in r.stderr
     for args in ("--temps 1", "--block-sizes 4", "--temps 0 --block-sizes adaptive"):
         r = run(f"bench -m {root}/target -d {root}/draft --concurrency 2 {args} -o {tmp_path}/d")
         assert r.exit_code == 1 and "--concurrency runs the adaptive policy at temperature 0" in r.stderr

@@ -1117,6 +1117,7 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
         (["--host", "999.1.1.1"], "choose another --host"),
         (["--cache-gb", "nan"], "error: --cache-gb must be 0 or more, got nan"),
         (["--max-concurrency", "0"], "error: --max-concurrency must be from 1 to 256, got 0"),
+        (["--processes", "0"], "error: --processes must be from 1 to 64, got 0"),
         (["--host", " "], "error: --host is empty"),  # (empty, each would let everyone in)
         (["--api-key", ""], "error: the API key (--api-key or DFLASH_MLX_API_KEY) is empty"),
         (["--name", ""], "error: --name is empty"),

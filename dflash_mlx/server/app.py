@@ -39,6 +39,7 @@ from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_re
 from .errors import ANTHROPIC, INTERNAL, ApiError, Json, dumps, error_body, error_response, shown
 from .metrics import Metrics
 from .pool import PromptCachePool
+from .processes import Remote
 from .prompts import Conversation, Prompts
 from .scheduler import Busy, Finished, PromptScored, Scheduler, Started
 from .scheduler import Request as Job
@@ -56,6 +57,8 @@ class ServerConfig:
     max_active: int = 4
     max_waiting: int = 16
     workers: int = 1  # threads answering requests, each its share of max_active (scheduler.py)
+    processes: int = 1  # ... in each of this many processes (processes.py), which load the pair by:
+    names: tuple[str, str | None] | None = None  # the names it was loaded by (load_pair's arguments)
     cache_bytes: int = 4 << 30
     max_body_bytes: int = 8 << 20
     max_body_items: int = 1 << 16  # JSON objects, arrays and keys in a body
@@ -337,9 +340,23 @@ def sse(data: dict | str, event: str | None = None) -> str:
 def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     metrics = Metrics()
     pool = PromptCachePool(target, draft, config.cache_bytes, config.defaults.draft_window)
+    remote = None
+    if config.processes > 1:
+        pool_args = (config.cache_bytes, config.defaults.draft_window)
+        remote = functools.partial(Remote, names=config.names, pool_args=pool_args)
     scheduler = Scheduler(
-        target, draft, tokenizer, pool, metrics, config.max_active, config.max_waiting, config.workers
+        target,
+        draft,
+        tokenizer,
+        pool,
+        metrics,
+        config.max_active,
+        config.max_waiting,
+        config.workers,
+        config.processes,
+        remote,
     )
+    metrics.sources = [remote.counters for remote in scheduler.remotes]
     prompts = Prompts(
         tokenizer,
         config.template_kwargs,
@@ -490,7 +507,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         return {"status": "ok", "model": config.model_id}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
-    async def prometheus():
+    def prometheus():  # (not on the event loop: other processes' counters are asked for)
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     served = {"id": config.model_id, "object": "model", "created": int(time.time()), "owned_by": "dflash-mlx"}

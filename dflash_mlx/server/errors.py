@@ -17,6 +17,9 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
+    def __reduce__(self):  # (as it is made: from a worker process, server/processes.py)
+        return ApiError, (self.status, self.message, self.param, self.code)
+
 
 _OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 _ANTHROPIC_TYPES = {

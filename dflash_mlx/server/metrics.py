@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from ..speculative import GenerationResponse
 
@@ -86,6 +88,8 @@ class Metrics:
         tps.set_function(self._tokens_per_second)
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
+        # other processes' metric families, added to these (`serve --processes`: server/processes.py)
+        self.sources: list[Callable[[], list]] = []
 
     def record(self, response: GenerationResponse) -> None:
         """A response of the generation worker: its tokens, its cycle."""
@@ -111,5 +115,47 @@ class Metrics:
             self._prune()
             return sum(n for _, n in self._recent) / WINDOW_S
 
+    def total(self, sample: str, **labels) -> float:
+        """A sample's value, summed over the processes (0 where none has it)."""
+        return sum(
+            s.value
+            for source in (self.registry.collect(), *(source() for source in self.sources))
+            for family in source
+            for s in family.samples
+            if s.name == sample and s.labels == labels
+        )
+
     def text(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.sources:
+            return generate_latest(self.registry)
+        return generate_latest(_Summed([self.registry.collect(), *(source() for source in self.sources)]))
+
+
+class _Summed:
+    """Metric families of several processes as one collector: each sample the sum of theirs (the
+    earliest of their `_created` times). (prometheus_client's own multiprocess mode needs its folder and
+    environment set before it is imported: too much for a few counters.)"""
+
+    def __init__(self, sources):
+        self.sources = sources
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        values: dict[str, dict] = {}
+        for family in (f for source in self.sources for f in source):
+            if family.name not in families:
+                families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                values[family.name] = {}
+            summed = values[family.name]
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                last = summed.get(key)
+                if last is None:
+                    summed[key] = sample.value
+                else:
+                    created = sample.name.endswith("_created")
+                    summed[key] = min(last, sample.value) if created else last + sample.value
+        for name, family in families.items():
+            for (sample, labels), value in values[name].items():
+                family.add_sample(sample, dict(labels), value)
+            yield family

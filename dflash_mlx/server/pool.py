@@ -43,6 +43,11 @@ class PromptCachePool:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
+    def held(self, prompt: list[int]) -> int:
+        """The most of `prompt`'s first tokens a kept cache holds."""
+        with self.lock:
+            return max((common_prefix(cache.tokens, prompt) for cache in self.caches), default=0)
+
     def take(self, prompt: list[int], reuse: bool = True) -> Taken:
         """A cache to answer `prompt` with: its tokens are a prefix of the prompt, leaving at least one
         token of the prompt to prefill (`reuse` False: a new one)."""

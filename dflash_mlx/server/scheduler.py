@@ -59,6 +59,7 @@ STALLED_S = 60.0  # seconds out of the batch with its reader taking nothing: a h
 # prompt gains little from sharing a pass, and would pad the others' rows to its length.)
 SHORT, RETRY_SHORT = 256, 16
 SCORED_CHUNK = 512  # the most prompt tokens in a chunk that is scored (`echo`)
+DECLINED_S = 0.02  # how long an idle worker that leaves the next request to another waits to look again
 STOPPED_WITHIN_S = 0.5  # how long after an error of MLX's a shutdown is taken as its cause
 
 
@@ -135,7 +136,11 @@ class Scheduler:
         max_active: int,
         max_waiting: int,
         workers: int = 1,
+        processes: int = 1,
+        remote: Callable | None = None,
     ):
+        """`workers` threads in each of `processes` processes, the others than this one made by
+        `remote(scheduler, index, most requests, threads)` (processes.py's Remote)."""
         self.target, self.draft, self.tokenizer, self.pool = target, draft, tokenizer, pool
         self.metrics, self.max_active, self.max_waiting = metrics, max_active, max_waiting
         self.waiting: deque[Request] = deque()
@@ -144,16 +149,45 @@ class Scheduler:
         self.closing: float | None = None  # shutting down: nothing more joins; answers end by then
         self.closed = threading.Event()  # ... set once `closing` is
         self.lock = threading.Condition()
-        n, share = worker_share(max_active, workers)
-        self.workers = [_Worker(self, i, share) for i in range(n)]
+        n, share = worker_share(max_active, workers * processes)
+        self.local = [_Worker(self, i, share) for i in range(min(n, workers))]
+        self.remotes = [
+            remote(self, i, min(workers, n - i * workers) * share, min(workers, n - i * workers))
+            for i in range(1, -(-n // workers))
+        ]
+        self.workers = self.local + self.remotes
 
     @property
     def active(self) -> list[_Job]:
-        return [job for worker in self.workers for job in worker.active]
+        """The requests under way in this process."""
+        return [job for worker in self.local for job in worker.active]
 
     def start(self) -> None:
-        for worker in self.workers:
+        for remote in self.remotes:  # (they load the pair side by side)
+            remote.launch()
+        for remote in self.remotes:
+            remote.start()
+        for worker in self.local:
             worker.thread.start()
+
+    def takes(self, worker, load: int) -> bool:
+        """Whether a worker holding `load` requests takes the next one from the queue: while it has room
+        and no other holds fewer for its size, or as few with more of its prompt in a kept cache (a
+        conversation's next turn goes where its last one's cache is) (with the lock held, a request
+        waiting)."""
+        if load >= worker.most:
+            return False
+        prompt, mine = self.waiting[0].prompt, None
+        for w in self.workers:
+            if w is worker or load * w.most < w.load * worker.most:
+                continue
+            if load * w.most > w.load * worker.most:
+                return False
+            if w.kept is not worker.kept:  # (threads of one process share its caches)
+                mine = worker.kept.held(prompt) if mine is None else mine
+                if w.kept.held(prompt) > mine:
+                    return False
+        return True
 
     def stop(self) -> None:
         """Stop every request (their clients get what they had) and the workers."""
@@ -175,6 +209,8 @@ class Scheduler:
                 self.waiting.popleft().emit(Finished(ApiError(503, SHUTTING_DOWN)))
                 self.admitted -= 1
             self.metrics.waiting.set(0)
+        for remote in self.remotes:
+            remote.close(grace)
 
     def admit(self) -> None:
         """Take a place for a request about to be made (before its prompt is): Busy when there is none.
@@ -223,6 +259,7 @@ class _Worker:
     def __init__(self, scheduler: Scheduler, index: int, most: int):
         self.s, self.most = scheduler, most
         self.pool, self.metrics, self.tokenizer = scheduler.pool, scheduler.metrics, scheduler.tokenizer
+        self.kept = self.pool  # (what it answers from: `Scheduler.takes`)
         self.draft = scheduler.draft
         self.engine = Engine(self.pool.target, self.draft)
         self.active: list[_Job] = []
@@ -243,11 +280,13 @@ class _Worker:
                 self.load = len(self.active)  # (what it had taken and has ended meanwhile is not counted)
                 while not self.s.stopping and not self.active and not self.s.waiting:
                     self.s.lock.wait()
+                if not (self.s.stopping or self.active or self.s.takes(self, 0)):  # (another takes it)
+                    self.s.lock.wait(DECLINED_S)
                 if self.s.stopping:
                     break
                 self.s._let_go_of_the_gone()  # (each turn: the queue's length is right while others answer)
                 joining = []
-                while self.s.waiting and self._takes(len(self.active) + len(joining)):
+                while self.s.waiting and self.s.takes(self, len(self.active) + len(joining)):
                     joining.append(self.s.waiting.popleft())
                 self.load = len(self.active) + len(joining)
                 self.metrics.waiting.set(len(self.s.waiting))
@@ -270,11 +309,6 @@ class _Worker:
                 self.s.waiting.popleft().emit(Finished())
         mx.synchronize()  # no model work left running when the process ends (MLX would abort)
         mx.clear_streams()  # (MLX's rule for a thread that ran its work: else an abort at exit, at times)
-
-    def _takes(self, load: int) -> bool:
-        """Whether, with `load` requests, it takes one more from the queue: while it has room and no
-        other worker has fewer (with the lock held)."""
-        return load < self.most and all(load <= w.load for w in self.s.workers if w is not self)
 
     def _cycle(self, joining: list[Request]) -> None:
         """One turn of the worker: collect the step under way, let requests go and come, then either a

@@ -1,0 +1,271 @@
+"""Workers in processes of their own (`serve --processes`): each loads the pair from its folders and
+answers its share of the requests as the server's own worker would."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from mlx_lm.utils import save_config, save_model
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from serving import chat_tokenizer, serving
+from test_drafter import write_zlab_checkpoint
+from test_server import config, metric, words
+from tiny import CONFIGS, make_draft, make_target
+
+from dflash_mlx import apply_chat_template, generate
+from dflash_mlx.loading import load_pair
+from dflash_mlx.server.app import create_app
+from dflash_mlx.server.metrics import Metrics
+from dflash_mlx.server.pool import PromptCachePool
+from dflash_mlx.server.processes import Remote
+from dflash_mlx.server.scheduler import Finished, Request, Scheduler
+from dflash_mlx.settings import GenerationSettings
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """-> (names: the tiny pair's folders, (target, drafter, tokenizer) loaded from them)."""
+    root = tmp_path_factory.mktemp("pair")
+    save_model(root / "target", make_target("llama"))
+    save_config(dict(CONFIGS["llama"], eos_token_id=95), root / "target" / "config.json")
+    chat_tokenizer(root / "target")
+    write_zlab_checkpoint(root / "draft", make_draft())
+    names = (str(root / "target"), str(root / "draft"))
+    return names, load_pair(*names)
+
+
+def two_processes(names, **kw) -> dict:
+    """ServerConfig's arguments for a worker here and one in a process of its own."""
+    return dict(processes=2, names=names, **kw)
+
+
+def until(condition, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_answers_from_a_worker_process_are_the_ones_generate_gives_alone(saved):
+    """Requests go to this process's worker or the other process's by which holds fewer: each answer is
+    `generate`'s alone, both processes answered some, a seeded sample is the same from either, and
+    /metrics counts both processes' work."""
+    names, (target, draft, tok) = saved
+    metrics = Metrics()
+    pool = PromptCachePool(target, draft, 1 << 30)
+    remote = functools.partial(Remote, names=names, pool_args=(1 << 30, None))
+    scheduler = Scheduler(target, draft, tok, pool, metrics, 4, 8, 1, 2, remote)
+    metrics.sources = [r.counters for r in scheduler.remotes]
+    prompts = [
+        tok.encode(words(seed, n), add_special_tokens=False) for seed, n in ((1, 30), (2, 90), (3, 50))
+    ]
+    prompts += prompts[:1]
+    greedy = GenerationSettings(max_tokens=24)
+    sampled = GenerationSettings(max_tokens=24, temperature=1.0, seed=7)
+    got: dict[int, list] = {i: [] for i in range(6)}
+    finished: list = []
+
+    def submit(i, prompt, settings):
+        def emit(event):
+            if isinstance(event, Finished):
+                finished.append(event.error)
+            elif hasattr(event, "tokens"):
+                got[i].extend(event.tokens)
+
+        scheduler.admit()
+        scheduler.submit(Request(prompt, settings, [], emit))
+
+    scheduler.start()
+    try:
+        for i in (4, 5):  # (at once: one here, one there)
+            submit(i, prompts[1], sampled)
+        until(lambda: len(finished) == 2)
+        for i, prompt in enumerate(prompts):
+            submit(i, prompt, greedy)
+        until(lambda: len(finished) == 6)
+        text = metrics.text().decode()
+    finally:
+        scheduler.stop()
+    assert finished == [None] * 6
+    for i, prompt in enumerate(prompts):
+        assert got[i] == generate(target, draft, tok, prompt, max_tokens=24).tokens
+    assert got[4] == got[5] and len(got[4]) == 24
+    lookups = sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("dflash_mlx_prefix_cache_lookups_total")
+    )
+    here = pool.hits + pool.misses
+    assert lookups == 6 and 0 < here < 6  # (every request looked up once, some of them there)
+    generated = [line for line in text.splitlines() if line.startswith("dflash_mlx_generated_tokens_total")]
+    assert generated == [f"dflash_mlx_generated_tokens_total {sum(map(len, got.values())):.1f}"]
+    assert not scheduler.remotes[0].process.is_alive() and scheduler.remotes[0].process.exitcode == 0
+
+
+def _streams(url: str, prompts: list[str], max_tokens: int):
+    """Streamed completions of `prompts`, each opened once the last one has started -> their line
+    iterators (and the responses, to close)."""
+    out = []
+    for prompt in prompts:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+        response = httpx.Client(timeout=120).send(
+            httpx.Request("POST", f"{url}/v1/completions", json=body), stream=True
+        )
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # (it has started)
+        out.append((response, lines))
+    return out
+
+
+def _next_event(lines) -> str:
+    return next(line for line in lines if line)
+
+
+def _there(app, prompts: list[str], tok) -> int:
+    """Which of `prompts` the worker process is answering."""
+    remote = app.state.scheduler.remotes[0]
+    held = [r.prompt for r in remote.requests.values()]
+    assert len(held) == 1
+    return [tok.encode(p) for p in prompts].index(held[0])
+
+
+def test_a_client_leaving_stops_its_answer_in_the_worker_process(saved):
+    names, (target, draft, tok) = saved
+    app = create_app(target, draft, tok, config(max_active=2, **two_processes(names)))
+    prompts = [words(41, 30), words(42, 30)]
+    with serving(app) as url:
+        streams = _streams(url, prompts, 2000)
+        there = _there(app, prompts, tok)
+        before = metric(url, "dflash_mlx_cancelled_requests_total")
+        streams[there][0].close()
+        remote = app.state.scheduler.remotes[0]
+        until(lambda: not remote.requests)  # (its end came back from the process)
+        assert metric(url, "dflash_mlx_cancelled_requests_total") == before + 1
+        here = streams[1 - there][1]
+        assert '"finish_reason": null' in _next_event(here)  # (the other goes on)
+        streams[1 - there][0].close()
+        body = {"model": "tiny", "prompt": words(43, 20), "max_tokens": 8}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+
+
+def test_a_worker_process_that_ends_fails_its_answer_and_the_server_goes_on(saved, caplog):
+    names, (target, draft, tok) = saved
+    app = create_app(target, draft, tok, config(max_active=2, **two_processes(names)))
+    prompts = [words(44, 30), words(45, 30)]
+    with serving(app) as url:
+        streams = _streams(url, prompts, 2000)
+        there = _there(app, prompts, tok)
+        remote = app.state.scheduler.remotes[0]
+        with caplog.at_level("ERROR", logger="dflash_mlx.server"):
+            remote.process.kill()
+            rest = list(streams[there][1])
+        assert any("worker process 1 ended" in r.getMessage() for r in caplog.records)
+        errors = [json.loads(line.removeprefix("data: ")) for line in rest if '"error"' in line]
+        assert errors and errors[-1]["error"]["type"] == "server_error"
+        assert '"finish_reason": null' in _next_event(streams[1 - there][1])  # (the other goes on)
+        streams[1 - there][0].close()
+        for seed in (46, 47):  # (answered here: the ended process takes nothing more)
+            body = {"model": "tiny", "prompt": words(seed, 20), "max_tokens": 8}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        assert metric(url, "dflash_mlx_generated_tokens_total") > 0  # (/metrics still answers)
+
+
+def test_a_worker_process_that_cannot_load_the_pair_stops_the_server_starting(saved, tmp_path):
+    names, (target, draft, tok) = saved
+    remote = functools.partial(Remote, names=(str(tmp_path / "gone"), names[1]), pool_args=(0, None))
+    scheduler = Scheduler(
+        target, draft, tok, PromptCachePool(target, draft, 0), Metrics(), 2, 2, 1, 2, remote
+    )
+    with pytest.raises(RuntimeError, match="worker process 1 could not start: .*gone"):
+        scheduler.start()
+    scheduler.stop()
+
+
+def test_metrics_of_several_processes_are_summed():
+    """Counters and gauges are the sums of every process's, by label; a counter's creation time the
+    earliest."""
+    metrics = Metrics()
+    metrics.generated.inc(5)
+    metrics.cache_lookups.labels("hit").inc()
+    other = CollectorRegistry()
+    Counter("dflash_mlx_generated_tokens", "", registry=other).inc(7)
+    lookups = Counter("dflash_mlx_prefix_cache_lookups", "", ["result"], registry=other)
+    lookups.labels("hit").inc(2)
+    lookups.labels("miss").inc(3)
+    Gauge("dflash_mlx_active_requests", "", registry=other).set(2)
+    metrics.active.set(1)
+    metrics.sources = [lambda: list(other.collect())]
+    lines = dict(line.rsplit(" ", 1) for line in metrics.text().decode().splitlines() if line[0] != "#")
+    assert float(lines["dflash_mlx_generated_tokens_total"]) == 12
+    assert float(lines['dflash_mlx_prefix_cache_lookups_total{result="hit"}']) == 3
+    assert float(lines['dflash_mlx_prefix_cache_lookups_total{result="miss"}']) == 3
+    assert float(lines["dflash_mlx_active_requests"]) == 3
+    created = [
+        s.value
+        for registry in (metrics.registry, other)
+        for f in registry.collect()
+        for s in f.samples
+        if s.name == "dflash_mlx_generated_tokens_created"
+    ]
+    assert float(lines["dflash_mlx_generated_tokens_created"]) == min(created) < max(created)
+
+
+def test_serve_with_two_processes_answers_and_stops_both_on_ctrl_c(saved):
+    """`dflash-mlx serve --processes 2` as a user runs it: two requests at once answered as `generate`
+    answers them, and at Ctrl-C the server and its worker process end."""
+    names, (target, draft, tok) = saved
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "-m", names[0], "-d", names[1]]
+    command += ["--port", str(port), "--name", "tiny", "--processes", "2", "--block-size", "4"]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        until(lambda: _up(port) or server.poll() is not None)
+        assert server.poll() is None, server.communicate()[1]
+        children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True)
+        pids = [int(p) for p in children.stdout.split()]
+        conversations = [[{"role": "user", "content": words(seed, n)}] for seed, n in ((48, 30), (49, 60))]
+        path = f"http://127.0.0.1:{port}/v1/chat/completions"
+        body = {"model": "tiny", "max_tokens": 16}
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(
+                pool.map(lambda m: httpx.post(path, json=dict(body, messages=m), timeout=120), conversations)
+            )
+        for messages, r in zip(conversations, replies):
+            prompt = apply_chat_template(tok, messages)
+            want = generate(target, draft, tok, prompt, max_tokens=16, block_size=4).text
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=60)
+    assert server.returncode == 0, err
+    assert pids  # (the worker process, and multiprocessing's resource tracker)
+    until(lambda: not any(_alive(pid) for pid in pids), 30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _up(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
