@@ -28,7 +28,7 @@ from dflash_mlx.server.app import create_app
 from dflash_mlx.server.metrics import Metrics
 from dflash_mlx.server.pool import PromptCachePool
 from dflash_mlx.server.processes import Remote
-from dflash_mlx.server.scheduler import Finished, Request, Scheduler
+from dflash_mlx.server.scheduler import Finished, Request, Scheduler, Started
 from dflash_mlx.settings import GenerationSettings
 
 
@@ -110,6 +110,48 @@ def test_answers_from_a_worker_process_are_the_ones_generate_gives_alone(saved):
     generated = [line for line in text.splitlines() if line.startswith("dflash_mlx_generated_tokens_total")]
     assert generated == [f"dflash_mlx_generated_tokens_total {sum(map(len, got.values())):.1f}"]
     assert not scheduler.remotes[0].process.is_alive() and scheduler.remotes[0].process.exitcode == 0
+
+
+def test_a_conversations_next_turn_goes_to_the_process_that_kept_its_cache(saved):
+    """Between processes holding as few requests, a request goes to the one whose kept caches hold the
+    most of its prompt: four conversations answered two here and two there, each one's next turn, sent
+    alone, takes up its own kept cache."""
+    names, (target, draft, tok) = saved
+    pool = PromptCachePool(target, draft, 1 << 30)
+    remote = functools.partial(Remote, names=names, pool_args=(1 << 30, None))
+    scheduler = Scheduler(target, draft, tok, pool, Metrics(), 4, 8, 1, 2, remote)
+    firsts = [tok.encode(words(seed, 40), add_special_tokens=False) for seed in (51, 52, 53, 54)]
+    answers: dict[int, list] = {i: [] for i in range(8)}
+    cached: dict[int, int] = {}
+    finished: list = []
+
+    def submit(i, prompt):
+        def emit(event):
+            if isinstance(event, Finished):
+                finished.append(event.error)
+            elif isinstance(event, Started):
+                cached[i] = event.cached_tokens
+            elif hasattr(event, "tokens"):
+                answers[i].extend(event.tokens)
+
+        scheduler.admit()
+        scheduler.submit(Request(prompt, GenerationSettings(max_tokens=12), [], emit))
+
+    scheduler.start()
+    try:
+        for i, prompt in enumerate(firsts):
+            submit(i, prompt)
+        until(lambda: len(finished) == 4)
+        here = pool.hits + pool.misses
+        for i, prompt in enumerate(firsts):
+            more = tok.encode(words(60 + i, 10), add_special_tokens=False)
+            submit(4 + i, prompt + answers[i] + more)
+            until(lambda i=i: len(finished) == 5 + i)
+    finally:
+        scheduler.stop()
+    assert finished == [None] * 8 and here == 2  # (two answered here, two there)
+    for i, prompt in enumerate(firsts):
+        assert cached[4 + i] >= len(prompt), (i, cached)
 
 
 def _streams(url: str, prompts: list[str], max_tokens: int):
