@@ -342,6 +342,8 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     pool = PromptCachePool(target, draft, config.cache_bytes, config.defaults.draft_window)
     remote = None
     if config.processes > 1:
+        if config.names is None:
+            raise ValueError("ServerConfig: processes > 1 needs the names the pair was loaded by (names)")
         pool_args = (config.cache_bytes, config.defaults.draft_window)
         remote = functools.partial(Remote, names=config.names, pool_args=pool_args)
     scheduler = Scheduler(

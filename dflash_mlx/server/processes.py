@@ -107,7 +107,7 @@ class Remote:
                     self.s.lock.wait(WATCH_S)
                 if self.s.stopping:
                     break
-                self.s._let_go_of_the_gone()
+                self.s.let_go_of_the_gone()
                 joining = []
                 while not self.ended and self.s.waiting and self.s.takes(self, self.load):
                     joining.append((next(self.ids), self.s.waiting.popleft()))
@@ -169,7 +169,7 @@ class Remote:
             del self.requests[i]
             self.behind.discard(i)
             self.told_gone.discard(i)
-            self.s.admitted -= 1
+            self.s.release()
             if not self.ended:
                 self.load = len(self.requests)
             self.s.lock.notify_all()
@@ -235,12 +235,16 @@ def _serve(conn, names, most: int, threads: int, pool_args) -> None:
                 continues=continues,
                 scored=scored,
             )
+            try:
+                scheduler.admit()  # (the server sends no more than its share: never Busy)
+            except ApiError as e:  # (the server began shutting down as it was sent)
+                emit(i, Finished(e))
+                continue
             requests[i] = request
-            scheduler.admit()  # (the server sends no more than its share: never Busy)
             scheduler.submit(request)
         elif kind == "cancel" and args[0] in requests:
             requests[args[0]].cancelled.set()
-        elif kind == "backlog":
+        elif kind == "backlog" and args[0] in requests:
             backlogs[args[0]] = args[1]
         elif kind == "close":
             scheduler.close_queue(args[0])

@@ -218,12 +218,12 @@ class Scheduler:
         with self.lock:
             if self.closing is not None:
                 raise ApiError(503, SHUTTING_DOWN)
-            self._let_go_of_the_gone()
+            self.let_go_of_the_gone()
             if self.admitted >= self.max_active + self.max_waiting:
                 raise Busy
             self.admitted += 1
 
-    def _let_go_of_the_gone(self) -> None:
+    def let_go_of_the_gone(self) -> None:
         """Requests waiting whose clients left give their places back (with the lock held)."""
         for gone in [r for r in self.waiting if r.cancelled.is_set()]:
             self.waiting.remove(gone)
@@ -234,7 +234,7 @@ class Scheduler:
 
     def withdraw(self) -> None:
         """Give back the place of an admitted request that will not be submitted."""
-        self._release()
+        self.release()
 
     def submit(self, request: Request) -> None:
         """Queue an admitted request."""
@@ -247,7 +247,7 @@ class Scheduler:
             self.metrics.waiting.set(len(self.waiting))
             self.lock.notify_all()
 
-    def _release(self) -> None:
+    def release(self) -> None:
         with self.lock:
             self.admitted -= 1
 
@@ -284,7 +284,7 @@ class _Worker:
                     self.s.lock.wait(DECLINED_S)
                 if self.s.stopping:
                     break
-                self.s._let_go_of_the_gone()  # (each turn: the queue's length is right while others answer)
+                self.s.let_go_of_the_gone()  # (each turn: the queue's length is right while others answer)
                 joining = []
                 while self.s.waiting and self.s.takes(self, len(self.active) + len(joining)):
                     joining.append(self.s.waiting.popleft())
@@ -399,14 +399,14 @@ class _Worker:
     def _start(self, request: Request, level: float) -> None:
         if request.cancelled.is_set():
             self.metrics.cancelled.inc()
-            self.s._release()
+            self.s.release()
             request.emit(Finished())
             return
         try:  # (a prompt to score is prefilled whole: kept caches hold no logits)
             taken = self.pool.take(request.prompt, reuse=not request.scored)
         except Exception as e:  # noqa: BLE001  (the server goes on; the request gets the error)
             log.exception("a request could not start")
-            self.s._release()
+            self.s.release()
             request.emit(Finished(e))
             return
         self.metrics.prompt_tokens.inc(len(request.prompt))
@@ -552,7 +552,7 @@ class _Worker:
                 self.returning.append(job)  # (lent to the step under way)
             else:
                 self._keep(job.cache)
-        self.s._release()
+        self.s.release()
         job.request.emit(Finished(error))
 
     def _keep(self, cache) -> None:
