@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -42,11 +43,6 @@ def saved(tmp_path_factory):
     write_zlab_checkpoint(root / "draft", make_draft())
     names = (str(root / "target"), str(root / "draft"))
     return names, load_pair(*names)
-
-
-def two_processes(names, **kw) -> dict:
-    """ServerConfig's arguments for a worker here and one in a process of its own."""
-    return dict(processes=2, names=names, **kw)
 
 
 def until(condition, seconds: float = 120) -> None:
@@ -181,46 +177,48 @@ def _there(app, prompts: list[str], tok) -> int:
     return [tok.encode(p) for p in prompts].index(held[0])
 
 
-def test_a_client_leaving_stops_its_answer_in_the_worker_process(saved):
+@contextmanager
+def _two_answering(saved, seeds: tuple[int, int]):
+    """A server of a worker here and one in a process of its own, each answering a long streamed
+    completion -> (its URL, the worker process, (the stream answered there, the one answered here))."""
     names, (target, draft, tok) = saved
-    app = create_app(target, draft, tok, config(max_active=2, **two_processes(names)))
-    prompts = [words(41, 30), words(42, 30)]
+    app = create_app(target, draft, tok, config(max_active=2, processes=2, names=names))
+    prompts = [words(seed, 30) for seed in seeds]
     with serving(app) as url:
         streams = _streams(url, prompts, 2000)
         there = _there(app, prompts, tok)
+        yield url, app.state.scheduler.remotes[0], (streams[there], streams[1 - there])
+
+
+def _answered(url: str, seed: int) -> None:
+    body = {"model": "tiny", "prompt": words(seed, 20), "max_tokens": 8}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+
+
+def test_a_client_leaving_stops_its_answer_in_the_worker_process(saved):
+    with _two_answering(saved, (41, 42)) as (url, remote, (there, here)):
         before = metric(url, "dflash_mlx_cancelled_requests_total")
-        streams[there][0].close()
-        remote = app.state.scheduler.remotes[0]
+        there[0].close()
         until(lambda: not remote.requests)  # (its end came back from the process)
         assert metric(url, "dflash_mlx_cancelled_requests_total") == before + 1
-        here = streams[1 - there][1]
-        assert '"finish_reason": null' in _next_event(here)  # (the other goes on)
-        streams[1 - there][0].close()
-        body = {"model": "tiny", "prompt": words(43, 20), "max_tokens": 8}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        assert '"finish_reason": null' in _next_event(here[1])  # (the other goes on)
+        here[0].close()
+        _answered(url, 43)
 
 
 def test_a_worker_process_that_ends_fails_its_answer_and_the_server_goes_on(saved, caplog):
-    names, (target, draft, tok) = saved
-    app = create_app(target, draft, tok, config(max_active=2, **two_processes(names)))
-    prompts = [words(44, 30), words(45, 30)]
-    with serving(app) as url:
-        streams = _streams(url, prompts, 2000)
-        there = _there(app, prompts, tok)
-        remote = app.state.scheduler.remotes[0]
+    with _two_answering(saved, (44, 45)) as (url, remote, (there, here)):
         with caplog.at_level("ERROR", logger="dflash_mlx.server"):
             remote.process.kill()
-            rest = list(streams[there][1])
+            rest = list(there[1])
         assert any("worker process 1 ended" in r.getMessage() for r in caplog.records)
         errors = [json.loads(line.removeprefix("data: ")) for line in rest if '"error"' in line]
         assert errors and errors[-1]["error"]["type"] == "server_error"
-        assert '"finish_reason": null' in _next_event(streams[1 - there][1])  # (the other goes on)
-        streams[1 - there][0].close()
+        assert '"finish_reason": null' in _next_event(here[1])  # (the other goes on)
+        here[0].close()
         for seed in (46, 47):  # (answered here: the ended process takes nothing more)
-            body = {"model": "tiny", "prompt": words(seed, 20), "max_tokens": 8}
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+            _answered(url, seed)
         assert metric(url, "dflash_mlx_generated_tokens_total") > 0  # (/metrics still answers)
 
 
