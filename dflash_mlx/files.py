@@ -161,8 +161,8 @@ def atomic_file(dest: str | Path):
     try:
         _clear_leftovers(dest)
         fd, tmp = tempfile.mkstemp(prefix=_partial(dest), dir=dest.parent)
-    except OSError as e:
-        raise UserError(f"cannot write {dest}: {e.strerror}") from None
+    except OSError as e:  # (its error is about the temporary file: "No such file" in /proc)
+        raise UserError(f"cannot write {dest}: no file can be made in {dest.parent} ({e.strerror})") from None
     os.close(fd)
     try:
         yield Path(tmp)

@@ -286,6 +286,15 @@ def test_save_into_a_missing_folder_says_which(tmp_path):
             pass
 
 
+@pytest.mark.skipif(not Path("/proc/version").is_file(), reason="Linux's /proc takes no new files")
+def test_save_where_no_file_can_be_made_says_so():
+    from dflash_mlx.files import atomic_file
+
+    with pytest.raises(UserError, match="cannot write /proc/version: no file can be made in /proc "):
+        with atomic_file("/proc/version"):
+            pass
+
+
 def test_a_file_written_whole_goes_through_a_link_keeps_its_mode_and_never_replaces_a_folder_or_device(
     tmp_path,
 ):
