@@ -178,11 +178,12 @@ def _there(app, prompts: list[str], tok) -> int:
 
 
 @contextmanager
-def _two_answering(saved, seeds: tuple[int, int]):
-    """A server of a worker here and one in a process of its own, each answering a long streamed
-    completion -> (its URL, the worker process, (the stream answered there, the one answered here))."""
+def _two_answering(saved, seeds: tuple[int, int], **kw):
+    """A server (`kw`: more of its config) of a worker here and one in a process of its own, each
+    answering a long streamed completion -> (its URL, the worker process, (the stream answered there,
+    the one answered here))."""
     names, (target, draft, tok) = saved
-    app = create_app(target, draft, tok, config(max_active=2, processes=2, names=names))
+    app = create_app(target, draft, tok, config(max_active=2, processes=2, names=names, **kw))
     prompts = [words(seed, 30) for seed in seeds]
     with serving(app) as url:
         streams = _streams(url, prompts, 2000)
@@ -220,6 +221,14 @@ def test_a_worker_process_that_ends_fails_its_answer_and_the_server_goes_on(save
         for seed in (46, 47):  # (answered here: the ended process takes nothing more)
             _answered(url, seed)
         assert metric(url, "dflash_mlx_generated_tokens_total") > 0  # (/metrics still answers)
+
+
+def test_an_answer_in_the_worker_process_ends_at_its_time_limit(saved):
+    with _two_answering(saved, (55, 56), request_timeout=0.5) as (url, _, streams):
+        for _, lines in streams:
+            events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert metric(url, "dflash_mlx_timed_out_requests_total") == 2  # (one here, one there)
 
 
 def test_a_worker_process_that_cannot_load_the_pair_stops_the_server_starting(saved, tmp_path):
