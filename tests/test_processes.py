@@ -178,12 +178,11 @@ def _there(app, prompts: list[str], tok) -> int:
 
 
 @contextmanager
-def _two_answering(saved, seeds: tuple[int, int], **kw):
-    """A server (`kw`: more of its config) of a worker here and one in a process of its own, each
-    answering a long streamed completion -> (its URL, the worker process, (the stream answered there,
-    the one answered here))."""
+def _two_answering(saved, seeds: tuple[int, int]):
+    """A server of a worker here and one in a process of its own, each answering a long streamed
+    completion -> (its URL, the worker process, (the stream answered there, the one answered here))."""
     names, (target, draft, tok) = saved
-    app = create_app(target, draft, tok, config(max_active=2, processes=2, names=names, **kw))
+    app = create_app(target, draft, tok, config(max_active=2, processes=2, names=names))
     prompts = [words(seed, 30) for seed in seeds]
     with serving(app) as url:
         streams = _streams(url, prompts, 2000)
@@ -224,11 +223,25 @@ def test_a_worker_process_that_ends_fails_its_answer_and_the_server_goes_on(save
 
 
 def test_an_answer_in_the_worker_process_ends_at_its_time_limit(saved):
-    with _two_answering(saved, (55, 56), request_timeout=0.5) as (url, _, streams):
-        for _, lines in streams:
-            events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
-            assert events[-1]["choices"][0]["finish_reason"] == "length"
-        assert metric(url, "dflash_mlx_timed_out_requests_total") == 2  # (one here, one there)
+    names, (target, draft, tok) = saved
+    app = create_app(target, draft, tok, config(max_active=2, processes=2, names=names, request_timeout=0.5))
+    with serving(app) as url:
+
+        def last_event(seed):
+            body = {"model": "tiny", "prompt": words(seed, 30), "max_tokens": 2000, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                events = [line for line in r.iter_lines() if line.startswith("data: {")]
+            return json.loads(events[-1].removeprefix("data: "))
+
+        with ThreadPoolExecutor(2) as pool:
+            ends = list(pool.map(last_event, (55, 56)))
+        assert [e["choices"][0]["finish_reason"] for e in ends] == ["length", "length"]
+        assert metric(url, "dflash_mlx_timed_out_requests_total") == 2
+        there = app.state.scheduler.remotes[0].counters()
+        timed_out = [
+            s.value for f in there for s in f.samples if s.name == "dflash_mlx_timed_out_requests_total"
+        ]
+        assert timed_out == [1]  # (one of them answered there)
 
 
 def test_a_worker_process_that_cannot_load_the_pair_stops_the_server_starting(saved, tmp_path):
