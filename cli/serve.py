@@ -182,10 +182,9 @@ def serve(
         )
         app = create_app(target, drafter, tokenizer, config)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    stderr().print(
-        f"serving [bold]{config.model_id}[/bold] with drafter {draft_for(model, draft)} on "
-        f"http://{host}:{port}/v1 (OpenAI) and /v1/messages (Anthropic); Ctrl-C stops"
-    )
+    if processes > 1:
+        more = "another process" if processes == 2 else f"{processes - 1} more processes"
+        stderr().print(f"loading the pair in {more} ...")
     # A second Ctrl-C skips the app's shutdown: the worker is still stopped before the process ends, as
     # MLX aborts a process that ends with model work running.
     atexit.register(app.state.scheduler.stop)
@@ -197,6 +196,14 @@ def serve(
             # grace period is over (it would hold them all to its end, then cut their connections).
             scheduler.close_queue(grace=GRACE - 1)
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # (its worker processes too, which the app's startup waits for)
+                stderr().print(
+                    f"serving [bold]{config.model_id}[/bold] with drafter {draft_for(model, draft)} on "
+                    f"http://{host}:{port}/v1 (OpenAI) and /v1/messages (Anthropic); Ctrl-C stops"
+                )
 
     server = Server(
         uvicorn.Config(

@@ -314,6 +314,7 @@ def test_serve_with_two_processes_answers_and_stops_both_on_ctrl_c(saved):
         server.send_signal(signal.SIGINT)
         _, err = server.communicate(timeout=60)
     assert server.returncode == 0, err
+    assert err.index("loading the pair in another process") < err.index("serving tiny")
     assert pids  # (the worker process, and multiprocessing's resource tracker)
     until(lambda: not any(_alive(pid) for pid in pids), 30)
 
