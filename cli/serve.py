@@ -84,8 +84,8 @@ def serve(
     max_queue: int = typer.Option(16, help="Requests waiting beyond those; past that: 429."),
     workers: int = typer.Option(
         1,
-        help="Threads that answer requests, each its share of them (on a CPU, each on a core of its "
-        "own: more for long prompts, see docs/server.md).",
+        help="Threads that answer requests in each process, each its share of them (on a CPU, "
+        "--processes uses several cores better: see docs/server.md).",
     ),
     processes: int = typer.Option(
         1,

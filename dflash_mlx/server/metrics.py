@@ -119,16 +119,18 @@ class Metrics:
         """A sample's value, summed over the processes (0 where none has it)."""
         return sum(
             s.value
-            for source in (self.registry.collect(), *(source() for source in self.sources))
-            for family in source
+            for families in self._all()
+            for family in families
             for s in family.samples
             if s.name == sample and s.labels == labels
         )
 
     def text(self) -> bytes:
-        if not self.sources:
-            return generate_latest(self.registry)
-        return generate_latest(_Summed([self.registry.collect(), *(source() for source in self.sources)]))
+        return generate_latest(_Summed(self._all()) if self.sources else self.registry)
+
+    def _all(self) -> list:
+        """Each process's metric families, this one's first."""
+        return [self.registry.collect(), *(source() for source in self.sources)]
 
 
 class _Summed:
