@@ -737,7 +737,9 @@ def test_sigterm_during_a_conversion_leaves_no_partial_folder(tmp_path, sig):
         "from dflash_mlx.cli.main import app\napp()\n"
     )
     cmd = [sys.executable, "-c", code, "convert", str(tmp_path / "tiny.gguf"), str(tmp_path / "out")]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # (as a terminal starts it: under `nohup` the run's SIGHUP is ignored, and stays so, by design)
+    default = lambda: signal.signal(sig, signal.SIG_DFL)  # noqa: E731
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default)
     assert p.stdout.readline() == "writing\n"
     p.send_signal(sig)
     assert p.wait(timeout=30) == 128 + sig and "Traceback" not in p.stderr.read()
