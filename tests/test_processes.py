@@ -180,7 +180,8 @@ def _there(app, prompts: list[str], tok) -> int:
 @contextmanager
 def _two_answering(saved, seeds: tuple[int, int]):
     """A server of a worker here and one in a process of its own, each answering a long streamed
-    completion -> (its URL, the worker process, (the stream answered there, the one answered here))."""
+    completion (`seeds`: of prompts whose answers run to 2000 tokens) -> (its URL, the worker process,
+    (the stream answered there, the one answered here))."""
     names, (target, draft, tok) = saved
     app = create_app(target, draft, tok, config(max_active=2, processes=2, names=names))
     prompts = [words(seed, 30) for seed in seeds]
@@ -208,7 +209,7 @@ def test_a_client_leaving_stops_its_answer_in_the_worker_process(saved):
 
 
 def test_a_worker_process_that_ends_fails_its_answer_and_the_server_goes_on(saved, caplog):
-    with _two_answering(saved, (44, 45)) as (url, remote, (there, here)):
+    with _two_answering(saved, (45, 49)) as (url, remote, (there, here)):
         with caplog.at_level("ERROR", logger="dflash_mlx.server"):
             remote.process.kill()
             rest = list(there[1])

@@ -104,7 +104,8 @@ class Remote:
         while True:
             with self.s.lock:
                 if not self.s.stopping and not (self.s.waiting and self.s.takes(self, self.load)):
-                    self.s.lock.wait(WATCH_S)
+                    # (with nothing under way or waiting, a submitted request wakes it)
+                    self.s.lock.wait(WATCH_S if self.requests or self.s.waiting else None)
                 if self.s.stopping:
                     break
                 self.s.let_go_of_the_gone()
