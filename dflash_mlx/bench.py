@@ -490,14 +490,14 @@ def _served(
     time (the next one starting when one ends); worker processes start before the clock does."""
     from .server.metrics import Metrics
     from .server.pool import PromptCachePool
-    from .server.processes import Remote
-    from .server.scheduler import Finished, Request, Scheduler
+    from .server.processes import scheduler_for
+    from .server.scheduler import Finished, Request
 
     metrics, lock = Metrics(), threading.Lock()
-    pool = PromptCachePool(model, draft, 0)  # (nothing kept: each level starts from its prompts)
-    remote = functools.partial(Remote, names=names, pool_args=(0, settings.draft_window))
-    scheduler = Scheduler(model, draft, tokenizer, pool, metrics, c, len(encoded), workers, processes, remote)
-    metrics.sources = [r.counters for r in scheduler.remotes]
+    pool = PromptCachePool(model, draft, 0, settings.draft_window)  # (nothing kept: each level starts anew)
+    scheduler = scheduler_for(
+        model, draft, tokenizer, pool, metrics, c, len(encoded), workers, processes, names
+    )
     tokens, firsts, errors, mix = {k: [] for k in range(len(encoded))}, {}, [], Counter()
     scheduler.start()
     tic = time.perf_counter()

@@ -3,7 +3,6 @@ answers its share of the requests as the server's own worker would."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -28,8 +27,8 @@ from dflash_mlx.loading import load_pair
 from dflash_mlx.server.app import create_app
 from dflash_mlx.server.metrics import Metrics
 from dflash_mlx.server.pool import PromptCachePool
-from dflash_mlx.server.processes import Remote
-from dflash_mlx.server.scheduler import Finished, Request, Scheduler, Started
+from dflash_mlx.server.processes import scheduler_for
+from dflash_mlx.server.scheduler import Finished, Request, Started
 from dflash_mlx.settings import GenerationSettings
 
 
@@ -59,9 +58,7 @@ def test_answers_from_a_worker_process_are_the_ones_generate_gives_alone(saved):
     names, (target, draft, tok) = saved
     metrics = Metrics()
     pool = PromptCachePool(target, draft, 1 << 30)
-    remote = functools.partial(Remote, names=names, pool_args=(1 << 30, None))
-    scheduler = Scheduler(target, draft, tok, pool, metrics, 4, 8, 1, 2, remote)
-    metrics.sources = [r.counters for r in scheduler.remotes]
+    scheduler = scheduler_for(target, draft, tok, pool, metrics, 4, 8, 1, 2, names)
     prompts = [
         tok.encode(words(seed, n), add_special_tokens=False) for seed, n in ((1, 30), (2, 90), (3, 50))
     ]
@@ -114,8 +111,7 @@ def test_a_conversations_next_turn_goes_to_the_process_that_kept_its_cache(saved
     alone, takes up its own kept cache."""
     names, (target, draft, tok) = saved
     pool = PromptCachePool(target, draft, 1 << 30)
-    remote = functools.partial(Remote, names=names, pool_args=(1 << 30, None))
-    scheduler = Scheduler(target, draft, tok, pool, Metrics(), 4, 8, 1, 2, remote)
+    scheduler = scheduler_for(target, draft, tok, pool, Metrics(), 4, 8, 1, 2, names)
     firsts = [tok.encode(words(seed, 40), add_special_tokens=False) for seed in (51, 52, 53, 54)]
     answers: dict[int, list] = {i: [] for i in range(8)}
     cached: dict[int, int] = {}
@@ -247,10 +243,8 @@ def test_an_answer_in_the_worker_process_ends_at_its_time_limit(saved):
 
 def test_a_worker_process_that_cannot_load_the_pair_stops_the_server_starting(saved, tmp_path):
     names, (target, draft, tok) = saved
-    remote = functools.partial(Remote, names=(str(tmp_path / "gone"), names[1]), pool_args=(0, None))
-    scheduler = Scheduler(
-        target, draft, tok, PromptCachePool(target, draft, 0), Metrics(), 2, 2, 1, 2, remote
-    )
+    pool, gone = PromptCachePool(target, draft, 0), (str(tmp_path / "gone"), names[1])
+    scheduler = scheduler_for(target, draft, tok, pool, Metrics(), 2, 2, 1, 2, gone)
     with pytest.raises(RuntimeError, match="worker process 1 could not start: .*gone"):
         scheduler.start()
     scheduler.stop()

@@ -39,7 +39,7 @@ from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_re
 from .errors import ANTHROPIC, INTERNAL, ApiError, Json, dumps, error_body, error_response, shown
 from .metrics import Metrics
 from .pool import PromptCachePool
-from .processes import Remote
+from .processes import scheduler_for
 from .prompts import Conversation, Prompts
 from .scheduler import Busy, Finished, PromptScored, Scheduler, Started
 from .scheduler import Request as Job
@@ -340,13 +340,7 @@ def sse(data: dict | str, event: str | None = None) -> str:
 def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     metrics = Metrics()
     pool = PromptCachePool(target, draft, config.cache_bytes, config.defaults.draft_window)
-    remote = None
-    if config.processes > 1:
-        if config.names is None:
-            raise ValueError("ServerConfig: processes > 1 needs the names the pair was loaded by (names)")
-        pool_args = (config.cache_bytes, config.defaults.draft_window)
-        remote = functools.partial(Remote, names=config.names, pool_args=pool_args)
-    scheduler = Scheduler(
+    scheduler = scheduler_for(
         target,
         draft,
         tokenizer,
@@ -356,9 +350,8 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         config.max_waiting,
         config.workers,
         config.processes,
-        remote,
+        config.names,
     )
-    metrics.sources = [remote.counters for remote in scheduler.remotes]
     prompts = Prompts(
         tokenizer,
         config.template_kwargs,

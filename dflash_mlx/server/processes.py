@@ -11,6 +11,7 @@ or falls behind is told to it within WATCH_S. /metrics sums the processes' count
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -35,6 +36,22 @@ WATCH_S = 0.02  # how often requests under way in a process are checked for a cl
 ASK_S = 5.0  # the longest /metrics waits for a process's counters
 STOP_S = 30.0  # the longest a stopping process is waited for (then it is killed)
 KEPT = 64  # the latest answers a process is taken to keep the caches of
+
+
+def scheduler_for(
+    target, draft, tokenizer, pool, metrics, max_active, max_waiting, workers=1, processes=1, names=None
+) -> Scheduler:
+    """The server's scheduler: `workers` threads in each of `processes` processes, the others loading
+    the pair by `names` (load_pair's arguments) and keeping prompt caches as `pool` does; `metrics`
+    counts them all."""
+    if processes > 1 and names is None:
+        raise ValueError("processes > 1 needs the names the pair was loaded by (names)")
+    remote = functools.partial(Remote, names=names, pool_args=(pool.max_bytes, pool.draft_window))
+    scheduler = Scheduler(
+        target, draft, tokenizer, pool, metrics, max_active, max_waiting, workers, processes, remote
+    )
+    metrics.sources = [r.counters for r in scheduler.remotes]
+    return scheduler
 
 
 class Remote:
