@@ -626,6 +626,30 @@ def test_a_body_nested_too_deeply_is_a_400_before_it_is_read(tiny):  # noqa: F81
         assert r.status_code == 200, r.text
 
 
+def test_tool_call_arguments_nested_too_deeply_are_a_400(tiny):  # noqa: F811
+    """A tool call's arguments are JSON in a string, which the body's check reads as text: parsed, they
+    gave a 500 (Python's parser out of stack) or a 400 blaming the template with a traceback of
+    thousands of lines in the log."""
+
+    def called(arguments: str) -> dict:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [
+            MESSAGE,
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        ]
+        return {"model": "tiny", "max_tokens": 1, "messages": messages}
+
+    with serving(create_app(*tiny, config(max_body_depth=40))) as url:
+        for depth in (41, 5000):
+            r = post(url, "/v1/chat/completions", called("[" * depth + "]" * depth))
+            assert r.status_code == 400 and "arguments nest over 40 deep" in r.text, r.text
+        assert (
+            post(url, "/v1/chat/completions", called('{"a": ' + "[" * 39 + "]" * 39 + "}")).status_code == 200
+        )
+        assert post(url, "/v1/chat/completions", called("not JSON: kept as text [[[")).status_code == 200
+
+
 def test_connections_past_the_most_allowed_get_a_503_at_once_and_the_server_goes_on(tiny):  # noqa: F811
     """Past the open-files limit, asyncio's accept loop logged a traceback for each waiting connection,
     thousands a second, and the server could open no file: connections past the most are refused."""
@@ -1188,3 +1212,36 @@ def test_two_workers_share_the_requests_and_each_answer_is_the_one_generate_give
         assert got[i] == generate(target, draft, tok, prompt, max_tokens=24).tokens
     assert len(set().union(*answered_by.values())) == 2
     assert pool.hits >= 1  # (the last prompt took the cache of the one it goes on from)
+
+
+def test_busy_seconds_count_every_chunk_of_a_prompt_s_prefill(tiny, monkeypatch):  # noqa: F811
+    """Only a prompt's last chunk counted as busy: a long prompt's prefill left the counter still."""
+    target, draft, tok = tiny
+    prefill, chunks = SpeculativeCache.prefill, []
+
+    def slow(cache, tokens, step=None):
+        chunks.append(len(tokens))
+        time.sleep(0.2)
+        return prefill(cache, tokens, step)
+
+    monkeypatch.setattr(SpeculativeCache, "prefill", slow)
+    metrics = Metrics()
+    scheduler = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), metrics, 4, 4)
+    got, finished = [], []
+    _submit(
+        scheduler,
+        list(range(5, 205)),
+        GenerationSettings(max_tokens=2, prefill_step_size=16, block_size=4),
+        got,
+        finished,
+    )
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not finished:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    assert finished == [None] and len(chunks) >= 10
+    assert metrics.registry.get_sample_value("dflash_mlx_busy_seconds_total") >= 0.2 * len(chunks)

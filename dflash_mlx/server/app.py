@@ -524,7 +524,9 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         tools = body.offered or None
         settings = settings_for(body, body.max_completion_tokens or body.max_tokens)
         reply = _OpenAIReply(config.model_id, "chat.completion", tokenizer)
-        conversation = await prompts.conversation(body.conversation(), tools, body.chat_template_kwargs)
+        conversation = await prompts.conversation(
+            body.conversation(config.max_body_depth), tools, body.chat_template_kwargs
+        )
         async with admitted():
             prompt = await prompts.chat(conversation)
             channels = Channels(tokenizer, starts_in_reasoning(tokenizer, prompt), tools)

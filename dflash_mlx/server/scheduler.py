@@ -437,6 +437,7 @@ class _Worker:
                 else:
                     job.cache.prefill(chunk, n)
                 seconds = time.perf_counter() - tic
+                self.metrics.busy.inc(seconds)
                 if not scoring:  # (scoring costs more than a prefill: its pace is not theirs)
                     self.prefill_rate = n / seconds
                 job.served += seconds / self.token_seconds if self.token_seconds else 1

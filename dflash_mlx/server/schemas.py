@@ -27,7 +27,7 @@ from pydantic import (
 from ..errors import unpaired_surrogate
 from ..sampling import MAX_TEMPERATURE
 from ..settings import MAX_LOGPROBS
-from .errors import shown
+from .errors import ApiError, shown
 
 # Numbers and flags as JSON writes them: pydantic's lax mode would read true as 1 and "0.5" as 0.5.
 Number = Annotated[float, Strict()]  # (an integer is a number too)
@@ -248,8 +248,9 @@ class ChatCompletionRequest(_OpenAI):
         """The most likely tokens to give beside each token's log-probability; None for none."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict]:
-        """The messages as chat templates take them: text parts joined, tool-call arguments as objects."""
+    def conversation(self, deepest: int) -> list[dict]:
+        """The messages as chat templates take them: text parts joined, tool-call arguments as objects
+        (refused where they nest deeper than `deepest`)."""
         out = []
         for m in self.messages:
             message = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
@@ -258,7 +259,10 @@ class ChatCompletionRequest(_OpenAI):
                     {
                         "id": c.id,
                         "type": "function",
-                        "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                        "function": {
+                            "name": c.function.name,
+                            "arguments": _arguments(c.function.arguments, deepest),
+                        },
                     }
                     for c in m.tool_calls
                 ]
@@ -419,10 +423,32 @@ def _blocks_text(content) -> str:
     return "".join(b.text or "" for b in content if b.type == "text")
 
 
-def _arguments(arguments: str | dict) -> dict | str:
+def _arguments(arguments: str | dict, deepest: int) -> dict | str:
+    """A tool call's arguments as templates take them: parsed where they are JSON, else as sent. JSON
+    in a string is not seen by the body's own nesting check, and templates recurse through it."""
     if isinstance(arguments, dict):
         return arguments
     try:
-        return json.loads(arguments)
+        parsed = json.loads(arguments)
+        deep = _depth(parsed) > deepest
+    except RecursionError:
+        deep = True
     except ValueError:
         return arguments
+    if deep:
+        raise ApiError(
+            400, f"a tool call's arguments nest over {deepest} deep: send them flatter", "messages"
+        )
+    return parsed
+
+
+def _depth(value) -> int:
+    """How deeply JSON objects and arrays nest in a parsed value (without recursing)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        value, depth = stack.pop()
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if items is not None:
+            deepest = max(deepest, depth + 1)
+            stack.extend((item, depth + 1) for item in items)
+    return deepest
