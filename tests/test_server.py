@@ -367,6 +367,12 @@ def test_the_calls_official_clients_make_beside_generating(tiny, server):
     assert oai.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("other")
+    model, listed = ant.models.retrieve("tiny"), ant.models.list()  # (Anthropic's fields were missing)
+    assert (model.type, model.id, model.display_name) == ("model", "tiny", "tiny")
+    assert abs(model.created_at.timestamp() - time.time()) < 3600
+    assert [m.id for m in listed.data] == ["tiny"] and listed.has_more is False and listed.last_id == "tiny"
+    with pytest.raises(anthropic.NotFoundError):
+        ant.models.retrieve("other")
     messages = [{"role": "user", "content": words(61)}, {"role": "assistant", "content": "w7"}]
     counted = ant.messages.count_tokens(model="tiny", system="w9 w8", messages=messages)
     system = [{"role": "system", "content": "w9 w8"}]
@@ -771,9 +777,28 @@ def test_a_value_of_the_wrong_type_is_a_400_that_names_its_field(server, path, f
             },
             "messages[0].content[0].content[0].content[0]",
         ),
+        # blocks of a kind not read were left out unsaid
+        (
+            {"messages": [{"role": "user", "content": [{"type": "foo", "text": "w5"}]}]},
+            "messages[0].content[0]",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "web_search_tool_result", "content": []}]}]},
+            "messages[0].content[0]",
+        ),
+        ({"system": [{"type": "text", "text": "w5"}, {"type": "tool_use", "name": "f"}]}, "system[1]"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "w5"},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "a", "input": {}}]},
+                ]
+            },
+            "messages[1].content[0].name",
+        ),
     ],
 )
-def test_anthropic_media_anywhere_in_a_request_is_a_400_that_names_where(server, body, where):
+def test_anthropic_blocks_not_read_anywhere_in_a_request_are_a_400_that_names_where(server, body, where):
     url, _ = server
     request = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "w5"}], **body}
     for path in ("/v1/messages", "/v1/messages/count_tokens"):

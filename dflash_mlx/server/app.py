@@ -505,11 +505,22 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     def prometheus():  # (not on the event loop: other processes' counters are asked for)
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    served = {"id": config.model_id, "object": "model", "created": int(time.time()), "owned_by": "dflash-mlx"}
+    # Both APIs' fields in one shape (each client reads its own and ignores the other's).
+    now = time.time()
+    served = {
+        "id": config.model_id,
+        "object": "model",
+        "created": int(now),
+        "owned_by": "dflash-mlx",
+        "type": "model",
+        "display_name": config.model_id,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+    }
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
-        return {"object": "list", "data": [served]}
+        ends = {"first_id": config.model_id, "last_id": config.model_id}
+        return {"object": "list", "data": [served], "has_more": False, **ends}
 
     @app.api_route("/v1/models/{name:path}", methods=["GET", "HEAD"])
     async def model(name: str):

@@ -328,8 +328,13 @@ class AnthropicTool(_Body):
     input_schema: dict = Field(default_factory=dict)
 
 
-def _media(kind: str) -> bool:
-    return kind in ("image", "document")
+# The blocks a conversation's text is made of; any other (images, documents, Anthropic's server tools'
+# blocks) is refused rather than left out unsaid.
+READ_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
+def _unread_block(kind: str) -> bool:
+    return kind not in READ_BLOCKS
 
 
 class TokenCountRequest(_Sampling):
@@ -361,7 +366,15 @@ class TokenCountRequest(_Sampling):
                 field,
                 "this server does not constrain answers to a format (structured outputs); leave it out",
             )
-        return _not_text(self.system, "system", _media, "blocks") or _unread(self.messages, _media, "blocks")
+        for i, m in enumerate(self.messages):
+            for j, b in enumerate(m.content if isinstance(m.content, list) else []):
+                if b.type == "tool_use" and not b.name:
+                    return (
+                        f"messages[{i}].content[{j}].name",
+                        "a tool_use block needs the name of the tool called",
+                    )
+        system = _not_text(self.system, "system", lambda kind: kind != "text", "blocks")
+        return system or _unread(self.messages, _unread_block, "blocks")
 
     def function_tools(self) -> list[dict] | None:
         """The tools as chat templates take them (OpenAI's function layout)."""
