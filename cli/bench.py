@@ -33,9 +33,11 @@ from .options import (
     NoLookup,
     Think,
     first_prompts,
+    interrupted_code,
     measuring,
     progress_bar,
     stdout,
+    stopped_by,
     terminated_as_interrupted,
     user_errors,
 )
@@ -199,7 +201,7 @@ def bench(
                     folder.rmdir()
                 if isinstance(e, KeyboardInterrupt):
                     typer.secho(
-                        f"stopped {_by(terminated)} before anything finished: nothing written",
+                        f"stopped {stopped_by(terminated)} before anything finished: nothing written",
                         fg="yellow",
                         err=True,
                     )
@@ -235,15 +237,13 @@ def bench(
             else counted(len(results["prompts"]), "prompt run")
         )
         typer.secho(
-            f"stopped {_by(terminated)}: the results cover the {done} finished by then", fg="yellow", err=True
+            f"stopped {stopped_by(terminated)}: the results cover the {done} finished by then",
+            fg="yellow",
+            err=True,
         )
-        raise typer.Exit(143 if terminated else 130)
+        raise typer.Exit(interrupted_code(terminated))
     if bad:
         raise typer.Exit(1)
-
-
-def _by(terminated: list) -> str:
-    return "by SIGTERM" if terminated else "with Ctrl-C"
 
 
 def _listed(flag: str, value: str, kind, example: str) -> list:

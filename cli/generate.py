@@ -44,6 +44,7 @@ from .options import (
     Tree,
     check_lookup,
     check_utf8,
+    interrupted_code,
     mix_text,
     stderr,
     terminated_as_interrupted,
@@ -182,7 +183,7 @@ def generate(
         if as_json:  # (inside user_errors: a reader gone away ends it quietly, as for the text)
             typer.echo(json.dumps(record))
             if interrupted:
-                raise typer.Exit(143 if terminated else 130)
+                raise typer.Exit(interrupted_code(terminated))
             return
         typer.echo()
     stats = counted(len(tokens), "token")
@@ -194,7 +195,7 @@ def generate(
         stats += f", mean acceptance {tau:.2f} over {len(acc)} cycles ({mix_text(record['mix'])})"
     typer.secho(stats + (" · interrupted" if interrupted else ""), err=True, dim=True)
     if interrupted:
-        raise typer.Exit(143 if terminated else 130)
+        raise typer.Exit(interrupted_code(terminated))
 
 
 def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: Sequence[str] = ()):

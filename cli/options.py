@@ -177,19 +177,38 @@ def reader_gone():
 
 @contextmanager
 def terminated_as_interrupted():
-    """SIGTERM (`kill`, `timeout`, a job scheduler) stops the work as Ctrl-C does, keeping what is done;
-    yields a list that holds the signal once one came, for the exit code (143 rather than 130)."""
+    """SIGTERM (`kill`, `timeout`, a job scheduler) and SIGHUP (a closing terminal) stop the work as
+    Ctrl-C does, keeping what is done; yields a list that holds the signal once one came, for the exit
+    code (`interrupted_code`) and `stopped_by`. A signal ignored (SIGHUP under `nohup`) stays ignored."""
     came = []
 
     def on_term(signum, frame):
         came.append(signum)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    previous = {s: signal.getsignal(s) for s in stop_signals()}
+    for s in previous:
+        signal.signal(s, on_term)
     try:
         yield came
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def stop_signals() -> list[signal.Signals]:
+    """SIGTERM, and SIGHUP where there is one (not on Windows), each unless ignored (`nohup`)."""
+    named = [getattr(signal, name, None) for name in ("SIGTERM", "SIGHUP")]
+    return [s for s in named if s is not None and signal.getsignal(s) is not signal.SIG_IGN]
+
+
+def interrupted_code(came: list) -> int:
+    """The exit code of work stopped by Ctrl-C (130) or by the signal in `came` (128 + its number)."""
+    return 128 + came[0] if came else 130
+
+
+def stopped_by(came: list) -> str:
+    return f"by {signal.Signals(came[0]).name}" if came else "with Ctrl-C"
 
 
 @contextmanager

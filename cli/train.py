@@ -39,6 +39,7 @@ from .options import (
     Think,
     busy,
     first_prompts,
+    interrupted_code,
     progress_bar,
     stderr,
     terminated_as_interrupted,
@@ -135,7 +136,7 @@ def data(
             except KeyboardInterrupt:  # what is on disk is whole answers (see generate_data)
                 bar.stop()
                 typer.echo(f"stopped: {made()}; run the same command to go on", err=True)
-                raise typer.Exit(143 if terminated else 130) from None
+                raise typer.Exit(interrupted_code(terminated)) from None
             bar.update(task, completed=total)  # done: prompts skipped as too long never count towards the bar
     typer.echo(made())
 

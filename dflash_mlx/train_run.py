@@ -3,7 +3,7 @@
 The run folder holds train.py's `checkpoint/` and `log.jsonl`, one record per step and each step once:
 a resumed run goes on from its checkpoint with the recipe and architecture it started with (options
 given again that differ are refused, not ignored), and steps a crashed process logged after its
-last checkpoint are done again. While it trains, SIGINT or SIGTERM asks for a stop after the step
+last checkpoint are done again. While it trains, SIGINT, SIGTERM or SIGHUP asks for a stop after the step
 under way, with a checkpoint (during a check of acceptance, at once, with that step's); a second one
 stops at once.
 
@@ -292,7 +292,10 @@ class PreparedRun:
         handlers = {}
         try:
             with ctrl_c_in_mlx(), open(log, "a") as f:
-                handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+                # (no SIGHUP on Windows; a signal ignored, as SIGHUP under `nohup`, stays ignored)
+                named = [getattr(signal, name, None) for name in ("SIGINT", "SIGTERM", "SIGHUP")]
+                stops = [s for s in named if s is not None and signal.getsignal(s) is not signal.SIG_IGN]
+                handlers = {s: signal.signal(s, on_signal) for s in stops}
                 train(
                     Target(self.target),
                     self.tokenizer,

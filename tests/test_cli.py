@@ -50,9 +50,9 @@ def pair(tmp_path_factory):
 def _signals_as_in_a_terminal() -> None:
     """A child's SIGINT as a shell gives it (default, unblocked): it would inherit whatever a test that
     ran before in this process left, and then never see the Ctrl-C sent to it."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def five_times(folder: Path) -> str:
@@ -132,7 +132,9 @@ def test_generate_warms_up_on_a_gpu_only(pair, device, monkeypatch):
 
 
 @pytest.mark.parametrize("plain", [False, True])
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "kill", "terminal-closed"]
+)
 def test_generate_stopped_with_ctrl_c_still_gives_what_came(pair, monkeypatch, plain, sig):
     import dflash_mlx.cli.generate as command
 
@@ -1397,7 +1399,9 @@ def test_train_run_without_the_sharegpt_package_says_what_to_do_before_loading(p
     )
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "kill", "terminal-closed"]
+)
 def test_stopped_train_data_says_what_it_kept_and_how_fast(pair, tmp_path, sig):
     root, _ = pair
     prompts = tmp_path / "many.jsonl"
@@ -1430,7 +1434,9 @@ def test_stopped_train_data_says_what_it_kept_and_how_fast(pair, tmp_path, sig):
     assert "tokens/s); run the same command to go on" in err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "kill", "terminal-closed"]
+)
 def test_a_stopped_training_run_checkpoints_where_it_stops_and_resumes_as_one_run(pair, tmp_path, sig):
     root, _ = pair
     r = run(
