@@ -52,7 +52,7 @@ def atomic_folder(dest: str | Path, force: bool = False):
             except BaseException:
                 old.rename(dest)  # put the good folder back
                 raise
-            _remove(old)
+            _remove_after_all(old)
         else:
             tmp.rename(dest)
     except BaseException as e:
@@ -134,6 +134,17 @@ def check_utf8_name(path: Path, reading: bool = False) -> None:
         shown = os.fsencode(path).decode("utf-8", "replace")
         doing, advice = ("read", "rename it") if reading else ("write", "give another")
         raise UserError(f"cannot {doing} {shown}: MLX needs a name in UTF-8, {advice}")
+
+
+def _remove_after_all(path: Path) -> None:
+    """Remove what the new folder replaced. A Ctrl-C meanwhile (a model's old folder takes seconds to
+    remove) is too late to stop the command, whose work is in place: it would leave the old folder half
+    removed under a hidden name, and the command would say it was interrupted."""
+    while True:
+        try:
+            return _remove(path)
+        except KeyboardInterrupt:
+            continue
 
 
 def _remove(path: Path) -> None:

@@ -671,6 +671,34 @@ def test_a_failed_replace_keeps_the_old_folder(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary or .old folder left
 
 
+def test_a_ctrl_c_while_the_replaced_folder_is_removed_comes_too_late_to_stop_the_write(
+    tmp_path, monkeypatch
+):
+    """It stopped the command (exit 130, no message) with the new folder in place and the old one half
+    removed under a hidden name."""
+    import dflash_mlx.files as files
+
+    dest = tmp_path / "model"
+    dest.mkdir()
+    (dest / "weights").write_text("good")
+    real, calls = files._remove, []
+
+    def interrupted(path):
+        calls.append(path.name)
+        if path.name == ".model.old" and calls.count(".model.old") == 2:  # (the first: a leftover's)
+            raise KeyboardInterrupt
+        return real(path)
+
+    monkeypatch.setattr(files, "_remove", interrupted)
+    try:
+        with files.atomic_folder(dest, force=True) as tmp:
+            (tmp / "weights").write_text("new")
+    except KeyboardInterrupt:  # (as a failure of this test, not a stop of the whole session)
+        pytest.fail("the Ctrl-C after the new folder went in stopped the write")
+    assert (dest / "weights").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert calls.count(".model.old") == 3
+
+
 def test_a_folder_written_meanwhile_by_another_process_is_kept_without_force(tmp_path):
     """Two `convert`s into one new folder: the one that ends second is refused, not swapped over the
     first (whose "wrote ..." would be false)."""
