@@ -327,12 +327,12 @@ class ChatSession:
     def save(self, path: str | Path) -> Path:
         """Write the conversation as JSON (whole or not at all); -> the path written."""
         try:
-            path = Path(path).expanduser()
+            written = Path(path).expanduser()
         except RuntimeError:  # (pathlib's, for a ~name that names no user)
             raise UserError(f"cannot save to {path}: no user named {str(path)[1:].split('/')[0]!r}") from None
-        with atomic_file(path) as tmp:
+        with atomic_file(path) as tmp:  # (as given: a trailing slash says a folder)
             tmp.write_text(json.dumps({"messages": self.conversation(), "turns": self.turns}, indent=2))
-        return path
+        return written
 
 
 class ContextFull(UserError):

@@ -159,7 +159,10 @@ def _remove(path: Path) -> None:
 def atomic_file(dest: str | Path):
     """Yield a temporary path beside `dest`; on success it replaces `dest`, on failure it disappears.
     A link is written through (the file it names is replaced, the link kept), an existing file keeps
-    its permissions, and what is not a regular file (a folder, a device) is refused."""
+    its permissions, and what is not a regular file (a folder, a device) is refused, as is a name that
+    ends in a slash (a folder's, which pathlib would drop)."""
+    if str(dest).endswith(os.sep):
+        raise UserError(f"cannot write {dest}: a name ending in {os.sep} is a folder's; give a file's name")
     dest = Path(dest).expanduser()
     check_utf8_name(dest)
     if dest.is_symlink():

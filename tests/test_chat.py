@@ -286,6 +286,13 @@ def test_save_into_a_missing_folder_says_which(tmp_path):
             pass
 
 
+def test_save_to_a_name_ending_in_a_slash_writes_no_file_of_the_folder_s_name(tmp_path):
+    session = ChatSession.__new__(ChatSession)  # (save reads nothing of the session before the path)
+    with pytest.raises(UserError, match=f"cannot write {tmp_path}/new/: a name ending in / is a folder's"):
+        session.save(f"{tmp_path}/new/")  # (it wrote the file `new`)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.skipif(not Path("/proc/version").is_file(), reason="Linux's /proc takes no new files")
 def test_save_where_no_file_can_be_made_says_so():
     from dflash_mlx.files import atomic_file
