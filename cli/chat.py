@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from dflash_mlx.bench import counted
+from dflash_mlx.cache import prefill_step
 from dflash_mlx.chat import ChatSession
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
@@ -21,6 +22,7 @@ from dflash_mlx.settings import GenerationSettings
 
 from .options import (
     DEMO,
+    LONG_PROMPT_CHUNKS,
     SAMPLING,
     BlockSize,
     Draft,
@@ -39,6 +41,7 @@ from .options import (
     warm,
 )
 
+LABEL = "[bold blue]model>[/bold blue] "
 HELP = """[bold]commands[/bold]
   /help            this list
   /reset           forget the conversation
@@ -216,13 +219,20 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
             raise KeyboardInterrupt
         stop = True
 
+    def reading(done: int, total: int) -> None:
+        """A long message's progress after the label while it is read (seconds to minutes on a CPU)."""
+        if console.is_terminal and total > LONG_PROMPT_CHUNKS * prefill_step():
+            progress = f"[dim]reading the message: {done:,} of {total:,} tokens[/dim]" if done < total else ""
+            console.file.write("\r\x1b[2K")
+            console.print(f"{LABEL}{progress}", end="")
+
     thinking = ThinkingFilter()
     messages = len(session.messages)
-    pieces = session.reply(text, should_stop=lambda: stop)
+    pieces = session.reply(text, should_stop=lambda: stop, reading=reading)
     previous = signal.signal(signal.SIGINT, on_sigint)
     echo = _echo_off()
     try:
-        console.print("[bold blue]model>[/bold blue] ", end="")
+        console.print(LABEL, end="")
         for piece in pieces:
             started = True
             for part, is_thinking in thinking.split(piece.text):

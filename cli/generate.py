@@ -46,6 +46,7 @@ from .options import (
     check_utf8,
     interrupted_code,
     mix_text,
+    reading_prompt,
     stderr,
     terminated_as_interrupted,
     user_errors,
@@ -135,16 +136,27 @@ def generate(
         tic = time.perf_counter()
         text, tokens, last, acc = [], [], None, []
         cycles = []  # [source, proposals verified (a tree's nodes), tokens accepted] per cycle
-        stream = (
-            _plain(target, tokenizer, ids, settings, stop)
-            if drafter is None
-            else stream_generate(
-                target, drafter, tokenizer, ids, **asdict(settings), stop=stop, continues=not chat_template
-            )
-        )
         interrupted = False
         try:  # (SIGTERM as Ctrl-C: `timeout` and `kill` keep what came too)
-            with terminated_as_interrupted() as terminated, ctrl_c_in_mlx():
+            with (
+                terminated_as_interrupted() as terminated,
+                ctrl_c_in_mlx(),
+                reading_prompt(len(ids)) as shown,
+            ):
+                stream = (
+                    _plain(target, tokenizer, ids, settings, stop, shown)
+                    if drafter is None
+                    else stream_generate(
+                        target,
+                        drafter,
+                        tokenizer,
+                        ids,
+                        **asdict(settings),
+                        stop=stop,
+                        continues=not chat_template,
+                        prompt_progress_callback=shown,
+                    )
+                )
                 for last in stream:
                     if not as_json:
                         sys.stdout.write(last.text)
@@ -198,9 +210,9 @@ def generate(
         raise typer.Exit(interrupted_code(terminated))
 
 
-def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: Sequence[str] = ()):
+def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: Sequence[str] = (), progress=None):
     """The baseline: mlx-lm's own decoding of the target (its responses), ended at a stop string as
-    ours is (mlx-lm's stream_generate takes none)."""
+    ours is (mlx-lm's stream_generate takes none); `progress`: its prompt_progress_callback."""
     s = settings
     max_tokens = min(s.max_tokens, context_room(model, len(ids)))  # as stream_generate does
     if max_tokens == 0:  # (mlx-lm would read 0 as an error)
@@ -210,7 +222,13 @@ def _plain(model, tokenizer, ids, settings: GenerationSettings, stop: Sequence[s
     sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0, min_p=s.min_p, top_k=s.top_k)
     stops = StopText(stop)
     for r in plain_stream_generate(
-        model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, logits_processors=s.processors()
+        model,
+        tokenizer,
+        ids,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=s.processors(),
+        prompt_progress_callback=progress,
     ):
         text, hit = stops.feed(r.text)
         if hit is not None:

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from dflash_mlx.cache import prefill_step
 from dflash_mlx.data import prompt_source
 from dflash_mlx.errors import UserError, unpaired_surrogate
 from dflash_mlx.files import is_write_error
@@ -22,6 +23,7 @@ from dflash_mlx.platform import backend, home_advice
 from dflash_mlx.policy import costs_for, warm_up
 
 DEMO = "smollm2-135m-instruct"
+LONG_PROMPT_CHUNKS = 4  # prompts longer than this many prefill chunks show a bar while they are read
 
 Model = Annotated[str, typer.Option("--model", "-m", help="Target: registry name, HF id, folder or .gguf.")]
 Draft = Annotated[
@@ -94,13 +96,46 @@ def stderr() -> Console:
     return Console(stderr=True)
 
 
-def progress_bar(label: str, *, detail: bool = False, disable: bool = False) -> Progress:
+def progress_bar(
+    label: str, *, detail: bool = False, disable: bool = False, transient: bool = False
+) -> Progress:
     """A progress bar on stderr: `label` ("{task.description}" for one that changes), the bar, done/total,
-    the task's description if `detail`, and the time left."""
+    the task's description if `detail`, and the time left; `transient`: gone once it stops."""
     columns = [TextColumn(label), BarColumn(), MofNCompleteColumn()]
     if detail:
         columns.append(TextColumn("{task.description}"))
-    return Progress(*columns, TimeRemainingColumn(), console=stderr(), disable=disable)
+    return Progress(*columns, TimeRemainingColumn(), console=stderr(), disable=disable, transient=transient)
+
+
+@contextmanager
+def reading_prompt(tokens: int):
+    """-> a `prompt_progress_callback` that shows a long prompt being read (over LONG_PROMPT_CHUNKS
+    prefill chunks: seconds to minutes on a CPU) on stderr, a bar that is gone once the answer starts
+    (one line where stderr is no terminal); None for a shorter prompt."""
+    if tokens <= LONG_PROMPT_CHUNKS * prefill_step():
+        yield None
+        return
+    bar = progress_bar("reading the prompt", transient=True)
+    task = None
+
+    def shown(done: int, total: int) -> None:
+        nonlocal task
+        if task is None and not bar.console.is_terminal:  # (a log: one line, no bar)
+            bar.console.print(f"reading the prompt ({total} tokens) ...", highlight=False)
+            task = -1
+        elif task is None:
+            bar.start()
+            task = bar.add_task("", total=total)
+        if task >= 0:
+            bar.update(task, completed=done)
+            if done >= total:
+                bar.stop()
+
+    try:
+        yield shown
+    finally:
+        if task is not None and task >= 0:  # (a Ctrl-C while it was read)
+            bar.stop()
 
 
 @contextmanager

@@ -101,12 +101,12 @@ class SpeculativeCache:
         self.tokens.extend(tokens)
         self.index.extend(tokens)
 
-    def prefill(self, tokens: list[int], step: int | None = None) -> mx.array:
+    def prefill(self, tokens: list[int], step: int | None = None, progress=None) -> mx.array:
         """Process pending + new tokens; return the target's logits (1, vocab) after the last one.
 
         Long prompts go through in chunks of `step` (None: `prefill_step()`), each chunk's features
         going straight into the drafter's cache, so the whole prompt's features never sit in memory at
-        once.
+        once. `progress(done, total)` is called after each chunk (tokens processed of this prefill's).
         """
         step = step or prefill_step()
         self.add(tokens)
@@ -118,6 +118,8 @@ class SpeculativeCache:
         logits = None
         for start in range(0, len(todo), step):
             logits = self._run(todo[start : start + step], last_logits_only=True)
+            if progress is not None:
+                progress(min(start + step, len(todo)), len(todo))
         if not all(c.is_trimmable() for c in self.target_cache):
             # Recurrent state cannot be trimmed: keep it as it stands at the end of this prompt (the
             # arrays are immutable, so this copies nothing), so a conversation can go back there.

@@ -236,11 +236,13 @@ class ChatSession:
         )
 
     def reply(
-        self, text: str, should_stop: Callable[[], bool] = lambda: False
+        self, text: str, should_stop: Callable[[], bool] = lambda: False, reading=None
     ) -> Iterator[GenerationResponse]:
         """Stream the answer to a user message. `should_stop()` is checked after every piece; when it
         turns true (or the caller stops reading) the answer ends there, and the partial answer stays in
-        the conversation (so does what came before MLX failed once a stop was asked for: see below). On
+        the conversation (so does what came before MLX failed once a stop was asked for: see below).
+        `reading(done, total)`: called as the conversation's new tokens are read (stream_generate's
+        prompt_progress_callback). On
         an error or a KeyboardInterrupt the message is dropped; if that came inside
         a model pass, the caches it left half-updated are dropped too (the next message prefills the
         conversation again)."""
@@ -286,6 +288,7 @@ class ChatSession:
                 self.tokenizer,
                 ids[keep:],
                 prompt_cache=self.cache,
+                prompt_progress_callback=reading,
                 **asdict(self.settings),
             )
             try:

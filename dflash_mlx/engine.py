@@ -144,10 +144,11 @@ class Sequence:
             else s.sample
         )
 
-    def start(self, prompt: list[int]) -> list[int]:
-        """Prefill the prompt (after what the cache holds) and choose the first token: -> the tokens to
-        hand out (none past the room; the EOS included)."""
-        return self.begin(self.cache.prefill(prompt, self.settings.prefill_step_size))
+    def start(self, prompt: list[int], progress=None) -> list[int]:
+        """Prefill the prompt (after what the cache holds; `progress` as `SpeculativeCache.prefill`
+        takes it) and choose the first token: -> the tokens to hand out (none past the room; the EOS
+        included)."""
+        return self.begin(self.cache.prefill(prompt, self.settings.prefill_step_size, progress))
 
     def begin(self, logits: mx.array) -> list[int]:
         """`start` once the prompt is prefilled (`logits`: the target's after it, as `prefill` gives)."""

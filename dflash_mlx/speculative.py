@@ -202,6 +202,7 @@ def stream_generate(
     logits_processors: abc.Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
     compile: bool = True,
     continues: bool = False,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model) with DFlash drafting by `draft`, streaming.
 
@@ -228,6 +229,8 @@ def stream_generate(
     `continues=True` says the answer's text goes on from the prompt's (a completion of raw text): its
     first piece keeps the space that joins them, which mlx-lm's detokenizers drop; an empty prompt
     with a `prompt_cache` goes on from the last answer, and always keeps it.
+    `prompt_progress_callback(done, total)`, as mlx-lm's, is called as the prompt is read (after each
+    chunk of the prefill: tokens processed, of those to process).
     `tokenizer=None` works on token ids alone: no text, no EOS. A stop string ends the text where it
     starts; `tokens` (and `prompt_cache`'s) end with the token that completes it. A prompt that
     fills the target's context is an error; the answer stops ("length") where the context ends.
@@ -259,6 +262,12 @@ def stream_generate(
         raise UserError(
             "logits_processors must be a list of functions (tokens, logits) -> logits, "
             f"e.g. mlx_lm.sample_utils.make_logits_processors(...), got {logits_processors!r}"
+        )
+    if prompt_progress_callback is not None and not (
+        callable(prompt_progress_callback) and _takes(prompt_progress_callback, 2)
+    ):
+        raise UserError(
+            f"prompt_progress_callback must be a function (done, total), got {prompt_progress_callback!r}"
         )
     if sampler is not None and not callable(sampler):
         raise UserError(
@@ -339,7 +348,7 @@ def stream_generate(
             eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
             seq = Sequence(cache, settings, max_tokens, eos, sampler, compile, processors=processors)
             tic = time.perf_counter()
-            first = seq.start(prompt_ids)
+            first = seq.start(prompt_ids, prompt_progress_callback)
             # (with a kept cache's pending token)
             answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)
             response = answer.respond(first, None, seq.finish, scores=seq.scores)

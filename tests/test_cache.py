@@ -17,6 +17,7 @@ from tiny import (
 )
 
 from dflash_mlx import SpeculativeCache, generate, stream_generate
+from dflash_mlx.errors import UserError
 from dflash_mlx.models.targets import Target
 from dflash_mlx.pairing import prepare
 from dflash_mlx.policy import costs_for
@@ -104,6 +105,19 @@ def test_a_prompt_prefilled_in_chunks_builds_the_same_caches(family):
     assert_same_caches(chunked, whole)
     out = generate(target, draft, no_eos_tokenizer(ref), prompt, max_tokens=20, prefill_step_size=7)
     assert out.tokens == ref
+    read = []  # (what a progress bar shows while a long prompt is read)
+    out = generate(
+        target,
+        draft,
+        None,
+        prompt,
+        max_tokens=20,
+        prefill_step_size=7,
+        prompt_progress_callback=lambda *a: read.append(a),
+    )
+    assert out.tokens == ref and read == [(n, 40) for n in (7, 14, 21, 28, 35, 40)]
+    with pytest.raises(UserError, match="prompt_progress_callback must be a function"):
+        generate(target, draft, None, prompt, prompt_progress_callback=lambda done: None)
 
 
 def test_a_prompt_scored_in_parts_gets_the_targets_log_probabilities_and_the_caches_of_a_prefill():

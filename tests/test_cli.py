@@ -69,6 +69,22 @@ def run(command: str, *more):
     return CliRunner().invoke(app, shlex.split(command) + [str(a) for a in more], env={"COLUMNS": "200"})
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_generate_says_it_reads_a_long_prompt(pair, monkeypatch, plain):
+    """A long prompt on a CPU: minutes without a word before the first token."""
+    import dflash_mlx.cli.options as options
+
+    root, model = pair
+    flags = "--no-draft" if plain else f"-d {root}/draft"
+    r = run(f"generate -m {root}/target {flags} -p 'w5 w6 w7' --max-tokens 4 --no-chat-template")
+    assert r.exit_code == 0 and "reading the prompt" not in r.stderr, r.output
+    monkeypatch.setattr(options, "LONG_PROMPT_CHUNKS", 0)  # (this prompt is long, then)
+    r = run(f"generate -m {root}/target {flags} -p 'w5 w6 w7' --max-tokens 4 --no-chat-template")
+    assert r.exit_code == 0 and r.stderr.startswith("reading the prompt (3 tokens) ...\n"), r.output
+    want = greedy_reference(model, [5, 6, 7], 4, eos={95})
+    assert r.stdout.split() == [f"w{t}" for t in want if t != 95]
+
+
 def test_generate_prints_the_text_and_keeps_stats_off_stdout(pair):
     root, model = pair
     r = run(f"generate -m {root}/target -d {root}/draft -p 'w5 w6 w7' --max-tokens 12 --no-chat-template")
