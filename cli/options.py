@@ -287,9 +287,10 @@ SAMPLING = {"temperature": "--temp", "block size": "--block-size"}  # generate's
 
 
 def flagged(message: str, named: dict[str, str] | None = None) -> str:
-    """An error message that starts with a setting's name ("max_tokens must be ..."), with its flag."""
+    """An error message that starts with a setting's name ("max_tokens must be ...", "limit cannot be
+    ..."), with its flag."""
     for name, flag in {**FLAGS, **(named or {})}.items():
-        if message.startswith(name + " must "):
+        if message.startswith((name + " must ", name + " cannot ")):
             return flag + message[len(name) :]
     return message
 

@@ -65,7 +65,7 @@ def profile(
     with user_errors():
         if draft is not None:
             raise UserError("--draft goes with --model (or --draft-window): the random target has no drafter")
-    with user_errors(SAMPLING):  # (the random pair's --block-size)
+    with user_errors({n: f"--{n}" for n in ("hidden", "layers", "vocab", "cycles")} | SAMPLING):
         values = [RANDOM[flag] if value is None else value for flag, value in sizes.items()]
         check_sizes(*values)  # (before the note that it started)
         with busy(stderr(), "timing cycles, verify and draft passes ..."):

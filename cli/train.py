@@ -47,6 +47,27 @@ from .options import (
 )
 
 app = typer.Typer(help="Train a DFlash drafter: make data, train, measure.", no_args_is_help=True)
+# The settings' names in the errors of `train data` and `train run`, and their flags (see `flagged`).
+DATA_FLAGS = {
+    n: "--" + n.replace(" ", "-")
+    for n in ("batch size", "shard size", "max new tokens", "max prompt tokens", "limit")
+}
+RUN_FLAGS = {
+    "the learning rate": "--lr",
+    **{
+        n: "--" + n
+        for n in (
+            "steps",
+            "anchors",
+            "checkpoint-every",
+            "batch-size",
+            "micro-batch",
+            "warmup",
+            "eval-every",
+            "precision",
+        )
+    },
+}
 
 
 @app.command("data")
@@ -74,7 +95,7 @@ def data(
     seed: int = typer.Option(0, help="Seed of sampled answers."),
 ):
     """Self-distillation: the target answers prompts; its answers become training sequences."""
-    with user_errors():
+    with user_errors(DATA_FLAGS):
         if limit is not None and limit < 0:
             raise UserError(f"--limit must be >= 0, got {limit}")
         limit = limit or None  # (0: all, as bench takes it)
@@ -269,7 +290,7 @@ def run(
     A resumed run keeps its recipe and architecture; --steps, --eval-every, --checkpoint-every,
     --micro-batch, --eval-prompts, --feature-cache-gb and --export may change.
     """
-    with user_errors():
+    with user_errors(RUN_FLAGS):
         recipe = {
             "lr": lr,
             "warmup": warmup,

@@ -140,6 +140,15 @@ def drafter_config(target: Target, tokenizer, cfg: TrainConfig) -> DFlashConfig:
     )
 
 
+def check_new_drafter(target: Target, tokenizer, cfg: TrainConfig) -> DFlashDraftModel:
+    """A new drafter of the run's architecture for `target` (its weights drawn, not yet computed), refused
+    where it cannot train here or cannot pair with the target (layers tapped, mask token)."""
+    draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
+    check_fits(draft)
+    check_pair(Target(target.model, draft.config.target_layer_ids), draft)
+    return draft
+
+
 def check_fits(draft: DFlashDraftModel) -> None:
     """A new drafter too big to train here (a mistyped --layers): one line now, before its weights are
     made, not the machine's memory running out later. Training holds each weight four times in float32:
@@ -584,8 +593,7 @@ def train(
     else:
         if draft is None:
             mx.random.seed(cfg.seed)
-            draft = DFlashDraftModel(drafter_config(target, tokenizer, cfg))
-            check_fits(draft)
+            draft = check_new_drafter(target, tokenizer, cfg)
         elif type(draft) is not DFlashDraftModel:
             raise UserError(f"training starts from a DFlash drafter, not a {type(draft).__name__}")
         elif cfg.block_size != draft.config.block_size:  # a starting drafter brings its own architecture

@@ -39,7 +39,15 @@ from .phrases import Phrases
 from .platform import backend, ctrl_c_in_mlx
 from .settings import GenerationSettings
 from .speculative import generate
-from .train import TrainConfig, check_same_data, data_fingerprint, saved_run, train, usable_sequences
+from .train import (
+    TrainConfig,
+    check_new_drafter,
+    check_same_data,
+    data_fingerprint,
+    saved_run,
+    train,
+    usable_sequences,
+)
 
 # TrainConfig fields of the drafter's architecture -> its DFlashConfig's names
 ARCHITECTURE = {
@@ -393,8 +401,6 @@ def prepare_run(
         check_same_data(run, data_fingerprint(usable_sequences(seqs, TrainConfig(**run["train_config"]))))
         if run["step"] >= control["steps"]:
             notes.append("nothing to train: give a larger --steps to go on")
-        for line in notes:
-            note(line)
     elif init:
         given = [k for k in ARCHITECTURE if k != "block_size" and recipe.get(k) is not None]
         if given:
@@ -412,6 +418,8 @@ def prepare_run(
     if run is None:
         recipe = {**backend_defaults(), **{k: v for k, v in recipe.items() if v is not None}}
     cfg = TrainConfig(**{k: v for k, v in {**recipe, **control}.items() if v is not None})
+    for line in notes if run is not None else []:  # (once the options are known to be good)
+        note(line)
     if run is None:
         usable_sequences(seqs, cfg)  # refused before a run folder or a progress bar appears
         if cfg.warmup >= cfg.steps:
@@ -425,6 +433,8 @@ def prepare_run(
         raise UserError(f"{e} (it holds the held-out prompts), or pass --eval-prompts 0") from None
     target, tokenizer = load(model)
     check_data_tokenizer(folders, tokenizer, Target(target).vocab_size, model)
+    if run is None and start is None:  # (a new drafter's architecture, refused before the run's bar shows)
+        check_new_drafter(Target(target), tokenizer, cfg)
     context = context_length(target)
     fits = [
         m

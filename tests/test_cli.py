@@ -1256,9 +1256,11 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
             "mask_token_id 999 is outside the target vocabulary",
         ),
         ("--layers 1 --block-size 4 --mask-token-id 94 --target-layer-ids 1,99", "contains 99"),
-    ):  # refused as the drafter is made: no run folder is left behind
+        ("--layers 0 --block-size 4 --mask-token-id 94", "the drafter needs at least 1 layer"),
+    ):  # refused before the run starts (its bar showed first): no run folder is left behind
         r = run(f"train run {data} -o {tmp_path}/bad -m {root}/target --eval-prompts 0 --steps 2 {flags}")
         assert r.exit_code == 1 and line in r.stderr and not (tmp_path / "bad").exists(), r.output
+        assert "training" not in r.stderr, r.stderr
     r = run(
         f"train run {data} -o {tmp_path}/ok -m {root}/target {tiny} --steps 3 --export {tmp_path}/exported"
     )
@@ -1357,16 +1359,18 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     r = run(first)  # nothing given: the run's own settings, and it is done
     assert r.exit_code == 0, r.output
     assert "at step 5 of 5" in r.stderr and "nothing to train" in r.stderr and "is not used" not in r.stderr
+    r = run(f"{first} --steps 0")  # (it said it resumed at step 5 of 0, and that there was nothing to train)
+    assert r.exit_code == 1 and r.stderr.strip() == "error: --steps must be at least 1, got 0", r.stderr
     r = run(f"{first} --data {tmp_path}/data-copy --steps 8")  # a folder more: another order, another run
     assert (
         r.exit_code == 1 and "the run trained on other data (20 usable sequences, these have 24)" in r.stderr
     )
     r = run(f"train run {data} -o {tmp_path}/zero -m {root}/target --checkpoint-every 0 --eval-prompts 0")
-    assert r.exit_code == 1 and "checkpoint-every must be at least 1, got 0" in r.stderr
+    assert r.exit_code == 1 and "--checkpoint-every must be at least 1, got 0" in r.stderr
     r = run(f"train run {data} -o {tmp_path}/zero -m {root}/target --feature-cache-gb -1 --eval-prompts 0")
     assert r.exit_code == 1 and "--feature-cache-gb must be >= 0, got -1.0" in r.stderr
     r = run(f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/d0 --shard-size 0")
-    assert r.exit_code == 1 and "shard size must be at least 1" in r.stderr  # 0 would never finish
+    assert r.exit_code == 1 and "--shard-size must be at least 1" in r.stderr  # 0 would never finish
     r = run(
         f"train eval -d {tmp_path}/exported -m {root}/target --prompts {root}/prompts.jsonl "
         "--max-tokens 8 --json"
