@@ -19,6 +19,7 @@ from dflash_mlx.loading import (
     resolve_target,
     target_name,
 )
+from dflash_mlx.platform import cache_home
 
 from .options import stderr, user_errors
 
@@ -80,6 +81,7 @@ def convert(
                 f"{output} holds files but no model (a config.json with a model_type, and weights): "
                 "--force replaces a model folder only; give another folder"
             )
+        made = []
         with Progress(
             SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=stderr()
         ) as bar:
@@ -93,8 +95,11 @@ def convert(
                 out = export_draft(source, output, force)
                 kind = "drafter (z-lab layout)"
             elif is_gguf(Path(gguf := target_name(source)).expanduser()):  # (or a registry name for one)
+                copies = cache_home() / "gguf"  # (where loading keeps a GGUF target converted)
+                kept = set(copies.glob("*"))
                 out = convert_target(gguf, output, dtype, quantize, q_bits, q_group_size, force, step)
                 kind = "target from GGUF"
+                made = sorted(set(copies.glob("*")) - kept)  # (-q: quantized from its float weights)
             else:
                 step("fetching")
                 # A registry name converts its target (as --model reads it); anything else resolves as -d
@@ -113,8 +118,18 @@ def convert(
                     out = convert_target(str(folder), output, dtype, quantize, q_bits, q_group_size, force)
                     kind = "target"
             bar.update(task, description=f"{source}: done")
-    size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
-    typer.echo(f"wrote {kind} to {out} ({size / 1e6:.1f} MB)")
+    typer.echo(f"wrote {kind} to {out} ({_megabytes(Path(out))})")
+    for folder in made:
+        typer.secho(
+            f"kept the GGUF's float weights it was quantized from in {folder} ({_megabytes(folder)}): "
+            "loading or converting the GGUF again starts from them; remove it to free the space",
+            err=True,
+            dim=True,
+        )
+
+
+def _megabytes(folder: Path) -> str:
+    return f"{sum(f.stat().st_size for f in folder.rglob('*') if f.is_file()) / 1e6:.1f} MB"
 
 
 def _model_folder(path: Path) -> bool:

@@ -442,6 +442,10 @@ def test_a_gguf_target_is_quantized_again_only_from_a_float_dtype(tmp_path, monk
     r = cli("convert", tmp_path / "tiny.gguf", tmp_path / "q", "-q", "--dtype", "float32", "--q-bits", "8")
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]["bits"] == 8
+    (kept,) = (tmp_path / "home" / "gguf").iterdir()  # (the float weights quantized: it said nothing)
+    assert f"kept the GGUF's float weights it was quantized from in {kept} (" in r.output
+    r = cli("convert", tmp_path / "tiny.gguf", tmp_path / "q4", "-q", "--dtype", "float32")
+    assert r.exit_code == 0 and "kept the GGUF" not in r.output  # (kept before: said then)
     converted, _ = mlx_lm_load(str(tmp_path / "q"))
     ids = mx.array([[5, 70, 100, 33, 250, 7]])
     ours, theirs = np.array(converted(ids)), np.array(model(ids))
