@@ -1219,10 +1219,10 @@ def test_busy_seconds_count_every_chunk_of_a_prompt_s_prefill(tiny, monkeypatch)
     target, draft, tok = tiny
     prefill, chunks = SpeculativeCache.prefill, []
 
-    def slow(cache, tokens, step=None):
+    def slow(cache, tokens, step=None, progress=None):
         chunks.append(len(tokens))
         time.sleep(0.2)
-        return prefill(cache, tokens, step)
+        return prefill(cache, tokens, step, progress)
 
     monkeypatch.setattr(SpeculativeCache, "prefill", slow)
     metrics = Metrics()
