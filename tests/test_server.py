@@ -804,6 +804,9 @@ def test_anthropic_blocks_not_read_anywhere_in_a_request_are_a_400_that_names_wh
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         r = httpx.post(f"{url}{path}", json=request, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(where), r.text
+        kind = next((w for w in ("image", "document") if f"'{w}'" in r.text), None)
+        said = f"this model reads text only, not '{kind}' blocks" if kind else "this server does not read '"
+        assert said in r.text or where.endswith(".name"), r.text
 
 
 @pytest.mark.parametrize("path, body, status", BAD)

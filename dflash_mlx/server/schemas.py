@@ -96,12 +96,29 @@ NEUTRAL = {"best_of": 1}  # values of those fields that ask for nothing
 FORCED_TOOLS = "this server cannot make the model call a tool; leave tool_choice out or make it "
 
 
+MEDIA = (
+    "image",
+    "image_url",
+    "input_audio",
+    "audio",
+    "file",
+    "document",
+    "video",
+)  # (what a text model cannot read)
+
+
 def _not_text(content, where: str, unread: Callable[[str], bool], parts: str) -> tuple[str, str] | None:
     """(field, why) for the first content part of a kind this text model cannot read in `content` (a
     message's, named `where`), if any, a tool result's own parts too."""
     for j, part in enumerate(content if isinstance(content, list) else []):
         if unread(part.type):
-            return f"{where}[{j}]", f"this model reads text only, not {shown(part.type)!r} {parts}"
+            kind = f"{shown(part.type)!r} {parts}"
+            why = (
+                f"this model reads text only, not {kind}"
+                if part.type in MEDIA
+                else f"this server does not read {kind}"
+            )
+            return f"{where}[{j}]", why
         if found := _not_text(getattr(part, "content", None), f"{where}[{j}].content", unread, parts):
             return found
     return None
