@@ -106,7 +106,8 @@ class SpeculativeCache:
 
         Long prompts go through in chunks of `step` (None: `prefill_step()`), each chunk's features
         going straight into the drafter's cache, so the whole prompt's features never sit in memory at
-        once. `progress(done, total)` is called after each chunk (tokens processed of this prefill's).
+        once. `progress(done, total)` is called before the first chunk and after each (tokens processed
+        of this prefill's), as mlx-lm calls its prompt_progress_callback.
         """
         step = step or prefill_step()
         self.add(tokens)
@@ -116,6 +117,8 @@ class SpeculativeCache:
             raise UserError("nothing to prefill: the prompt is empty")
         self.broken = True
         logits = None
+        if progress is not None:
+            progress(0, len(todo))
         for start in range(0, len(todo), step):
             logits = self._run(todo[start : start + step], last_logits_only=True)
             if progress is not None:

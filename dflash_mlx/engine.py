@@ -95,12 +95,12 @@ class Sequence:
         # the latest tokens the processors look at (all where one is the caller's own)
         sizes = (s.repetition_context_size, s.presence_context_size, s.frequency_context_size)
         self.window = None if self.processors else max(sizes)
-        self.processors = s.processors() + list(self.processors)
         vocab = cache.target.vocab_size
-        if s.logit_bias and max(s.logit_bias) >= vocab:
+        if s.logit_bias and max(s.logit_bias) >= vocab:  # (before MLX reads them: past 2**63 it cannot)
             raise UserError(
                 f"logit_bias token id {max(s.logit_bias)} is past the vocabulary (0..{vocab - 1})"
             )
+        self.processors = s.processors() + list(self.processors)
         if self.sampler is not None:
             self.sampler = guarded(self.sampler)
         self.keyed = s.seed is not None and (self.sampler is not None or not s.greedy)

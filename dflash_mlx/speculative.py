@@ -70,7 +70,7 @@ class GenerationResult:
     generation_tps: float
     peak_memory: float
     acceptance_lengths: list[int] = field(default_factory=list)  # one per cycle
-    sources: list[str] = field(default_factory=list)  # one per cycle: "plain", "lookup" or "dflash"
+    sources: list[str] = field(default_factory=list)  # one per cycle: "plain", "lookup", "dflash" or "tree"
     logprobs: list[float] | None = None  # with `logprobs`: as GenerationResponse's, for every token
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
@@ -229,8 +229,8 @@ def stream_generate(
     `continues=True` says the answer's text goes on from the prompt's (a completion of raw text): its
     first piece keeps the space that joins them, which mlx-lm's detokenizers drop; an empty prompt
     with a `prompt_cache` goes on from the last answer, and always keeps it.
-    `prompt_progress_callback(done, total)`, as mlx-lm's, is called as the prompt is read (after each
-    chunk of the prefill: tokens processed, of those to process).
+    `prompt_progress_callback(done, total)`, as mlx-lm's, is called as the prompt is read (before the
+    prefill's first chunk and after each: tokens processed, of those to process).
     `tokenizer=None` works on token ids alone: no text, no EOS. A stop string ends the text where it
     starts; `tokens` (and `prompt_cache`'s) end with the token that completes it. A prompt that
     fills the target's context is an error; the answer stops ("length") where the context ends.

@@ -115,7 +115,7 @@ def test_a_prompt_prefilled_in_chunks_builds_the_same_caches(family):
         prefill_step_size=7,
         prompt_progress_callback=lambda *a: read.append(a),
     )
-    assert out.tokens == ref and read == [(n, 40) for n in (7, 14, 21, 28, 35, 40)]
+    assert out.tokens == ref and read == [(n, 40) for n in (0, 7, 14, 21, 28, 35, 40)]
     with pytest.raises(UserError, match="prompt_progress_callback must be a function"):
         generate(target, draft, None, prompt, prompt_progress_callback=lambda done: None)
 

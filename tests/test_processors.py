@@ -164,6 +164,10 @@ def test_sampled_answers_with_penalties_follow_the_processed_distribution():
         (dict(logit_bias=[5]), "logit_bias must map token ids"),
         (dict(logit_bias={4000: 1.0}), "logit_bias token id 4000 is past the vocabulary (0..95)"),
         (
+            dict(logit_bias={2**63: 1.0}),
+            f"logit_bias token id {2**63} is past the vocabulary",
+        ),  # (MLX's bad_cast)
+        (
             dict(logits_processors=[3]),
             "logits_processors must be a list of functions (tokens, logits)",
         ),
