@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import atexit
+import asyncio
+import contextlib
 import errno
 import logging
 import resource
+import signal
 import socket
 
 import typer
@@ -31,6 +33,7 @@ from .options import (
     TopP,
     check_lookup,
     stderr,
+    stop_signals,
     user_errors,
     warm,
 )
@@ -182,20 +185,44 @@ def serve(
         )
         app = create_app(target, drafter, tokenizer, config)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    # A second Ctrl-C cancels the answers under way and the app's lifespan, each of which uvicorn would
+    # log with its traceback (the lifespan's as the text of one).
+    logging.getLogger("uvicorn.error").addFilter(
+        lambda record: (
+            not (
+                (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+                or record.getMessage().rstrip().endswith("CancelledError")
+            )
+        )
+    )
     if processes > 1:
         more = "another process" if processes == 2 else f"{processes - 1} more processes"
         stderr().print(f"loading the pair in {more} ...")
-    # A second Ctrl-C skips the app's shutdown: the worker is still stopped before the process ends, as
-    # MLX aborts a process that ends with model work running.
-    atexit.register(app.state.scheduler.stop)
-    scheduler = app.state.scheduler
+    scheduler, came = app.state.scheduler, []  # came: the signals that stopped the server
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             # Ctrl-C: the requests still queued end now, the answers under way a second before uvicorn's
-            # grace period is over (it would hold them all to its end, then cut their connections).
+            # grace period is over (it would hold them all to its end, then cut their connections). A
+            # second signal, of any kind, stops it at once.
             scheduler.close_queue(grace=GRACE - 1)
+            self.force_exit = self.should_exit
+            came.append(sig)
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's, with SIGHUP (a closing terminal) too, which otherwise ended the process inside
+            # the event loop; and no signal raised again once the server has stopped (a second Ctrl-C
+            # was, into the shutdown, which cut every stream and aborted MLX's work): the exit code
+            # says which came first (below).
+            stops = [signal.SIGINT, *stop_signals()]
+            previous = {s: signal.signal(s, self.handle_exit) for s in stops}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
 
         async def startup(self, sockets=None):
             await super().startup(sockets)
@@ -216,9 +243,15 @@ def serve(
             http=protocol(config.head_seconds, config.max_connections),
         )
     )
-    try:  # (as uvicorn.run: the Ctrl-C it stopped on comes back once it has shut down)
+    try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (a Ctrl-C before the server took over its signals)
         pass
+    finally:
+        # (also where a second signal skipped the app's shutdown: MLX aborts a process that ends with
+        # model work running)
+        scheduler.stop()
     if not server.started:
         raise UserError("the server did not start (its log above says why)")
+    if came and came[0] != signal.SIGINT:
+        raise typer.Exit(128 + came[0])  # (SIGTERM 143, SIGHUP 129; Ctrl-C 0)

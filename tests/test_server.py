@@ -1175,3 +1175,80 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
         _, err = server.communicate(timeout=60)
     assert server.returncode == 0, err
     assert "serving tiny" in err
+
+
+@pytest.mark.parametrize(
+    "signals, code",
+    [([signal.SIGHUP], 129), ([signal.SIGINT, signal.SIGINT], 0)],
+    ids=["terminal-closed", "ctrl-c-twice"],
+)
+def test_a_server_stopped_with_streams_under_way_ends_them_and_exits_cleanly(tmp_path, signals, code):
+    """A closing terminal (SIGHUP) ended the process inside the event loop, and a second Ctrl-C was raised
+    into the shutdown: tracebacks by the dozen, every stream cut, and MLX aborting the process (134)."""
+    from mlx_lm.utils import save_config, save_model
+    from test_drafter import write_zlab_checkpoint
+    from tiny import CONFIGS
+
+    save_model(tmp_path / "target", make_target("llama"))
+    save_config(dict(CONFIGS["llama"], eos_token_id=95), tmp_path / "target" / "config.json")
+    chat_tokenizer(tmp_path / "target")
+    write_zlab_checkpoint(tmp_path / "draft", make_draft())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "-m", str(tmp_path / "target"), "-d"]
+    command += [str(tmp_path / "draft"), "--port", str(port), "--name", "tiny", "--block-size", "4"]
+    server = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, preexec_fn=_signals_as_in_a_terminal
+    )
+    url, ends = f"http://127.0.0.1:{port}", []
+
+    def stream():
+        messages = [{"role": "user", "content": words(5)}]  # (EOS banned: the answers run to the stop)
+        body = {
+            "model": "tiny",
+            "messages": messages,
+            "max_tokens": 100000,
+            "stream": True,
+            "logit_bias": {"95": -100},
+        }
+        lines = []
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+                lines += [line for line in r.iter_lines() if line]
+        except httpx.TransportError:  # (cut: a second signal)
+            lines.append("cut")
+        ends.append(lines[-1])
+
+    try:
+        deadline = time.monotonic() + 120
+        while not _up(url):
+            assert server.poll() is None and time.monotonic() < deadline, server.communicate()[1]
+            time.sleep(0.2)
+        readers = [threading.Thread(target=stream) for _ in range(2)]
+        for t in readers:
+            t.start()
+        time.sleep(2)  # (both streaming)
+        for sig in signals:
+            server.send_signal(sig)
+            time.sleep(0.3)
+        _, err = server.communicate(timeout=60)
+        for t in readers:
+            t.join(timeout=60)
+    finally:
+        server.kill()
+    assert server.returncode == code and "Traceback" not in err, err
+    if len(signals) == 1:  # (a second signal stops at once: its streams are cut, as documented)
+        assert ends == ["data: [DONE]"] * 2, ends
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _signals_as_in_a_terminal() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)

@@ -221,6 +221,9 @@ def test_allowed_client_templates_render_in_a_sandbox_with_time_and_size_limits(
         raising = {"chat_template": "{{ raise_exception(messages[0]['content']) }}"}
         r = post(url, path, request(path, "w5 \ud800", chat_template_kwargs=raising))
         assert r.status_code == 400 and "w5 \ufffd" in r.json()["error"]["message"], r.text
+        long = {"chat_template": "{{ raise_exception('E' * 1000000) }}"}  # (the megabyte came back whole)
+        r = post(url, path, request(path, "w5", chat_template_kwargs=long))
+        assert r.status_code == 400 and len(r.content) < 1000 and "EEE...EEE" in r.text, r.text[:300]
 
 
 def test_prompts_are_made_off_the_event_loop(tiny, server, monkeypatch):  # noqa: F811

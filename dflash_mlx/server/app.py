@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import functools
 import hmac
 import logging
@@ -203,7 +204,12 @@ class Generation:
         """Submit an admitted request (`continues`: its answer's text goes on from the prompt's; `scored`:
         its prompt's log-probabilities are wanted too)."""
         loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
-        emit = lambda e: loop.call_soon_threadsafe(self.queue.put_nowait, e)  # noqa: E731
+
+        def emit(event) -> None:
+            # (a loop closed by a shutdown cut short: no one is left to read the event)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
         self.job = Job(
             prompt,
             settings,

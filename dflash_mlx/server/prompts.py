@@ -27,7 +27,7 @@ from jinja2 import TemplateError
 from ..chat import as_text, chat_text, encode_chat_text, most_chars
 from ..errors import unpaired_surrogate
 from ..speculative import encode_prompt
-from .errors import ApiError
+from .errors import ApiError, shown
 
 log = logging.getLogger("dflash_mlx.server")
 
@@ -240,6 +240,7 @@ class TemplateSandbox:
 
 
 MEMORY_CAP = 1 << 30  # bytes a client's template may add to the sandbox's data (Linux)
+CAUSE_CHARS = 300  # of a client's template's error, what comes back
 
 
 def _sandbox(conn: Connection) -> None:
@@ -272,11 +273,11 @@ def _sandbox(conn: Connection) -> None:
                 conn.send((True, text))
         except MemoryError:
             conn.send((False, "the chat template used too much memory"))
-        except TemplateError as e:
-            conn.send((False, str(e)))
+        except TemplateError as e:  # (the client's text: cut, as any that comes back in an error)
+            conn.send((False, shown(str(e), CAUSE_CHARS)))
         except Exception as e:  # noqa: BLE001  (the client's template: its author gets the cause)
-            cause = f"{type(e).__name__}: {e}"
-            conn.send((False, f"the template cannot render these messages ({cause[:300]})"))
+            cause = shown(f"{type(e).__name__}: {e}", CAUSE_CHARS)
+            conn.send((False, f"the template cannot render these messages ({cause})"))
 
 
 if __name__ == "__main__":
