@@ -206,9 +206,12 @@ def test_a_client_leaving_stops_its_answer_in_the_worker_process(saved):
 
 def test_a_worker_process_that_ends_fails_its_answer_and_the_server_goes_on(saved, caplog):
     with _two_answering(saved, (45, 49)) as (url, remote, (there, here)):
+        counted = metric(url, "dflash_mlx_prompt_tokens_total")  # (both prompts: one in each process)
         with caplog.at_level("ERROR", logger="dflash_mlx.server"):
             remote.process.kill()
             rest = list(there[1])
+        # (what the ended process had counted still counts: the counters went back to this one's alone)
+        assert metric(url, "dflash_mlx_prompt_tokens_total") == counted
         assert any("worker process 1 ended" in r.getMessage() for r in caplog.records)
         errors = [json.loads(line.removeprefix("data: ")) for line in rest if '"error"' in line]
         assert errors and errors[-1]["error"]["type"] == "server_error"

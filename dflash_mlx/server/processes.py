@@ -78,6 +78,7 @@ class Remote:
         self.ended = False  # the process has ended
         self.sending, self.asking = threading.Lock(), threading.Lock()
         self.replies: queue.Queue = queue.Queue()
+        self.counted: list = []  # the metric families it last answered with
         self.thread = threading.Thread(target=self._run, name=f"dflash-mlx-taker-{index}", daemon=True)
         self.reader = threading.Thread(target=self._read, name=f"dflash-mlx-reader-{index}", daemon=True)
 
@@ -100,14 +101,17 @@ class Remote:
         self._send("close", grace)
 
     def counters(self) -> list:
-        """The process's metric families (prometheus_client's), or none if it does not answer in time."""
+        """The process's metric families (prometheus_client's); those it last gave if it does not answer
+        in time, and of those only the counters once it has ended (a counter never goes back, and what
+        it counted was done; what a gauge measured is gone with it)."""
         with self.asking:
             if self.ended or not self._send("metrics"):
-                return []
+                return [family for family in self.counted if family.type == "counter"]
             try:
-                return self.replies.get(timeout=ASK_S)
+                self.counted = self.replies.get(timeout=ASK_S)
             except queue.Empty:
-                return []
+                pass
+            return self.counted
 
     def _send(self, *message) -> bool:
         with self.sending:
