@@ -195,8 +195,8 @@ def serve(
             )
         )
     )
-    if processes > 1:
-        more = "another process" if processes == 2 else f"{processes - 1} more processes"
+    if others := len(app.state.scheduler.remotes):  # (none past one a request: --max-concurrency)
+        more = "another process" if others == 1 else f"{others} more processes"
         stderr().print(f"loading the pair in {more} ...")
     scheduler, came = app.state.scheduler, []  # came: the signals that stopped the server
 
@@ -227,9 +227,10 @@ def serve(
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:  # (its worker processes too, which the app's startup waits for)
+                where = f"[{host}]" if ":" in host else host  # (an IPv6 address in a URL)
                 stderr().print(
                     f"serving [bold]{config.model_id}[/bold] with drafter {draft_for(model, draft)} on "
-                    f"http://{host}:{port}/v1 (OpenAI) and /v1/messages (Anthropic); Ctrl-C stops"
+                    f"http://{where}:{port}/v1 (OpenAI) and /v1/messages (Anthropic); Ctrl-C stops"
                 )
 
     server = Server(
