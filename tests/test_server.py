@@ -1107,12 +1107,12 @@ def test_the_serve_command_holds_its_port_from_before_loading():
         held.close()
 
 
-def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
+def _serve_command(tmp_path, model) -> tuple[list[str], int]:
+    """`dflash-mlx serve` of the tiny pair (`model` saved as its target) on a free port: (command, port)."""
     from mlx_lm.utils import save_config, save_model
     from test_drafter import write_zlab_checkpoint
     from tiny import CONFIGS
 
-    model = make_target("llama")
     save_model(tmp_path / "target", model)
     save_config(dict(CONFIGS["llama"], eos_token_id=95), tmp_path / "target" / "config.json")
     chat_tokenizer(tmp_path / "target")
@@ -1120,14 +1120,8 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "dflash_mlx.cli.main",
-        "serve",
-        "-m",
-        str(tmp_path / "target"),
-        "-d",
+    command = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "-m", str(tmp_path / "target"), "-d"]
+    return command + [
         str(tmp_path / "draft"),
         "--port",
         str(port),
@@ -1135,7 +1129,12 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
         "tiny",
         "--block-size",
         "4",
-    ]
+    ], port
+
+
+def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
+    model = make_target("llama")
+    command, port = _serve_command(tmp_path, model)
     with socket.create_server(("127.0.0.1", 0)) as taken:
         command_on_taken = [str(taken.getsockname()[1]) if a == str(port) else a for a in command]
         busy = subprocess.run(command_on_taken, capture_output=True, text=True, timeout=120)
@@ -1185,19 +1184,7 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
 def test_a_server_stopped_with_streams_under_way_ends_them_and_exits_cleanly(tmp_path, signals, code):
     """A closing terminal (SIGHUP) ended the process inside the event loop, and a second Ctrl-C was raised
     into the shutdown: tracebacks by the dozen, every stream cut, and MLX aborting the process (134)."""
-    from mlx_lm.utils import save_config, save_model
-    from test_drafter import write_zlab_checkpoint
-    from tiny import CONFIGS
-
-    save_model(tmp_path / "target", make_target("llama"))
-    save_config(dict(CONFIGS["llama"], eos_token_id=95), tmp_path / "target" / "config.json")
-    chat_tokenizer(tmp_path / "target")
-    write_zlab_checkpoint(tmp_path / "draft", make_draft())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "-m", str(tmp_path / "target"), "-d"]
-    command += [str(tmp_path / "draft"), "--port", str(port), "--name", "tiny", "--block-size", "4"]
+    command, port = _serve_command(tmp_path, make_target("llama"))
     server = subprocess.Popen(
         command, stderr=subprocess.PIPE, text=True, preexec_fn=_signals_as_in_a_terminal
     )
