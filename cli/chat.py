@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from dflash_mlx.bench import counted
-from dflash_mlx.cache import prefill_step
 from dflash_mlx.chat import ChatSession
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
@@ -22,7 +21,6 @@ from dflash_mlx.settings import GenerationSettings
 
 from .options import (
     DEMO,
-    LONG_PROMPT_CHUNKS,
     SAMPLING,
     BlockSize,
     Draft,
@@ -36,6 +34,7 @@ from .options import (
     busy,
     check_lookup,
     check_utf8,
+    long_prompt,
     mix_text,
     user_errors,
     warm,
@@ -221,7 +220,7 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
 
     def reading(done: int, total: int) -> None:
         """A long message's progress after the label while it is read (seconds to minutes on a CPU)."""
-        if console.is_terminal and total > LONG_PROMPT_CHUNKS * prefill_step():
+        if console.is_terminal and long_prompt(total):
             progress = f"[dim]reading the message: {done:,} of {total:,} tokens[/dim]" if done < total else ""
             console.file.write("\r\x1b[2K")
             console.print(f"{LABEL}{progress}", end="")

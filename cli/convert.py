@@ -9,6 +9,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dflash_mlx.convert import convert_draft, convert_target, export_draft, is_drafter
 from dflash_mlx.errors import AlreadyExists, UserError
+from dflash_mlx.files import folder_bytes
 from dflash_mlx.loading import (
     DTYPES,
     check_model_type,
@@ -129,7 +130,7 @@ def convert(
 
 
 def _megabytes(folder: Path) -> str:
-    return f"{sum(f.stat().st_size for f in folder.rglob('*') if f.is_file()) / 1e6:.1f} MB"
+    return f"{folder_bytes(folder) / 1e6:.1f} MB"
 
 
 def _model_folder(path: Path) -> bool:

@@ -10,6 +10,8 @@ from importlib.metadata import version as installed
 
 import typer
 
+from dflash_mlx.platform import stop_signals
+
 from . import bench, chat, convert, doctor, generate, models, profile, serve, train
 
 app = typer.Typer(
@@ -34,8 +36,8 @@ def main(
     ),
 ):
     """DFlash block-diffusion speculative decoding for MLX."""
-    for name in ("SIGTERM", "SIGHUP"):  # (not where ignored: `nohup` keeps running; no SIGHUP on Windows)
-        if (sig := getattr(signal, name, None)) and signal.getsignal(sig) is signal.SIG_DFL:
+    for sig in stop_signals():  # (not where a handler is set already)
+        if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _terminated)
     # Bytes on stdin that are not UTF-8 arrive as lone surrogates, which the commands name in one line
     # (check_utf8), in every locale: most UTF-8 locales would raise on them instead, the C one does not.

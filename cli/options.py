@@ -19,7 +19,7 @@ from dflash_mlx.data import prompt_source
 from dflash_mlx.errors import UserError, unpaired_surrogate
 from dflash_mlx.files import is_write_error
 from dflash_mlx.pairing import prepare
-from dflash_mlx.platform import backend, home_advice
+from dflash_mlx.platform import backend, home_advice, stop_signals
 from dflash_mlx.policy import costs_for, warm_up
 
 DEMO = "smollm2-135m-instruct"
@@ -107,35 +107,35 @@ def progress_bar(
     return Progress(*columns, TimeRemainingColumn(), console=stderr(), disable=disable, transient=transient)
 
 
+def long_prompt(tokens: int) -> bool:
+    """Whether a prompt is read long enough to show it (over LONG_PROMPT_CHUNKS prefill chunks: seconds
+    to minutes on a CPU)."""
+    return tokens > LONG_PROMPT_CHUNKS * prefill_step()
+
+
 @contextmanager
 def reading_prompt(tokens: int):
-    """-> a `prompt_progress_callback` that shows a long prompt being read (over LONG_PROMPT_CHUNKS
-    prefill chunks: seconds to minutes on a CPU) on stderr, a bar that is gone once the answer starts
-    (one line where stderr is no terminal); None for a shorter prompt."""
-    if tokens <= LONG_PROMPT_CHUNKS * prefill_step():
-        yield None
-        return
+    """-> a `prompt_progress_callback` that shows a long prompt being read on stderr, a bar that is gone
+    once the answer starts (one line where stderr is no terminal); None for a shorter prompt."""
     bar = progress_bar("reading the prompt", transient=True)
-    task = None
+    if not long_prompt(tokens):
+        yield None
+    elif not bar.console.is_terminal:  # (a log: one line, no bar)
+        bar.console.print(f"reading the prompt ({tokens} tokens) ...", highlight=False)
+        yield None
+    else:
+        task = bar.add_task("", total=tokens)
 
-    def shown(done: int, total: int) -> None:
-        nonlocal task
-        if task is None and not bar.console.is_terminal:  # (a log: one line, no bar)
-            bar.console.print(f"reading the prompt ({total} tokens) ...", highlight=False)
-            task = -1
-        elif task is None:
-            bar.start()
-            task = bar.add_task("", total=total)
-        if task >= 0:
-            bar.update(task, completed=done)
+        def shown(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
             if done >= total:
                 bar.stop()
 
-    try:
-        yield shown
-    finally:
-        if task is not None and task >= 0:  # (a Ctrl-C while it was read)
-            bar.stop()
+        bar.start()
+        try:
+            yield shown
+        finally:
+            bar.stop()  # (a Ctrl-C while it was read)
 
 
 @contextmanager
@@ -229,12 +229,6 @@ def terminated_as_interrupted():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def stop_signals() -> list[signal.Signals]:
-    """SIGTERM, and SIGHUP where there is one (not on Windows), each unless ignored (`nohup`)."""
-    named = [getattr(signal, name, None) for name in ("SIGTERM", "SIGHUP")]
-    return [s for s in named if s is not None and signal.getsignal(s) is not signal.SIG_IGN]
 
 
 def interrupted_code(came: list) -> int:

@@ -14,6 +14,7 @@ import typer
 
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
+from dflash_mlx.platform import stop_signals
 from dflash_mlx.policy import batch_sizes
 from dflash_mlx.settings import GenerationSettings
 
@@ -33,7 +34,6 @@ from .options import (
     TopP,
     check_lookup,
     stderr,
-    stop_signals,
     user_errors,
     warm,
 )

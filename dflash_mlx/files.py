@@ -136,6 +136,11 @@ def check_utf8_name(path: Path, reading: bool = False) -> None:
         raise UserError(f"cannot {doing} {shown}: MLX needs a name in UTF-8, {advice}")
 
 
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files under a folder."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def _remove_after_all(path: Path) -> None:
     """Remove what the new folder replaced. A Ctrl-C meanwhile (a model's old folder takes seconds to
     remove) is too late to stop the command, whose work is in place: it would leave the old folder half

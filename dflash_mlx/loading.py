@@ -31,7 +31,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer a
 
 from .data import tokenizer_fingerprint
 from .errors import NotFound, UserError
-from .files import atomic_folder, check_utf8_name, is_write_error, one_at_a_time
+from .files import atomic_folder, check_utf8_name, folder_bytes, is_write_error, one_at_a_time
 from .gguf import convert_gguf
 from .hub import download
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
@@ -272,9 +272,6 @@ def resolve_draft(name: str) -> Path:
 def local_copies(pair: Pair) -> dict[str, int]:
     """Bytes on disk of what this machine already has of a pair: {"target": n, "drafter": n}."""
 
-    def size(path: Path) -> int:
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
     found = {}
     for label, name in (("target", pair.target), ("drafter", pair.draft)):
         if name == "smollm2-135m-instruct":
@@ -288,7 +285,7 @@ def local_copies(pair: Pair) -> dict[str, int]:
                 paths = []
         paths = [p for p in paths if (p / "config.json").is_file()]  # (not a stray file or empty folder)
         if paths:
-            found[label] = sum(size(p) for p in paths)
+            found[label] = sum(folder_bytes(p) for p in paths)
     return found
 
 

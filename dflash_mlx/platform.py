@@ -58,6 +58,13 @@ PTX_ENV = "MLX_PTX_CACHE_DIR"
 GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 
 
+def stop_signals() -> list[signal.Signals]:
+    """SIGTERM, and SIGHUP where there is one (not on Windows): the signals that stop work as Ctrl-C
+    does (a `kill`, a closing terminal), each unless ignored (SIGHUP under `nohup` stays so)."""
+    named = [getattr(signal, name, None) for name in ("SIGTERM", "SIGHUP")]
+    return [s for s in named if s is not None and signal.getsignal(s) is not signal.SIG_IGN]
+
+
 def cache_home() -> Path:
     """Where converted models, measured costs, what the adaptive policy learnt and compiled GPU kernels
     live: $DFLASH_MLX_HOME, else ~/.cache/dflash-mlx."""

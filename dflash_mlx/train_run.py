@@ -36,7 +36,7 @@ from .models.targets import Target
 from .pairing import context_length
 from .phrases import FILE as PHRASES_FILE
 from .phrases import Phrases
-from .platform import backend, ctrl_c_in_mlx
+from .platform import backend, ctrl_c_in_mlx, stop_signals
 from .settings import GenerationSettings
 from .speculative import generate
 from .train import (
@@ -300,10 +300,7 @@ class PreparedRun:
         handlers = {}
         try:
             with ctrl_c_in_mlx(), open(log, "a") as f:
-                # (no SIGHUP on Windows; a signal ignored, as SIGHUP under `nohup`, stays ignored)
-                named = [getattr(signal, name, None) for name in ("SIGINT", "SIGTERM", "SIGHUP")]
-                stops = [s for s in named if s is not None and signal.getsignal(s) is not signal.SIG_IGN]
-                handlers = {s: signal.signal(s, on_signal) for s in stops}
+                handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, *stop_signals())}
                 train(
                     Target(self.target),
                     self.tokenizer,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import contextlib
 import functools
 import hmac
 import logging
@@ -206,9 +205,10 @@ class Generation:
         loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def emit(event) -> None:
-            # (a loop closed by a shutdown cut short: no one is left to read the event)
-            with contextlib.suppress(RuntimeError):
+            try:
                 loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            except RuntimeError:  # (a loop closed by a shutdown cut short: no one is left to read it)
+                pass
 
         self.job = Job(
             prompt,
