@@ -97,7 +97,8 @@ def chat(
             draft_window=draft_window,
             template_kwargs=template_kwargs(model, think, tokenizer),
         )
-    run(session, console, f"[bold]dflash-mlx chat[/bold] · {model} + {name} · {backend()}", hide_thinking)
+    banner = f"[bold]dflash-mlx chat[/bold] · {escape(model)} + {escape(name)} · {backend()}"
+    run(session, console, banner, hide_thinking)
 
 
 def ask(console: Console, label: str, colour: str = "") -> str:
@@ -198,7 +199,7 @@ def run(session, console: Console, banner: str, hide_thinking: bool = False) -> 
         try:
             check_utf8(text, "the message")
         except UserError as e:
-            console.print(f"[yellow]{e}[/yellow]")
+            console.print(f"[yellow]{escape(str(e))}[/yellow]")
             continue
         if text.startswith("/"):
             if command(session, console, text.strip()) == "exit":
@@ -243,7 +244,7 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
             console.file.write("\r\x1b[2K")
         else:
             console.print()
-        console.print(f"[yellow]{e}[/yellow]")
+        console.print(f"[yellow]{escape(str(e))}[/yellow]")
         return
     except SystemExit:  # SIGTERM, or the terminal closing (SIGHUP): the shell's prompt on a line of its own
         with contextlib.suppress(OSError):
@@ -350,9 +351,9 @@ def command(session, console: Console, line: str) -> str | None:
                 arg = arg[1:-1]
             if not arg.strip():
                 raise UserError("/save needs a file name")
-            console.print(f"[dim]saved to {session.save(arg)}[/dim]")
+            console.print(f"[dim]saved to {escape(str(session.save(arg)))}[/dim]")
         else:
-            console.print(f"[yellow]unknown command {name}: /help lists them[/yellow]")
+            console.print(f"[yellow]unknown command {escape(name)}: /help lists them[/yellow]")
     except (ValueError, OSError) as e:  # a UserError, a number that does not parse, a file /save cannot write
-        console.print(f"[yellow]{e}[/yellow]")
+        console.print(f"[yellow]{escape(str(e))}[/yellow]")
     return None

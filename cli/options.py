@@ -146,7 +146,7 @@ def busy(console: Console, text: str):
         with console.status(text):
             yield
     else:
-        console.print(text, highlight=False, soft_wrap=True)  # (one line, however long)
+        console.print(text, markup=False, highlight=False, soft_wrap=True)  # (one line, however long)
         yield
 
 
@@ -176,7 +176,7 @@ def measuring(label: str = "measuring this machine's costs for the pair"):
         if task is None:
             advice = home_advice(("costs",))  # (then measured again by every run: said once each time)
             if advice is not None:
-                bar.console.print(f"note: {advice}", highlight=False, soft_wrap=True)
+                bar.console.print(f"note: {advice}", markup=False, highlight=False, soft_wrap=True)
             if not bar.console.is_terminal:
                 kept = "for this run only" if advice else "kept for later runs"
                 bar.console.print(f"{label}: {total} passes, {kept} ...", highlight=False, soft_wrap=True)

@@ -11,6 +11,7 @@ import signal
 import socket
 
 import typer
+from rich.markup import escape
 
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
@@ -228,8 +229,9 @@ def serve(
             await super().startup(sockets)
             if self.started:  # (its worker processes too, which the app's startup waits for)
                 where = f"[{host}]" if ":" in host else host  # (an IPv6 address in a URL)
+                drafter = escape(draft_for(model, draft))
                 stderr().print(
-                    f"serving [bold]{config.model_id}[/bold] with drafter {draft_for(model, draft)} on "
+                    f"serving [bold]{escape(config.model_id)}[/bold] with drafter {drafter} on "
                     f"http://{where}:{port}/v1 (OpenAI) and /v1/messages (Anthropic); Ctrl-C stops"
                 )
 

@@ -332,11 +332,12 @@ def run(
                 if r.get("eval_error", "interrupted") != "interrupted":  # (a stop cut it short: said)
                     bar.console.print(
                         f"step {r['step']}: the held-out tau check failed ({r['eval_error']}); "
-                        "training goes on"
+                        "training goes on",
+                        markup=False,
                     )
                 bar.update(task, completed=r["step"], description=desc)
 
-            end = prepared.train(on_step, note=bar.console.print)
+            end = prepared.train(on_step, note=lambda line: bar.console.print(line, markup=False))
     code = 128 + end.stopped_by if end.stopped_by else 130
     if end.interrupted:
         typer.secho(

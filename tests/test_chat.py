@@ -245,6 +245,28 @@ def test_save_writes_the_whole_conversation_at_a_home_path(smollm2, tmp_path, mo
     assert saved == {"chat.json", "my chat.json", "my chat 2.json", "my chat 3.json"}
 
 
+
+def test_text_in_brackets_is_shown_as_typed_not_read_as_rich_markup(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from cli.chat import command
+
+    session = ChatSession.__new__(ChatSession)  # (these commands read nothing of the session)
+    session.messages, session.turns, session.system = [], [], None
+    out = io.StringIO()
+    # a closing tag that opens nothing made rich raise and end the chat; a name's [red] was swallowed
+    assert command(session, Console(file=out, width=200), "/[/dim]x") is None
+    assert command(session, Console(file=out, width=200), f"/save {tmp_path}/[red]chat.json") is None
+    assert command(session, Console(file=out, width=200), f"/save {tmp_path}/no[b]/chat.json") is None
+    assert out.getvalue().splitlines() == [
+        "unknown command /[/dim]x: /help lists them",
+        f"saved to {tmp_path}/[red]chat.json",
+        f"cannot write {tmp_path}/no[b]/chat.json: there is no folder {tmp_path}/no[b]",
+    ]
+    assert (tmp_path / "[red]chat.json").is_file()
+
 @pytest.mark.parametrize(
     "lines, message", [(['"""', "first line", "second line"], "first line\nsecond line"), (["hi \\"], "hi ")]
 )

@@ -1158,6 +1158,10 @@ def test_every_command_prints_its_help():
         assert all("\n" not in p for p in (cmd.help or "").split("\n\n")), path
     # Square brackets in help text are printed, not read as rich markup.
     assert "hf:org/name[/config][:split[:field]]" in run("train data --help").stdout
+    shown = {c: " ".join(run(c, "--help").stdout.replace("│", " ").split()) for c in ("bench", "profile")}
+    assert "(each cycle chooses). [default: 16,adaptive]" in shown["bench"]
+    assert "(identity is checked at 0). [default: 0]" in shown["bench"]
+    assert "Width of the random target. [default: 1024]" in shown["profile"]
 
 
 def test_version_is_the_projects():
