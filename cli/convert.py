@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dflash_mlx.convert import convert_draft, convert_target, export_draft, is_drafter
@@ -43,7 +44,7 @@ def convert(
     export: bool = typer.Option(
         False, help="Export an MLX drafter to z-lab's Hugging Face layout (bf16; vLLM and SGLang read it)."
     ),
-    force: bool = typer.Option(False, help="Replace DST if it exists (a model folder, or a file)."),
+    force: bool = typer.Option(False, help="Replace DST if it is a model folder."),
 ):
     """Convert a drafter or a target to an MLX folder, or export a drafter to z-lab's layout."""
     with user_errors():
@@ -77,6 +78,10 @@ def convert(
             read_config(src)
         if out_path.exists() and not force:  # before any download
             raise AlreadyExists(f"{output} already exists (pass --force to replace it)")
+        if out_path.is_file():  # (every output is a folder: a file there is no earlier output)
+            raise UserError(
+                f"{output} is a file: --force replaces a model folder only; give the output another name"
+            )
         if out_path.is_dir() and any(out_path.iterdir()) and not _model_folder(out_path):
             raise UserError(  # (a mistyped path with --force would wipe whatever it names)
                 f"{output} holds files but no model (a config.json with a model_type, and weights): "
@@ -86,10 +91,10 @@ def convert(
         with Progress(
             SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=stderr()
         ) as bar:
-            task = bar.add_task(f"converting {source}")
+            task = bar.add_task(f"converting {escape(source)}")
 
             def step(what: str):
-                bar.update(task, description=f"{source}: {what}")
+                bar.update(task, description=f"{escape(source)}: {what}")
 
             if export:
                 step("exporting drafter")
@@ -118,7 +123,7 @@ def convert(
                     step("converting target with mlx-lm")
                     out = convert_target(str(folder), output, dtype, quantize, q_bits, q_group_size, force)
                     kind = "target"
-            bar.update(task, description=f"{source}: done")
+            bar.update(task, description=f"{escape(source)}: done")
     typer.echo(f"wrote {kind} to {out} ({_megabytes(Path(out))})")
     for folder in made:
         typer.secho(

@@ -42,6 +42,7 @@ from .options import (
     interrupted_code,
     progress_bar,
     stderr,
+    stopped_by,
     terminated_as_interrupted,
     user_errors,
 )
@@ -54,6 +55,8 @@ DATA_FLAGS = {
 }
 RUN_FLAGS = {
     "the learning rate": "--lr",
+    "num_layers": "--layers",
+    "intermediate_size": "--intermediate-size",
     **{
         n: "--" + n
         for n in (
@@ -99,13 +102,8 @@ def data(
         if limit is not None and limit < 0:
             raise UserError(f"--limit must be >= 0, got {limit}")
         limit = limit or None  # (0: all, as bench takes it)
-        if source == "sharegpt-heldout":  # (τ measured on what it trained on would read too high)
-            raise UserError(
-                "sharegpt-heldout is kept out of training: `train run` and `train eval` measure acceptance "
-                "on it. Train on sharegpt or sharegpt-followup"
-            )
         check_data_options(out, batch_size, shard_size, max_new_tokens, max_prompt_tokens, limit, temp)
-        prompts = prompt_source(source)
+        prompts = prompt_source(source, training=True)
         total = min(limit or len(prompts), len(prompts))
         folder = Path(out).expanduser()
         settings = data_settings(max_new_tokens, temp, seed, template_kwargs(model, think))
@@ -398,7 +396,7 @@ def evaluate(
         ps = first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
         answers, interrupted = [], False
-        with progress_bar("answering prompts") as bar:
+        with progress_bar("answering prompts") as bar, terminated_as_interrupted() as terminated:
             task = bar.add_task("", total=len(ps))
             kwargs = template_kwargs(model, think, tokenizer)
             try:
@@ -409,7 +407,8 @@ def evaluate(
             except KeyboardInterrupt:  # (the prompts answered so far are measured: hours on a CPU)
                 interrupted = True
         if not answers:
-            raise typer.Exit(130)
+            typer.echo(f"stopped {stopped_by(terminated)} before an answer ended: nothing measured", err=True)
+            raise typer.Exit(interrupted_code(terminated))
     r = tau_of(answers)
     r.update(
         prompts=prompts,
@@ -426,4 +425,4 @@ def evaluate(
         f"{counted(len(answers), 'prompt')} ({prompts}, block {r['block_size']}, temperature {temp}{stopped})"
     )
     if interrupted:
-        raise typer.Exit(130)
+        raise typer.Exit(interrupted_code(terminated))

@@ -275,11 +275,18 @@ def hf_prompts(spec: str) -> list[list[dict]]:
     return out
 
 
-def prompt_source(source: str) -> list[list[dict]]:
+def prompt_source(source: str, training: bool = False) -> list[list[dict]]:
     """'sharegpt' (train split), 'sharegpt-followup', 'sharegpt-heldout', 'humaneval', 'python-stdlib', one of
-    benchsets.SETS, a .jsonl file, or 'hf:org/name[/config][:split[:field]]'."""
+    benchsets.SETS, a .jsonl file, or 'hf:org/name[/config][:split[:field]]'. `training`: prompts to
+    train on, which leave out 'sharegpt-heldout' (acceptance measured on what a drafter trained on
+    would read too high)."""
     if not source.strip():  # (as a path, the current folder)
         raise UserError("the prompt source is empty: give a prompt set's name, a .jsonl file or hf:org/name")
+    if training and source == "sharegpt-heldout":
+        raise UserError(
+            "sharegpt-heldout is kept out of training: `train run` and `train eval` measure acceptance "
+            "on it. Train on sharegpt or sharegpt-followup"
+        )
     if source == "sharegpt":
         return sharegpt_prompts("train")
     if source in ("sharegpt-heldout", "sharegpt-followup"):
@@ -298,8 +305,9 @@ def prompt_source(source: str) -> list[list[dict]]:
         if Path(source).is_dir():
             raise UserError(f"{source} is a folder: give a .jsonl file of prompts")
         return jsonl_prompts(source)
+    heldout = "" if training else " sharegpt-heldout,"
     raise UserError(
-        f"unknown prompt source {source!r}: use sharegpt, sharegpt-followup, sharegpt-heldout, humaneval, "
+        f"unknown prompt source {source!r}: use sharegpt, sharegpt-followup,{heldout} humaneval, "
         f"python-stdlib, {', '.join(SETS)}, a .jsonl file or hf:org/name"
     )
 
@@ -394,6 +402,12 @@ def _training_data(folder: str) -> list[tuple[list[int], int]]:
 def shards_tokenizer(folder: str | Path) -> str:
     """The tokenizer fingerprint a data folder was made with ("" if its shards predate the record)."""
     return _recorded(folder, "tokenizer")
+
+
+def shards_target(folder: str | Path) -> str:
+    """The digest of the target's weights that wrote a data folder's answers ("" if its shards predate
+    the record; `weights_digest`)."""
+    return _recorded(folder, "target")
 
 
 def _recorded(folder: str | Path, key: str) -> str:
@@ -748,7 +762,7 @@ def generate_data(
             "target's answers to a new --out folder"
         )
     target = weights_digest(model)
-    if _recorded(folder, "target") not in ("", target):
+    if shards_target(folder) not in ("", target):
         raise UserError(
             f"{folder} holds answers of another target (the same vocabulary, other weights): write "
             "this one's answers to a new --out folder (`train run` takes several --data folders)"

@@ -117,8 +117,9 @@ def drafter_config(target: Target, tokenizer, cfg: TrainConfig) -> DFlashConfig:
     """A drafter as wide as the target (it reads the target's embeddings and feeds its lm_head), with
     the target's attention geometry and RoPE; its depth and MLP width are the run's choice."""
     check_block_size(cfg.block_size, least=2)
-    if cfg.num_layers < 1 or (cfg.intermediate_size is not None and cfg.intermediate_size < 1):
-        raise UserError("the drafter needs at least 1 layer and an MLP width of at least 1")
+    for name in ("num_layers", "intermediate_size"):
+        if (value := getattr(cfg, name)) is not None and value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
     a = target.args
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tokenizer)
     return DFlashConfig(

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 
 from .chat import apply_chat_template
 from .convert import export_draft, is_drafter
-from .data import check_data_tokenizer, sharegpt_prompts, training_sets
+from .data import check_data_tokenizer, sharegpt_prompts, shards_target, training_sets
 from .errors import AlreadyExists, UserError
 from .files import check_writable
 from .loading import load, load_draft, template_kwargs
@@ -37,6 +37,7 @@ from .pairing import context_length
 from .phrases import FILE as PHRASES_FILE
 from .phrases import Phrases
 from .platform import backend, ctrl_c_in_mlx, stop_signals
+from .policy import weights_digest
 from .settings import GenerationSettings
 from .speculative import generate
 from .train import (
@@ -158,9 +159,8 @@ def check_export_folder(dest: str | Path, run: str | Path | None = None) -> None
         and (not names or is_drafter(dest))
     )
     if not only_a_drafter:
-        raise AlreadyExists(
-            f"{dest} exists and holds more than an exported drafter: give --export a new folder"
-        )
+        what = "holds more than an exported drafter" if names is not None else "is a file"
+        raise AlreadyExists(f"{dest} exists and {what}: give --export a new folder")
 
 
 def export(checkpoint: str | Path, dest: str | Path) -> Path:
@@ -430,6 +430,11 @@ def prepare_run(
         raise UserError(f"{e} (it holds the held-out prompts), or pass --eval-prompts 0") from None
     target, tokenizer = load(model)
     check_data_tokenizer(folders, tokenizer, Target(target).vocab_size, model)
+    for folder in (f for f, _ in folders if shards_target(f) not in ("", weights_digest(target))):
+        note(
+            f"note: {folder} holds another target's answers (other weights, or the same in another "
+            f"precision): the drafter learns to predict that target's text, not {model}'s"
+        )
     if run is None and start is None:  # (a new drafter's architecture, refused before the run's bar shows)
         check_new_drafter(Target(target), tokenizer, cfg)
     context = context_length(target)

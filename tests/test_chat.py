@@ -245,7 +245,6 @@ def test_save_writes_the_whole_conversation_at_a_home_path(smollm2, tmp_path, mo
     assert saved == {"chat.json", "my chat.json", "my chat 2.json", "my chat 3.json"}
 
 
-
 def test_text_in_brackets_is_shown_as_typed_not_read_as_rich_markup(tmp_path):
     import io
 
@@ -266,6 +265,7 @@ def test_text_in_brackets_is_shown_as_typed_not_read_as_rich_markup(tmp_path):
         f"cannot write {tmp_path}/no[b]/chat.json: there is no folder {tmp_path}/no[b]",
     ]
     assert (tmp_path / "[red]chat.json").is_file()
+
 
 @pytest.mark.parametrize(
     "lines, message", [(['"""', "first line", "second line"], "first line\nsecond line"), (["hi \\"], "hi ")]

@@ -1111,6 +1111,13 @@ def test_train_eval_reports_the_acceptance_of_real_runs(pair, monkeypatch):
         f"tau {sum(lengths) / len(lengths):.2f} over {len(lengths)} cycles, {tokens} "
         f"tokens, 2 prompts ({root}/prompts.jsonl, block 5, temperature 0.0, stopped after 2 of 3)\n"
     )
+    # SIGTERM (a job's time limit) stops it as Ctrl-C does; before any answer, it says so (it said nothing)
+    import signal
+
+    monkeypatch.setattr(train_run, "generate", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+    r = run(f"train eval -d {root}/draft -m {root}/target --prompts {root}/prompts.jsonl --limit 3 --json")
+    assert r.exit_code == 143 and r.stdout == ""
+    assert "stopped by SIGTERM before an answer ended: nothing measured" in r.stderr
 
 
 def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
@@ -1201,6 +1208,10 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
         f"train data -m {root}/target --source sharegpt-heldout -o {tmp_path}/d3"
     )  # (what τ is measured on)
     assert r.exit_code == 1 and "sharegpt-heldout is kept out of training" in r.stderr
+    r = run(f"train data -m {root}/target --source nosuch -o {tmp_path}/d3")  # (the sources it takes)
+    assert r.exit_code == 1 and "use sharegpt, sharegpt-followup, humaneval, python-stdlib" in r.stderr
+    r = run(f"bench -m {root}/target -d {root}/draft --prompts nosuch")  # (where heldout is the default)
+    assert r.exit_code == 1 and "use sharegpt, sharegpt-followup, sharegpt-heldout, humaneval" in r.stderr
     (tmp_path / "a-file").write_text("x")
     for flags, line in (
         (f"-o {tmp_path}/a-file", "is a file: give a folder"),
@@ -1260,7 +1271,7 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
             "mask_token_id 999 is outside the target vocabulary",
         ),
         ("--layers 1 --block-size 4 --mask-token-id 94 --target-layer-ids 1,99", "contains 99"),
-        ("--layers 0 --block-size 4 --mask-token-id 94", "the drafter needs at least 1 layer"),
+        ("--layers 0 --block-size 4 --mask-token-id 94", "error: --layers must be at least 1, got 0"),
     ):  # refused before the run starts (its bar showed first): no run folder is left behind
         r = run(f"train run {data} -o {tmp_path}/bad -m {root}/target --eval-prompts 0 --steps 2 {flags}")
         assert r.exit_code == 1 and line in r.stderr and not (tmp_path / "bad").exists(), r.output
@@ -1270,6 +1281,15 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "the learning rate never reaches its peak" in r.stderr  # 3 steps, the default 100 to warm up
+    assert "another target's answers" not in r.stderr
+    # Another target of the same vocabulary (a fine-tune, another size) trains on them, and says so
+    shutil.copytree(root / "target", tmp_path / "fine-tune")
+    save_model(tmp_path / "fine-tune", make_target("llama", seed=1))
+    r = run(f"train run {data} -o {tmp_path}/other -m {tmp_path}/fine-tune {tiny} --steps 1")
+    assert r.exit_code == 0 and (
+        f"note: {tmp_path}/data holds another target's answers (other weights, or the same in another "
+        f"precision): the drafter learns to predict that target's text, not {tmp_path}/fine-tune's"
+    ) in " ".join(r.stderr.split()), r.output
     r = run(f"train eval -d {tmp_path}/ok -m {root}/target --prompts {root}/prompts.jsonl --limit 1")
     assert (
         r.exit_code == 1
@@ -1303,6 +1323,8 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     r = run(f"{again} --export {tmp_path}/notes")
     assert r.exit_code == 1 and "holds more than an exported drafter" in r.stderr
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+    r = run(f"{again} --export {tmp_path}/notes/todo.txt")
+    assert r.exit_code == 1 and "todo.txt exists and is a file: give --export a new folder" in r.stderr
     (tmp_path / "exported" / "README.md").write_text("my model card")  # a drafter with more beside it
     r = run(f"{again} --export {tmp_path}/exported")
     assert r.exit_code == 1 and "holds more than an exported drafter" in r.stderr

@@ -651,7 +651,7 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path, monkeypatch):
             tmp_path / "v",
             TrainConfig(vocab="small", mask_token_id=95),
         )
-    with pytest.raises(ValueError, match="at least 1 layer"):
+    with pytest.raises(ValueError, match="num_layers must be at least 1, got 0"):
         train(
             Target(model), make_tokenizer(), seqs, tmp_path / "z", TrainConfig(num_layers=0, mask_token_id=95)
         )
