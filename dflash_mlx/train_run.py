@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 
 from .chat import apply_chat_template
 from .convert import export_draft, is_drafter
-from .data import check_data_tokenizer, sharegpt_prompts, shards_target, training_sets
+from .data import check_data_tokenizer, shards_target, sharegpt_prompts, training_sets
 from .errors import AlreadyExists, UserError
 from .files import check_writable
 from .loading import load, load_draft, template_kwargs
