@@ -204,7 +204,7 @@ def generate(
     if last is not None:  # (nothing ran: --max-tokens 0)
         stats += f", prompt {record['prompt_tps']:.0f} tokens/s"
     if tau is not None:
-        stats += f", mean acceptance {tau:.2f} over {len(acc)} cycles ({mix_text(record['mix'])})"
+        stats += f", mean acceptance {tau:.2f} over {counted(len(acc), 'cycle')} ({mix_text(record['mix'])})"
     typer.secho(stats + (" · interrupted" if interrupted else ""), err=True, dim=True)
     if interrupted:
         raise typer.Exit(interrupted_code(terminated))
