@@ -11,6 +11,7 @@ from dataclasses import replace
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from dflash_mlx.bench import counted
 from dflash_mlx.chat import ChatSession
@@ -69,7 +70,8 @@ def chat(
     hide_thinking: bool = typer.Option(False, help="Do not show thinking text (it is shown dimmed)."),
 ):
     """Talk to a model in the terminal; answers stream as the target accepts them."""
-    console = Console(highlight=False)
+    # (text is shown as written: no ":name:" emoji codes, and as one line where no terminal wraps it)
+    console = Console(highlight=False, emoji=False, soft_wrap=not sys.stdout.isatty())
     with user_errors(SAMPLING):
         check_lookup(no_lookup, block_size)
         GenerationSettings(
@@ -106,7 +108,7 @@ def ask(console: Console, label: str, colour: str = "") -> str:
     zero-width (\\001...\\002), so readline can redraw it (Ctrl-U, arrow keys); printed apart, as rich's
     console.input does, readline thinks the prompt is empty and wipes it."""
     if console.is_terminal and sys.stdin.isatty():
-        styled = colour and not console.no_color
+        styled = colour and not console.no_color and console.color_system is not None  # (TERM=dumb)
         return input(f"\001\x1b[{colour}m\002{label}\001\x1b[0m\002 " if styled else f"{label} ")
     return console.input(f"{label} ")
 
@@ -194,6 +196,10 @@ def run(session, console: Console, banner: str, hide_thinking: bool = False) -> 
         except KeyboardInterrupt:
             console.print()
             continue
+        except SystemExit:  # SIGTERM or SIGHUP at the prompt: the shell's prompt on a line of its own
+            with contextlib.suppress(OSError):
+                console.print()
+            raise
         if not text.strip():
             continue
         try:
@@ -222,9 +228,11 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
     def reading(done: int, total: int) -> None:
         """A long message's progress after the label while it is read (seconds to minutes on a CPU)."""
         if console.is_terminal and long_prompt(total):
-            progress = f"[dim]reading the message: {done:,} of {total:,} tokens[/dim]" if done < total else ""
+            said = f"reading the message: {done:,} of {total:,} tokens" if done < total else ""
+            # (cut to the line: a wrapped line's first row would stay behind at the next update)
+            said = said[: max(0, console.width - len(Text.from_markup(LABEL)) - 1)]
             console.file.write("\r\x1b[2K")
-            console.print(f"{LABEL}{progress}", end="")
+            console.print(f"{LABEL}[dim]{said}[/dim]", end="")
 
     thinking = ThinkingFilter()
     messages = len(session.messages)

@@ -88,12 +88,12 @@ class Output(Console):
 def stdout() -> Console:
     """A console on stdout; piped into a file or another program, as wide as the lines it prints (rich
     would fold tables into 80 columns)."""
-    return Output() if sys.stdout.isatty() else Output(width=1000)
+    return Output(emoji=False) if sys.stdout.isatty() else Output(emoji=False, width=1000)
 
 
 def stderr() -> Console:
     """A console on stderr, for progress and notes (made when needed: it reads the terminal's width then)."""
-    return Console(stderr=True)
+    return Console(stderr=True, emoji=False)  # (":name:" in a path or a message stays as written)
 
 
 def progress_bar(

@@ -553,7 +553,10 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     # the chat says so and goes on (its piped input arrives the same way)
     chat = cli + shlex.split(f"chat -m {root}/target -d {root}/draft --max-tokens 4")
     r = subprocess.run(
-        chat, input=b"caf\xe9 w5\n/block 300\n/block -1\n/stats\n", capture_output=True, timeout=120
+        chat,
+        input=b"caf\xe9 w5\n/block 300\n/block -1\n/stats\n/x:fire:\n" + b"w5 " * 40 + b"\n",
+        capture_output=True,
+        timeout=120,
     )
     out = r.stdout.decode()
     assert r.returncode == 0 and "the message is not UTF-8 text (a stray byte at character 3)" in out, (
@@ -561,6 +564,10 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     )
     assert "block size must be between 1 and 256, got 300" in out and "0 answers" in out
     assert "/block takes a block size of 1 to 256, or 0 to choose each cycle" in out
+    assert "unknown command /x:fire:: /help lists them" in out  # (rich made it an emoji)
+    # a log gets the status line whole (rich folded it at 80 columns where no terminal was)
+    (status,) = [line for line in out.splitlines() if " tokens/s · " in line]
+    assert status.endswith(" · prefill 40") and len(status) > 80, out
 
 
 def test_a_model_folder_whose_name_is_not_utf8_is_named_as_such(pair, tmp_path):
