@@ -661,6 +661,23 @@ def test_a_client_that_goes_away_has_its_generation_stopped(tiny, server):
     )
 
 
+def test_a_non_streamed_request_whose_client_left_is_counted_as_499_not_200(server):
+    url, _ = server
+    counted = 'dflash_mlx_requests_total{api="openai",status="%s"}'
+    before = metric(url, "dflash_mlx_cancelled_requests_total"), metric(url, counted % 200)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": words(20, 3)}], "max_tokens": 2000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 20
+    while metric(url, counted % 499) < 1:
+        assert time.monotonic() < deadline, "the request was not counted as its client's"
+        time.sleep(0.05)
+    assert (metric(url, "dflash_mlx_cancelled_requests_total"), metric(url, counted % 200)) == (
+        before[0] + 1,
+        before[1],
+    )
+
+
 def test_the_second_turn_of_a_conversation_prefills_only_its_new_tokens(tiny, server):
     url, app = server
     client, _ = clients(url)

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 ANTHROPIC = "/v1/messages"
 INTERNAL = "internal server error (logged on the server)"
+CLIENT_GONE = 499  # (nginx's status for a request whose client closed the connection first)
 
 
 class ApiError(Exception):
