@@ -93,7 +93,8 @@ def stdout() -> Console:
 
 def stderr() -> Console:
     """A console on stderr, for progress and notes (made when needed: it reads the terminal's width then)."""
-    return Console(stderr=True, emoji=False)  # (":name:" in a path or a message stays as written)
+    # (":name:" in a path or a message stays as written; a line in a log is not folded at 80 columns)
+    return Console(stderr=True, emoji=False, soft_wrap=not sys.stderr.isatty())
 
 
 def progress_bar(
