@@ -255,10 +255,11 @@ def test_text_in_brackets_is_shown_as_typed_not_read_as_rich_markup(tmp_path):
     session = ChatSession.__new__(ChatSession)  # (these commands read nothing of the session)
     session.messages, session.turns, session.system = [], [], None
     out = io.StringIO()
+    console = Console(file=out, soft_wrap=True)  # (as a log takes it: a long temporary path whole)
     # a closing tag that opens nothing made rich raise and end the chat; a name's [red] was swallowed
-    assert command(session, Console(file=out, width=200), "/[/dim]x") is None
-    assert command(session, Console(file=out, width=200), f"/save {tmp_path}/[red]chat.json") is None
-    assert command(session, Console(file=out, width=200), f"/save {tmp_path}/no[b]/chat.json") is None
+    assert command(session, console, "/[/dim]x") is None
+    assert command(session, console, f"/save {tmp_path}/[red]chat.json") is None
+    assert command(session, console, f"/save {tmp_path}/no[b]/chat.json") is None
     assert out.getvalue().splitlines() == [
         "unknown command /[/dim]x: /help lists them",
         f"saved to {tmp_path}/[red]chat.json",
