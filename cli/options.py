@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
 from dflash_mlx.cache import prefill_step
 from dflash_mlx.data import prompt_source
@@ -144,7 +145,7 @@ def busy(console: Console, text: str):
     """A spinner with `text` while the work runs; where the console is no terminal (a log file, a pipe),
     where rich would show nothing, the text as one line, so long work is never silent."""
     if console.is_terminal:
-        with console.status(text):
+        with console.status(Text(text)):  # (as text: a model's name may hold square brackets)
             yield
     else:
         console.print(text, markup=False, highlight=False, soft_wrap=True)  # (one line, however long)

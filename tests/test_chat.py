@@ -266,6 +266,13 @@ def test_text_in_brackets_is_shown_as_typed_not_read_as_rich_markup(tmp_path):
         f"cannot write {tmp_path}/no[b]/chat.json: there is no folder {tmp_path}/no[b]",
     ]
     assert (tmp_path / "[red]chat.json").is_file()
+    # a model's name in the spinner shown while it loads, in a terminal
+    from cli.options import busy
+
+    terminal = Console(file=io.StringIO(), force_terminal=True)
+    with busy(terminal, "loading /models/[/x]tiny ..."):
+        pass
+    assert "loading /models/[/x]tiny ..." in terminal.file.getvalue()
 
 
 @pytest.mark.parametrize(
