@@ -107,8 +107,8 @@ def test_answers_from_a_worker_process_are_the_ones_generate_gives_alone(saved):
 
 def test_a_conversations_next_turn_goes_to_the_process_that_kept_its_cache(saved):
     """Between processes holding as few requests, a request goes to the one whose kept caches hold the
-    most of its prompt: four conversations answered two here and two there, each one's next turn, sent
-    alone, takes up its own kept cache."""
+    most of its prompt: four conversations answered in both processes, each one's next turn, sent alone,
+    takes up its own kept cache."""
     names, (target, draft, tok) = saved
     pool = PromptCachePool(target, draft, 1 << 30)
     scheduler = scheduler_for(target, draft, tok, pool, Metrics(), 4, 8, 1, 2, names)
@@ -141,7 +141,9 @@ def test_a_conversations_next_turn_goes_to_the_process_that_kept_its_cache(saved
             until(lambda i=i: len(finished) == 5 + i)
     finally:
         scheduler.stop()
-    assert finished == [None] * 8 and here == 2  # (two answered here, two there)
+    # both processes answered first turns (two each, unless one of them, finished first, took the last:
+    # on a loaded machine the other process may still be busy then)
+    assert finished == [None] * 8 and 1 <= here <= 3
     for i, prompt in enumerate(firsts):
         assert cached[4 + i] >= len(prompt), (i, cached)
 
