@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import re
 import resource
 import signal
 import socket
@@ -106,6 +107,12 @@ def serve(
         help="Let requests bring their own chat template (chat_template_kwargs.chat_template), rendered "
         "in a separate process with time and size limits.",
     ),
+    allow_origin: list[str] | None = typer.Option(
+        None,
+        "--allow-origin",
+        help="Let web pages from this origin (https://app.example.com; '*' for any) call the server from "
+        "a browser; repeat for more. Pages served from this machine (localhost) always may.",
+    ),
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
     top_k: TopK = 0,
@@ -137,6 +144,12 @@ def serve(
             raise UserError("--name is empty: give the model name clients use, or leave it out")
         if api_key is not None and not api_key.strip():
             raise UserError("the API key (--api-key or DFLASH_MLX_API_KEY) is empty: give one or none")
+        for origin in allow_origin or ():  # (as a browser names a page's origin: else it never matches)
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise UserError(
+                    f"--allow-origin takes an origin as browsers send it (https://app.example.com: a "
+                    f"scheme and a host, no path) or '*', got {origin!r}"
+                )
         check_lookup(no_lookup, block_size)
         defaults = GenerationSettings(
             temperature=temp,
@@ -182,6 +195,7 @@ def serve(
             cache_bytes=int(cache_gb * (1 << 30)),
             request_timeout=request_timeout,
             client_templates=allow_client_templates,
+            allow_origins=tuple(allow_origin or ()),
             max_connections=most,
         )
         app = create_app(target, drafter, tokenizer, config)

@@ -661,6 +661,41 @@ def test_a_client_that_goes_away_has_its_generation_stopped(tiny, server):
     )
 
 
+def test_web_pages_of_this_machine_and_of_origins_named_may_call_it_from_a_browser(tiny):
+    app = create_app(*tiny, config(api_key="s3cret", allow_origins=("https://app.example.com",)))
+    with serving(app) as url:
+        ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        for origin, allowed in (
+            ("http://localhost:5173", True),  # (a web UI run on this machine)
+            ("http://127.0.0.1:3000", True),
+            ("https://app.example.com", True),  # (--allow-origin)
+            ("https://elsewhere.example", False),  # (any page the user visits: not let in)
+            ("http://localhost.example.com", False),
+        ):
+            # a browser's question first (it carries no API key), then the call with the key
+            r = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": origin, **ask}, timeout=60)
+            assert (r.status_code == 200) is allowed, (origin, r.status_code, r.text)
+            assert (r.headers.get("access-control-allow-origin") == origin) is allowed, origin
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+            headers = {"Origin": origin, "Authorization": "Bearer s3cret"}
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+            assert r.status_code == 200 and ("access-control-allow-origin" in r.headers) is allowed, origin
+        r = httpx.get(f"{url}/v1/models", headers={"Origin": "http://localhost:5173"}, timeout=60)
+        assert r.status_code == 401  # (the key is still needed)
+
+
+def test_an_endpoint_not_offered_is_a_404_that_names_those_that_are(server):
+    url, _ = server
+    for path in ("/v1/embeddings", "/v1/responses", "/"):  # (clients' defaults: Agents SDK, LangChain)
+        r = httpx.post(f"{url}{path}", json={"model": "tiny", "input": "w5"}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["message"] == (
+            f"{path} is not offered here: this server answers /v1/chat/completions and /v1/completions "
+            "(OpenAI), /v1/messages and /v1/messages/count_tokens (Anthropic), /v1/models, /health and "
+            "/metrics; it makes no embeddings and has no Responses API (set such a client to chat "
+            "completions)"
+        ), r.text
+
+
 def test_a_non_streamed_request_whose_client_left_is_counted_as_499_not_200(server):
     url, _ = server
     counted = 'dflash_mlx_requests_total{api="openai",status="%s"}'
@@ -1165,6 +1200,7 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
         (["--host", " "], "error: --host is empty"),  # (empty, each would let everyone in)
         (["--api-key", ""], "error: the API key (--api-key or DFLASH_MLX_API_KEY) is empty"),
         (["--name", ""], "error: --name is empty"),
+        (["--allow-origin", "app.example.com"], "error: --allow-origin takes an origin as browsers send it"),
         (["--model", " "], "error: the target's name is empty"),  # (not the current folder)
     ):
         bad = subprocess.run(command + more, capture_output=True, text=True, timeout=120)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, _byte_decoder
 from starlette.exceptions import HTTPException
@@ -68,6 +69,8 @@ class ServerConfig:
     body_seconds: float = 60.0  # for a request's body to arrive
     request_timeout: float | None = None  # seconds from arrival after which an answer ends ("length")
     client_templates: bool = False  # whether requests may bring their own chat template
+    # web pages (origins) other than this machine's own that may call the server from a browser ("*": any)
+    allow_origins: tuple[str, ...] = ()
 
 
 class Guard:
@@ -295,6 +298,13 @@ async def _watch(request: Request, generation: Generation) -> bool:
     return False
 
 
+LOCAL_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+OFFERED = (
+    "this server answers /v1/chat/completions and /v1/completions (OpenAI), /v1/messages and "
+    "/v1/messages/count_tokens (Anthropic), /v1/models, /health and /metrics; it makes no embeddings "
+    "and has no Responses API (set such a client to chat completions)"
+)
+
 # The parts of a pydantic error location that name a branch of a union type rather than a field.
 _BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none)$|[\[(]")
 
@@ -384,6 +394,17 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         openapi_url=None,
     )
     app.add_middleware(Guard, config=config, metrics=metrics)
+    # Browsers ask before a page from another origin may call: pages served from this machine may (as
+    # Ollama lets them), others where the user named them. Outside the guard: a browser's question
+    # carries no API key.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(config.allow_origins),
+        allow_origin_regex=LOCAL_ORIGIN,
+        allow_methods=["GET", "HEAD", "POST"],
+        allow_headers=["*"],
+        max_age=600,
+    )
     app.state.scheduler, app.state.pool, app.state.metrics = scheduler, pool, metrics
     app.state.config = config
 
@@ -411,6 +432,8 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         message = _unread_body(e.__cause__) if e.status_code == 400 else None
+        if e.status_code == 404 and e.detail == "Not Found":  # (Starlette's: no such route)
+            message = f"{shown(request.url.path)} is not offered here: {OFFERED}"
         reply = error_response(request.url.path, e.status_code, message or str(e.detail))
         reply.headers.update(e.headers or {})  # (a 405's Allow)
         return reply
