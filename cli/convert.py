@@ -76,12 +76,12 @@ def convert(
             raise UserError(f"{output} is inside {source}: write to a folder outside it")
         if src.is_dir():  # (a training run or a folder of no model: said before any progress is shown)
             read_config(src)
-        if out_path.exists() and not force:  # before any download
-            raise AlreadyExists(f"{output} already exists (pass --force to replace it)")
         if out_path.is_file():  # (every output is a folder: a file there is no earlier output)
             raise UserError(
                 f"{output} is a file: --force replaces a model folder only; give the output another name"
             )
+        if out_path.exists() and not force:  # before any download
+            raise AlreadyExists(f"{output} already exists (pass --force to replace it)")
         if out_path.is_dir() and any(out_path.iterdir()) and not _model_folder(out_path):
             raise UserError(  # (a mistyped path with --force would wipe whatever it names)
                 f"{output} holds files but no model (a config.json with a model_type, and weights): "

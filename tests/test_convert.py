@@ -644,8 +644,9 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
         tmp_path / "notes" / "sub"
     ).is_dir()
     (tmp_path / "a-file").write_text("not a model")  # nor a file (one in a model's folder: its config.json)
-    r = cli("convert", zlab, tmp_path / "a-file", "--force")
-    assert r.exit_code == 1 and "a-file is a file: --force replaces a model folder only" in r.output
+    for force in (["--force"], []):  # (without it, not told that --force would do)
+        r = cli("convert", zlab, tmp_path / "a-file", *force)
+        assert r.exit_code == 1 and "a-file is a file: --force replaces a model folder only" in r.output
     assert (tmp_path / "a-file").read_text() == "not a model"
     os.mkfifo(tmp_path / "pipe")  # ... but never what is not a file or a folder (/dev/null, a pipe)
     r = cli("convert", zlab, tmp_path / "pipe", "--force")
