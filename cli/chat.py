@@ -11,7 +11,6 @@ from dataclasses import replace
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.text import Text
 
 from dflash_mlx.bench import counted
 from dflash_mlx.chat import ChatSession
@@ -42,6 +41,7 @@ from .options import (
 )
 
 LABEL = "[bold blue]model>[/bold blue] "
+LABEL_WIDTH = len("model> ")
 HELP = """[bold]commands[/bold]
   /help            this list
   /reset           forget the conversation
@@ -101,6 +101,10 @@ def chat(
         )
     banner = f"[bold]dflash-mlx chat[/bold] · {escape(model)} + {escape(name)} · {backend()}"
     run(session, console, banner, hide_thinking)
+
+
+def warn(console: Console, text: str) -> None:
+    console.print(text, style="yellow", markup=False)  # (as written: it may quote the user's brackets)
 
 
 def ask(console: Console, label: str, colour: str = "") -> str:
@@ -205,7 +209,7 @@ def run(session, console: Console, banner: str, hide_thinking: bool = False) -> 
         try:
             check_utf8(text, "the message")
         except UserError as e:
-            console.print(f"[yellow]{escape(str(e))}[/yellow]")
+            warn(console, str(e))
             continue
         if text.startswith("/"):
             if command(session, console, text.strip()) == "exit":
@@ -230,7 +234,7 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
         if console.is_terminal and long_prompt(total):
             said = f"reading the message: {done:,} of {total:,} tokens" if done < total else ""
             # (cut to the line: a wrapped line's first row would stay behind at the next update)
-            said = said[: max(0, console.width - len(Text.from_markup(LABEL)) - 1)]
+            said = said[: max(0, console.width - LABEL_WIDTH - 1)]
             console.file.write("\r\x1b[2K")
             console.print(f"{LABEL}[dim]{said}[/dim]", end="")
 
@@ -252,7 +256,7 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
             console.file.write("\r\x1b[2K")
         else:
             console.print()
-        console.print(f"[yellow]{escape(str(e))}[/yellow]")
+        warn(console, str(e))
         return
     except SystemExit:  # SIGTERM, or the terminal closing (SIGHUP): the shell's prompt on a line of its own
         with contextlib.suppress(OSError):
@@ -361,7 +365,7 @@ def command(session, console: Console, line: str) -> str | None:
                 raise UserError("/save needs a file name")
             console.print(f"[dim]saved to {escape(str(session.save(arg)))}[/dim]")
         else:
-            console.print(f"[yellow]unknown command {escape(name)}: /help lists them[/yellow]")
+            warn(console, f"unknown command {name}: /help lists them")
     except (ValueError, OSError) as e:  # a UserError, a number that does not parse, a file /save cannot write
-        console.print(f"[yellow]{escape(str(e))}[/yellow]")
+        warn(console, str(e))
     return None

@@ -89,7 +89,7 @@ class Output(Console):
 def stdout() -> Console:
     """A console on stdout; piped into a file or another program, as wide as the lines it prints (rich
     would fold tables into 80 columns)."""
-    return Output(emoji=False) if sys.stdout.isatty() else Output(emoji=False, width=1000)
+    return Output(emoji=False, width=None if sys.stdout.isatty() else 1000)
 
 
 def stderr() -> Console:

@@ -430,7 +430,8 @@ def prepare_run(
         raise UserError(f"{e} (it holds the held-out prompts), or pass --eval-prompts 0") from None
     target, tokenizer = load(model)
     check_data_tokenizer(folders, tokenizer, Target(target).vocab_size, model)
-    for folder in (f for f, _ in folders if shards_target(f) not in ("", weights_digest(target))):
+    digest = weights_digest(target)
+    for folder in (f for f, _ in folders if shards_target(f) not in ("", digest)):
         note(
             f"note: {folder} holds another target's answers (other weights, or the same in another "
             f"precision): the drafter learns to predict that target's text, not {model}'s"
