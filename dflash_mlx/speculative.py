@@ -86,10 +86,6 @@ class GenerationResult:
         return sum(a) / len(a) if a else 0.0
 
     @property
-    def histogram(self) -> dict[int, int]:
-        return dict(sorted(Counter(self.acceptance_lengths).items()))
-
-    @property
     def mix(self) -> dict[str, int]:
         """Cycles per source."""
         return dict(Counter(self.sources))

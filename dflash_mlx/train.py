@@ -286,11 +286,6 @@ def cross_entropy(logits: mx.array, labels: mx.array) -> mx.array:
     return _cpu_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).reshape(shape)
 
 
-def block_loss(logits, labels, valid, gamma):
-    w = loss_weights(logits.shape[1] + 1, gamma)[None] * valid
-    return (cross_entropy(logits, labels) * w).sum() / w.sum()
-
-
 def acceptance_from_blocks(logits, labels, valid) -> tuple[float, np.ndarray]:
     """Greedy acceptance length each block would get (1 + leading correct proposals), and the
     per-position accuracy. On self-distilled data this is the real greedy acceptance at that point."""
@@ -395,7 +390,7 @@ def sequence_for_step(seed: int, draw: int, train_idx: np.ndarray) -> int:
 
 
 def block_weight_sum(anchors: np.ndarray, length: int, block_size: int, gamma: float) -> float:
-    """The loss weights of one sequence's blocks that have a label (see block_loss)."""
+    """The loss weights of one sequence's blocks that have a label (the sum a step's loss is over)."""
     w = np.array(loss_weights(block_size, gamma))
     return float((w[None] * (anchors[:, None] + np.arange(1, block_size)[None] < length)).sum())
 
@@ -649,7 +644,7 @@ def train(
 
     def loss_fn(model, features, tokens, anchors, rows, lengths, total):
         """The pass's share of the step's loss: its blocks' weighted cross-entropy over the step's weight
-        sum `total`, so that the passes of a step add up to block_loss over all of its blocks."""
+        sum `total`, so that the passes of a step add up to the weighted mean over all of its blocks."""
         logits = block_logits(model, target, features, tokens, anchors, head, rows)
         labels, valid = block_labels(tokens, anchors, cfg.block_size, rows, lengths)
         labels = labels if to_subset is None else to_subset[labels]

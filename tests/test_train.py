@@ -47,7 +47,6 @@ from dflash_mlx.train import (
     acceptance_from_blocks,
     block_labels,
     block_logits,
-    block_loss,
     cross_entropy,
     loss_weights,
     pick_mask_token,
@@ -55,6 +54,12 @@ from dflash_mlx.train import (
     train,
     usable_sequences,
 )
+
+
+def block_loss(logits, labels, valid, gamma):
+    """The training objective: blocks' cross-entropy weighted by position, over the weights' sum."""
+    w = loss_weights(logits.shape[1] + 1, gamma)[None] * valid
+    return (cross_entropy(logits, labels) * w).sum() / w.sum()
 
 
 @pytest.mark.parametrize("window", [None, 3])
