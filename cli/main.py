@@ -41,8 +41,16 @@ def main(
             signal.signal(sig, _terminated)
     # Bytes on stdin that are not UTF-8 arrive as lone surrogates, which the commands name in one line
     # (check_utf8), in every locale: most UTF-8 locales would raise on them instead, the C one does not.
-    if isinstance(sys.stdin, io.TextIOWrapper) and sys.stdin.encoding.lower().replace("-", "") == "utf8":
+    if isinstance(sys.stdin, io.TextIOWrapper) and _utf8(sys.stdin):
         sys.stdin.reconfigure(errors="surrogateescape")
+    # A terminal in another character set (ISO-8859-1, PYTHONIOENCODING=ascii) shows what it cannot
+    # show as "?": the answer goes on, where Python would raise in the middle of it.
+    if isinstance(sys.stdout, io.TextIOWrapper) and not _utf8(sys.stdout):
+        sys.stdout.reconfigure(errors="replace")
+
+
+def _utf8(stream: io.TextIOWrapper) -> bool:
+    return stream.encoding.lower().replace("-", "").replace("_", "") == "utf8"
 
 
 def _terminated(signum, frame):

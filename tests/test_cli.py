@@ -1655,3 +1655,17 @@ def test_output_onto_a_full_disk_is_one_line():
 def test_a_path_starting_with_a_user_that_does_not_exist_is_one_line(command):
     r = run(command)
     assert r.exit_code == 1 and r.stderr.strip().splitlines() == [f"error: {NO_USER}"], r.output
+
+
+def test_a_terminal_in_another_character_set_shows_a_question_mark_where_python_would_raise(monkeypatch):
+    import io
+
+    from dflash_mlx.cli.main import main
+
+    raw = io.BytesIO()
+    stdout = io.TextIOWrapper(raw, encoding="latin-1")  # (an ISO-8859-1 terminal, PYTHONIOENCODING)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    main(False)
+    print("café お茶")  # what an answer may hold, written as generate and chat write it
+    stdout.flush()
+    assert raw.getvalue() == "café ??\n".encode("latin-1")
