@@ -20,7 +20,7 @@ from dflash_mlx.data import prompt_source
 from dflash_mlx.errors import UserError, unpaired_surrogate
 from dflash_mlx.files import is_write_error
 from dflash_mlx.pairing import prepare
-from dflash_mlx.platform import backend, home_advice, stop_signals
+from dflash_mlx.platform import backend, home_advice, kernel_error, stop_signals
 from dflash_mlx.policy import costs_for, warm_up
 
 DEMO = "smollm2-135m-instruct"
@@ -257,9 +257,10 @@ def user_errors(named: dict[str, str] | None = None):
         typer.secho(f"error: {flagged(str(e), named)}", fg="red", err=True)
         raise typer.Exit(1) from None
     except RuntimeError as e:
-        if str(e) != NO_SUCH_USER:
+        said = NO_USER if str(e) == NO_SUCH_USER else kernel_error(e)
+        if said is None:
             raise
-        typer.secho(f"error: {NO_USER}", fg="red", err=True)
+        typer.secho(f"error: {said}", fg="red", err=True)
         raise typer.Exit(1) from None
 
 

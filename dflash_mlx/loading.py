@@ -38,7 +38,7 @@ from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .models.formats import drafter_format
 from .pairing import prepare
 from .phrases import Phrases
-from .platform import backend, cache_home, warn_if_slow_blas
+from .platform import backend, cache_home, kernel_folder_problem, warn_if_slow_blas
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -340,6 +340,8 @@ def load(name: str, dtype="auto"):
     """Load a target with mlx-lm -> (model, tokenizer). dtype: 'auto' (float32 on the CPU), None (the
     checkpoint's own), a name ('bfloat16') or an mx.Dtype."""
     warn_if_slow_blas()
+    if mx.default_device() == mx.cpu and (problem := kernel_folder_problem()):
+        raise UserError(problem)
     name = _named(name, "target")
     dtype = _dtype(dtype)
     path = resolve_target(name, dtype)

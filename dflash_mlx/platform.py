@@ -395,6 +395,45 @@ def warn_if_slow_blas() -> None:
         print(f"warning: {advice}", file=sys.stderr)
 
 
+def kernel_folder() -> Path:
+    """Where MLX's CPU backend compiles its kernels and keeps them: mlx/ in the temporary folder as C++
+    names it (the first of TMPDIR, TMP, TEMP, TEMPDIR that is set, even empty; else /tmp)."""
+    for name in ("TMPDIR", "TMP", "TEMP", "TEMPDIR"):
+        if name in os.environ:
+            return Path(os.environ[name]) / "mlx"
+    return Path("/tmp/mlx")
+
+
+def kernel_folder_problem() -> str | None:
+    """What to do where MLX's CPU backend could not compile its kernels (else None), said before a model
+    loads: a temporary folder that is missing or cannot be written would fail every generation with
+    MLX's own error, which names neither the variable nor what to do."""
+    folder = kernel_folder()
+    kept = folder / (_version("mlx") or "") / "cpu"  # (MLX makes what is missing of it)
+    place = next((p for p in (kept, kept.parent, folder) if p.exists()), folder.parent)
+    if not place.is_dir() or not os.access(place, os.W_OK | os.X_OK):
+        problem = "is read-only" if place.is_dir() else "is not a folder" if place.exists() else "is missing"
+        advice = "set TMPDIR to a writable folder"
+        return f"MLX compiles its CPU kernels in {folder}, but {place} {problem}: {advice}"
+    return None
+
+
+def kernel_error(e: RuntimeError) -> str | None:
+    """What to do where MLX's CPU kernel compiler failed (a full or damaged temporary folder), else None."""
+    text = str(e)
+    if text.startswith("Could not load C++ shared library"):
+        return (
+            f"MLX could not load a CPU kernel it compiled before ({text.split('library', 1)[1].strip()}): "
+            f"remove {kernel_folder()} (its kernels are compiled again) and run again"
+        )
+    if "Failed to compile function" in text:
+        return (
+            f"MLX could not compile a CPU kernel in {kernel_folder()}: is that disk full? Make room there, "
+            "or set TMPDIR to another folder"
+        )
+    return None
+
+
 @contextmanager
 def ctrl_c_in_mlx():
     """A Ctrl-C is a KeyboardInterrupt even where MLX raised first: its CPU backend compiles kernels

@@ -1669,3 +1669,43 @@ def test_a_terminal_in_another_character_set_shows_a_question_mark_where_python_
     print("café お茶")  # what an answer may hold, written as generate and chat write it
     stdout.flush()
     assert raw.getvalue() == "café ??\n".encode("latin-1")
+
+
+def test_a_temporary_folder_mlx_cannot_compile_in_is_one_line_before_the_model_loads(
+    pair, tmp_path, monkeypatch
+):
+    root, _ = pair
+    (tmp_path / "a-file").write_text("")
+    for tmpdir, problem in ((tmp_path / "gone", "is missing"), (tmp_path / "a-file", "is not a folder")):
+        monkeypatch.setenv("TMPDIR", str(tmpdir))  # (MLX's own error: "temp_directory_path: ...")
+        r = run(f"generate -m {root}/target -d {root}/draft -p w5 --max-tokens 4")
+        assert r.exit_code == 1 and r.stderr.splitlines() == [
+            f"error: MLX compiles its CPU kernels in {tmpdir}/mlx, but {tmpdir} {problem}: set TMPDIR to a "
+            "writable folder"
+        ]
+
+
+def test_a_damaged_kernel_mlx_compiled_before_is_one_line_that_says_to_remove_them(tmp_path):
+    compiled = "mx.eval(mx.compile(lambda a: mx.exp(a) * 3 + 1)(mx.ones(5)))"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    python = [
+        sys.executable,
+        "-c",
+        "import dflash_mlx, mlx.core as mx\nfrom dflash_mlx.cli.options import user_errors\n",
+    ]
+    subprocess.run([*python[:2], python[2] + compiled], env=env, check=True)
+    (kernel,) = tmp_path.glob("mlx/*/cpu/*.so")
+    kernel.write_bytes(b"")  # (a disk that filled, a copy cut short)
+    r = subprocess.run(
+        [
+            *python[:2],
+            python[2] + f"try:\n  with user_errors(): {compiled}\nexcept Exception as e: exit(e.exit_code)",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: MLX could not load a CPU kernel it compiled before ({kernel}: file too short): remove "
+        f"{tmp_path}/mlx (its kernels are compiled again) and run again"
+    ]
