@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 from .errors import AlreadyExists, UserError, unpaired_surrogate
@@ -28,23 +29,27 @@ def atomic_folder(dest: str | Path, force: bool = False):
     check_utf8_name(dest)
     if Path.cwd().resolve().is_relative_to(dest.resolve()):
         raise UserError(f"{dest} is the current folder or holds it: give the name of a new folder")
-    if dest.exists() and not force:
+    try:
+        if dest.parent.is_dir():  # (a swap cut short is undone before `dest` is looked at)
+            _clear_leftovers(dest)
+    except OSError as e:
+        raise UserError(f"cannot write {dest}: {e.strerror}") from None
+    if _there(dest) and not force:
         raise AlreadyExists(f"{dest} already exists (pass --force to replace it)")
     if dest.exists() and not (dest.is_dir() or dest.is_file()):  # (/dev/null, a pipe: never replaced)
         raise UserError(f"cannot write {dest}: it is not a regular file or folder")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        _clear_leftovers(dest)
         tmp = Path(tempfile.mkdtemp(prefix=_partial(dest), dir=dest.parent))
     except OSError as e:  # (its own error names the folder above, or the temporary one)
         raise UserError(f"cannot write {dest}: {e.strerror}") from None
     try:
         yield tmp
         tmp.chmod(0o755)  # mkdtemp makes it private
-        if dest.exists() and not force:  # (another process wrote it meanwhile: its work stays)
+        if _there(dest) and not force:  # (another process wrote it meanwhile: its work stays)
             raise AlreadyExists(f"{dest} was written meanwhile by another process (--force replaces it)")
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old")
+        if _there(dest):
+            old = moved_aside(dest)
             _remove(old)
             dest.rename(old)
             try:
@@ -60,6 +65,11 @@ def atomic_folder(dest: str | Path, force: bool = False):
         if is_write_error(e):
             raise _no_room(dest, e) from None
         raise
+
+
+def _there(path: Path) -> bool:
+    """Something is at `path`: a link that leads nowhere too (a rename onto it would fail)."""
+    return path.exists() or path.is_symlink()
 
 
 @contextlib.contextmanager
@@ -102,19 +112,35 @@ def _partial(dest: Path) -> str:
 
 
 def _clear_leftovers(dest: Path) -> None:
-    """Remove what writers of `dest` on this host that are no longer running left beside it; a folder
-    moved aside by a swap that was cut short goes back where `dest` is missing (it was whole), and is
-    removed where the swap got as far as putting the new one in place."""
-    old = dest.with_name(f".{dest.name}.old")
-    if old.exists() and not dest.exists():
+    """Remove what writers of `dest` that are no longer running left beside it (another host's: a day
+    on); a folder moved aside by a swap that was cut short goes back where `dest` is missing (it was
+    whole), and is removed where the swap got as far as putting the new one in place."""
+    old = moved_aside(dest)
+    if old.exists() and not _there(dest):
         old.rename(dest)
     elif old.exists():
         _remove(old)
     start = f".{dest.name}.partial-"
     for stale in dest.parent.glob(glob.escape(start) + "*"):
         pid, _, writer = stale.name[len(start) :].partition("@")
-        if pid.isdigit() and writer.startswith(f"{socket.gethostname()}-") and not _running(int(pid)):
+        here = writer.startswith(f"{socket.gethostname()}-")
+        if pid.isdigit() and (not _running(int(pid)) if here else _age(stale) > STALE):
             _remove(stale)
+
+
+STALE = 86_400  # seconds after which another host's partial file is its killed writer's (hosts come and go)
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.lstat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def moved_aside(dest: Path) -> Path:
+    """Where a folder being replaced waits until its replacement is in place."""
+    return dest.with_name(f".{dest.name}.old")
 
 
 def _running(pid: int) -> bool:

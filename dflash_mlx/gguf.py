@@ -363,6 +363,9 @@ def gguf_tokenizer(meta: dict):
     return tok, {k: v for k, v in config.items() if v is not None}
 
 
+WRITTEN = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")  # (convert_gguf's)
+
+
 def convert_gguf(
     path: str | Path,
     out: Path,

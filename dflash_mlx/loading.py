@@ -31,8 +31,8 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer a
 
 from .data import tokenizer_fingerprint
 from .errors import NotFound, UserError
-from .files import atomic_folder, check_utf8_name, folder_bytes, is_write_error, one_at_a_time
-from .gguf import convert_gguf
+from .files import atomic_folder, check_utf8_name, folder_bytes, is_write_error, moved_aside, one_at_a_time
+from .gguf import WRITTEN, convert_gguf
 from .hub import download
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .models.formats import drafter_format
@@ -156,7 +156,7 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
     where = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
     state = hashlib.sha1(f"{st.st_size}-{st.st_mtime_ns}-{st.st_ino}".encode()).hexdigest()[:8]
     dest = cache_home() / "gguf" / f"{path.stem}-{tag}-{where}-{state}"
-    if (dest / "config.json").exists():
+    if whole(dest):
         return dest
     check_utf8_name(dest)  # (a home named in another encoding: before anything is made or said)
     try:
@@ -167,9 +167,10 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
             "DFLASH_MLX_HOME to a folder you can write"
         ) from None
     with one_at_a_time(f"gguf-{dest.name}"):  # (processes started together convert it once)
-        if (dest / "config.json").exists():
+        if whole(dest):
             return dest
-        print(f"converting {path.name} to an MLX folder in {dest} (once)", file=sys.stderr)
+        again = " again: a file of it is missing" if dest.exists() else " (once)"
+        print(f"converting {path.name} to an MLX folder in {dest}{again}", file=sys.stderr)
         with atomic_folder(dest, force=True) as tmp:
             convert_gguf(path, tmp, dtype)
     # Conversions of that file before it changed (replaced, or touched) are not read again, nor those
@@ -180,6 +181,12 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
         if old != dest and earlier and (old / "config.json").exists():
             shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+def whole(conversion: Path) -> bool:
+    """A GGUF file's conversion holds every file it was written with (one removed by hand, or by a
+    cleaner of old files, would otherwise load as another model: without its chat template)."""
+    return all((conversion / name).is_file() for name in WRITTEN)
 
 
 def is_gguf(path: Path) -> bool:
@@ -193,6 +200,11 @@ def check_name(name: str) -> None:
         return
     if is_gguf(path):
         raise NotFound(f"no GGUF file at {name}")
+    if (aside := moved_aside(path)).is_dir():  # (`convert --force` killed between its two renames)
+        raise NotFound(
+            f"no model folder at {name}: a replacement of it that was cut short left the folder it replaced "
+            f"at {aside}; move it back (mv {aside} {path})"
+        )
     if name.startswith((".", "/", "~")) or name.count("/") != 1 or not _repo_id(name):
         raise NotFound(
             f"no model folder at {name}, and it is not a known pair or a "

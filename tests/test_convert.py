@@ -8,6 +8,7 @@ import re
 import shutil
 import socket
 import struct
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -382,6 +383,19 @@ def test_a_gguf_loaded_by_path_is_converted_once_and_again_only_when_the_file_ch
     np.testing.assert_allclose(
         np.array(mlx_lm_load(str(b))[0](ids)), np.array(other(ids)), rtol=1e-5, atol=1e-5
     )
+    # A file of the conversion removed (by hand, by a cleaner of old files): it would load as another
+    # model (no chat template), so it is converted again; so is one whose name is a link to nowhere
+    (b / "tokenizer_config.json").unlink()
+    assert (
+        gguf_folder(tmp_path / "tiny.gguf", mx.float32) == again
+        and (again / "tokenizer_config.json").is_file()
+    )
+    assert (
+        gguf_folder(tmp_path / "b" / "tiny.gguf", mx.float32) == b and (b / "tokenizer_config.json").is_file()
+    )
+    shutil.rmtree(b)
+    b.symlink_to(tmp_path / "nowhere")
+    assert gguf_folder(tmp_path / "b" / "tiny.gguf", mx.float32) == b and not b.is_symlink()
     (b / "config.json").write_text('{"model_type": ')  # a damaged conversion: what to do about it
     from dflash_mlx.loading import load
 
@@ -705,6 +719,21 @@ def test_a_ctrl_c_while_the_replaced_folder_is_removed_comes_too_late_to_stop_th
     assert calls.count(".model.old") == 3
 
 
+def test_a_link_to_nowhere_where_a_folder_goes_is_replaced_with_force_only(tmp_path):
+    """A rename onto it failed ("Not a directory") after the whole conversion."""
+    from dflash_mlx.errors import AlreadyExists
+    from dflash_mlx.files import atomic_folder
+
+    dest = tmp_path / "model"
+    dest.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(AlreadyExists, match="model already exists"), atomic_folder(dest):
+        pass
+    with atomic_folder(dest, force=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert not dest.is_symlink() and (dest / "config.json").read_text() == "{}"
+    assert sorted(tmp_path.iterdir()) == [dest]
+
+
 def test_a_folder_written_meanwhile_by_another_process_is_kept_without_force(tmp_path):
     """Two `convert`s into one new folder: the one that ends second is refused, not swapped over the
     first (whose "wrote ..." would be false)."""
@@ -721,13 +750,22 @@ def test_a_folder_written_meanwhile_by_another_process_is_kept_without_force(tmp
 
 
 def test_a_folder_moved_aside_by_a_swap_cut_short_is_put_back_or_cleared(tmp_path):
+    from dflash_mlx.errors import AlreadyExists, NotFound
     from dflash_mlx.files import atomic_folder
+    from dflash_mlx.loading import check_name
 
     dest, old = tmp_path / "model", tmp_path / ".model.old"
     old.mkdir()
     (old / "config.json").write_text("{}")  # the good folder, moved aside before the new one went in
-    with pytest.raises(RuntimeError), atomic_folder(dest):  # the next write fails: the good one is back
-        raise RuntimeError("failed")
+    with pytest.raises(
+        NotFound, match=re.escape(f"left the folder it replaced at {old}; move it back (mv {old}")
+    ):
+        check_name(str(dest))  # (read meanwhile: said, not "no model folder" alone)
+    with (
+        pytest.raises(AlreadyExists, match="model already exists"),
+        atomic_folder(dest),
+    ):  # the good one is back
+        pass
     assert (dest / "config.json").read_text() == "{}" and not old.exists()
     old.mkdir()  # ... or the swap was done and only the old one's removal was cut short
     with atomic_folder(dest, force=True) as tmp:
@@ -790,8 +828,10 @@ def test_sigterm_during_a_conversion_leaves_no_partial_folder(tmp_path, sig):
     assert len(left) == 1 and left[0].startswith(f".out.partial-{p.pid}@")
     running = tmp_path / f".out.partial-{os.getpid()}@{socket.gethostname()}-x"
     elsewhere = tmp_path / f".out.partial-{p.pid}@another-host-x"
-    running.mkdir()
-    elsewhere.mkdir()
+    days_ago = tmp_path / f".out.partial-{p.pid}@a-host-long-gone-x"  # (a container since replaced)
+    for partial in (running, elsewhere, days_ago):
+        partial.mkdir()
+    os.utime(days_ago, (time.time() - 2 * 86_400,) * 2)
     r = cli("convert", tmp_path / "tiny.gguf", tmp_path / "out")
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
