@@ -14,6 +14,7 @@ import glob
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,9 +74,10 @@ def _there(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def one_at_a_time(name: str):
+def one_at_a_time(name: str, doing: str):
     """Processes that make the same thing (`name`) take turns: an exclusive lock on a file of that name
-    under the home's locks/ while the block runs. Where it cannot be made (a read-only home), the
+    under the home's locks/ while the block runs. One that waits says so on stderr (`doing`: what the
+    other is doing). Where no lock can be had (a read-only home, a network disk without locks), the
     block runs anyway."""
     lock = cache_home() / "locks" / name
     try:
@@ -85,11 +87,24 @@ def one_at_a_time(name: str):
         held = None
     try:
         if held is not None:
-            fcntl.flock(held, fcntl.LOCK_EX)
+            _take(held, doing)
         yield
     finally:
         if held is not None:
             held.close()
+
+
+def _take(held, doing: str) -> None:
+    try:
+        for _ in range(20):  # (a second: a lock held only to read what is kept goes unsaid)
+            try:
+                return fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                time.sleep(0.05)
+        print(f"waiting for another process that is {doing} ...", file=sys.stderr, flush=True)
+        fcntl.flock(held, fcntl.LOCK_EX)
+    except OSError:  # (ENOLCK: an NFS home without its lock service)
+        pass
 
 
 def is_write_error(e: BaseException) -> bool:

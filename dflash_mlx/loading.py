@@ -166,7 +166,7 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
             f"cannot write {dest.parent} ({e.strerror}), where a GGUF file's conversion is kept: set "
             "DFLASH_MLX_HOME to a folder you can write"
         ) from None
-    with one_at_a_time(f"gguf-{dest.name}"):  # (processes started together convert it once)
+    with one_at_a_time(f"gguf-{dest.name}", f"converting {path.name}"):  # (processes started together: once)
         if whole(dest):
             return dest
         again = " again: a file of it is missing" if dest.exists() else " (once)"

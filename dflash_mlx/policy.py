@@ -1110,7 +1110,7 @@ def costs_for(target, draft, batches=(), progress=None) -> CostModel:
     path = costs_path(target, draft)
     # Two processes measuring at once would each time passes slowed by the other's: the second waits,
     # then reads what the first measured.
-    with one_at_a_time(f"costs-{path.stem}"):
+    with one_at_a_time(f"costs-{path.stem}", "measuring this machine's costs for the pair"):
         costs = kept_costs(path)
         contexts, widths = (costs.contexts, costs.widths) if costs else _plan(target, draft)[:2]
         priced = len(contexts) * len(widths) * len(_unpriced(costs.batches if costs else {}, batches))

@@ -734,6 +734,44 @@ def test_a_link_to_nowhere_where_a_folder_goes_is_replaced_with_force_only(tmp_p
     assert sorted(tmp_path.iterdir()) == [dest]
 
 
+def test_a_process_waiting_for_another_says_so_and_a_home_without_locks_goes_on(tmp_path, monkeypatch, capfd):
+    """It waited in silence (a stopped process measuring costs: forever); a home on a network disk
+    without locks (ENOLCK) ended every command with "[Errno 37] No locks available"."""
+    import errno
+    import fcntl
+    import threading
+
+    import dflash_mlx.files as files
+
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path))
+    (tmp_path / "locks").mkdir()
+    other = open(tmp_path / "locks" / "costs-x", "a")  # (its own open file: as another process holds it)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    entered = threading.Event()
+
+    def waits():
+        with files.one_at_a_time("costs-x", "measuring the costs"):
+            entered.set()
+
+    thread = threading.Thread(target=waits)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while "waiting" not in (said := capfd.readouterr().err) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert said == "waiting for another process that is measuring the costs ...\n" and not entered.is_set()
+    other.close()
+    thread.join(timeout=30)
+    assert entered.is_set()
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with files.one_at_a_time("costs-x", "measuring the costs"):
+        pass
+    assert capfd.readouterr().err == ""
+
+
 def test_a_folder_written_meanwhile_by_another_process_is_kept_without_force(tmp_path):
     """Two `convert`s into one new folder: the one that ends second is refused, not swapped over the
     first (whose "wrote ..." would be false)."""
