@@ -19,6 +19,7 @@ from dflash_mlx.data import (
     resume_point,
     shards_tokenizer,
     training_sets,
+    writing_into,
 )
 from dflash_mlx.errors import AlreadyExists, UserError
 from dflash_mlx.loading import load, load_pair, read_config, template_kwargs
@@ -103,60 +104,69 @@ def data(
             raise UserError(f"--limit must be >= 0, got {limit}")
         limit = limit or None  # (0: all, as bench takes it)
         check_data_options(out, batch_size, shard_size, max_new_tokens, max_prompt_tokens, limit, temp)
-        prompts = prompt_source(source, training=True)
-        total = min(limit or len(prompts), len(prompts))
         folder = Path(out).expanduser()
-        settings = data_settings(max_new_tokens, temp, seed, template_kwargs(model, think))
-        done, consumed = resume_point(folder, source, max(shard_size, 1), prompts, settings)
-        if consumed >= len(prompts) or (limit is not None and done >= limit):
-            typer.echo(f"{_sequences(done)} in {out}: nothing left to generate")
-            return
-        target, tokenizer = load(model)
-        Target(target)  # a family `train run` cannot use is refused before hours of generation
-        if batch_size is None:
-            batch_size = max(1, min(answer_rows(target, max_prompt_tokens + max_new_tokens), total - done))
-            typer.echo(f"answering {batch_size} prompts at a time (--batch-size)", err=True)
-        before, tic = _answer_tokens(load_shards(folder)), time.perf_counter()
-        generated = 0  # answer tokens, of unfinished answers too: the bar's speed moves from the first step
-
-        def speed() -> str:
-            return f"{generated / (time.perf_counter() - tic):.0f} tokens/s"
-
-        def step(answered: int, _: int, tokens: int) -> None:
-            nonlocal generated
-            generated = tokens
-            bar.update(task, completed=answered, description=speed())
-
-        def made() -> str:
-            seqs = load_shards(folder)
-            tokens = _answer_tokens(seqs) - before
-            return f"{_sequences(len(seqs))} in {out} ({tokens} new answer tokens, generated at {speed()})"
-
-        bar = progress_bar("generating answers", detail=True)
-        with bar, terminated_as_interrupted() as terminated:
-            task = bar.add_task("", total=total, completed=done)
-            try:
-                generate_data(
-                    target,
-                    tokenizer,
-                    prompts,
-                    folder,
-                    max_new_tokens=max_new_tokens,
-                    batch_size=batch_size,
-                    shard_size=shard_size,
-                    max_prompt_tokens=max_prompt_tokens,
-                    limit=limit,
-                    source=source,
-                    template_kwargs=template_kwargs(model, think, tokenizer),
-                    progress=step,
-                    temperature=temp,
-                    seed=seed,
+        with writing_into(folder):  # (before the model loads: a second run into it is refused)
+            prompts = prompt_source(source, training=True)
+            total = min(limit or len(prompts), len(prompts))
+            settings = data_settings(max_new_tokens, temp, seed, template_kwargs(model, think))
+            done, consumed = resume_point(folder, source, max(shard_size, 1), prompts, settings)
+            if consumed >= len(prompts) or (limit is not None and done >= limit):
+                typer.echo(f"{_sequences(done)} in {out}: nothing left to generate")
+                return
+            target, tokenizer = load(model)
+            Target(target)  # a family `train run` cannot use is refused before hours of generation
+            if batch_size is None:
+                batch_size = max(
+                    1, min(answer_rows(target, max_prompt_tokens + max_new_tokens), total - done)
                 )
-            except KeyboardInterrupt:  # what is on disk is whole answers (see generate_data)
-                bar.stop()
-                typer.echo(f"stopped: {made()}; run the same command to go on", err=True)
-                raise typer.Exit(interrupted_code(terminated)) from None
-            bar.update(task, completed=total)  # done: prompts skipped as too long never count towards the bar
+                typer.echo(f"answering {batch_size} prompts at a time (--batch-size)", err=True)
+            before, tic = _answer_tokens(load_shards(folder)), time.perf_counter()
+            generated = (
+                0  # answer tokens, of unfinished answers too: the bar's speed moves from the first step
+            )
+
+            def speed() -> str:
+                return f"{generated / (time.perf_counter() - tic):.0f} tokens/s"
+
+            def step(answered: int, _: int, tokens: int) -> None:
+                nonlocal generated
+                generated = tokens
+                bar.update(task, completed=answered, description=speed())
+
+            def made() -> str:
+                seqs = load_shards(folder)
+                tokens = _answer_tokens(seqs) - before
+                return (
+                    f"{_sequences(len(seqs))} in {out} ({tokens} new answer tokens, generated at {speed()})"
+                )
+
+            bar = progress_bar("generating answers", detail=True)
+            with bar, terminated_as_interrupted() as terminated:
+                task = bar.add_task("", total=total, completed=done)
+                try:
+                    generate_data(
+                        target,
+                        tokenizer,
+                        prompts,
+                        folder,
+                        max_new_tokens=max_new_tokens,
+                        batch_size=batch_size,
+                        shard_size=shard_size,
+                        max_prompt_tokens=max_prompt_tokens,
+                        limit=limit,
+                        source=source,
+                        template_kwargs=template_kwargs(model, think, tokenizer),
+                        progress=step,
+                        temperature=temp,
+                        seed=seed,
+                    )
+                except KeyboardInterrupt:  # what is on disk is whole answers (see generate_data)
+                    bar.stop()
+                    typer.echo(f"stopped: {made()}; run the same command to go on", err=True)
+                    raise typer.Exit(interrupted_code(terminated)) from None
+                bar.update(
+                    task, completed=total
+                )  # done: prompts skipped as too long never count towards the bar
     typer.echo(made())
 
 

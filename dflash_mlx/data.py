@@ -29,7 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .benchsets import SETS, bench_set, parsed_stdlib
 from .chat import apply_chat_template
 from .errors import NotFound, UserError, unpaired_surrogate
-from .files import check_writable
+from .files import check_writable, one_at_a_time
 from .hub import download
 from .platform import backend, ctrl_c_in_mlx, device_memory
 from .policy import weights_digest
@@ -695,6 +695,16 @@ class Answers:
         for c in cache:
             c.finalize()
         return cache
+
+
+def writing_into(folder: Path):
+    """Held while `train data` writes answers into `folder`: a second run into it is refused (their
+    shards would interleave, and each would remove the other's half-written one)."""
+    key = hashlib.sha1(str(folder.expanduser().resolve()).encode()).hexdigest()[:16]
+    doing = f"writing answers into {folder}"
+    return one_at_a_time(
+        f"data-{key}", doing, "let it end (run this again then to go on), or give another --out"
+    )
 
 
 def check_data_options(

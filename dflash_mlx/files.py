@@ -74,11 +74,11 @@ def _there(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def one_at_a_time(name: str, doing: str):
+def one_at_a_time(name: str, doing: str, refuse: str = ""):
     """Processes that make the same thing (`name`) take turns: an exclusive lock on a file of that name
     under the home's locks/ while the block runs. One that waits says so on stderr (`doing`: what the
-    other is doing). Where no lock can be had (a read-only home, a network disk without locks), the
-    block runs anyway."""
+    other is doing); with `refuse` (what to do instead), it is refused at once. Where no lock can be
+    had (a read-only home, a network disk without locks), the block runs anyway."""
     lock = cache_home() / "locks" / name
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
@@ -87,20 +87,22 @@ def one_at_a_time(name: str, doing: str):
         held = None
     try:
         if held is not None:
-            _take(held, doing)
+            _take(held, doing, refuse)
         yield
     finally:
         if held is not None:
             held.close()
 
 
-def _take(held, doing: str) -> None:
+def _take(held, doing: str, refuse: str) -> None:
     try:
         for _ in range(20):  # (a second: a lock held only to read what is kept goes unsaid)
             try:
                 return fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 time.sleep(0.05)
+        if refuse:
+            raise UserError(f"another process is {doing}: {refuse}")
         print(f"waiting for another process that is {doing} ...", file=sys.stderr, flush=True)
         fcntl.flock(held, fcntl.LOCK_EX)
     except OSError:  # (ENOLCK: an NFS home without its lock service)

@@ -1206,6 +1206,14 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert r.exit_code == 0 and "4 sequences" in r.stdout and "nothing left to generate" in r.stdout
     r = run(f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/data")
     assert r.exit_code == 1 and "made with max-new-tokens 24 (not 256)" in r.stderr
+    from dflash_mlx.data import writing_into
+
+    with writing_into(tmp_path / "d1"):  # another run writes there (their shards would interleave)
+        r = run(f"train data -m {root}/target --source {root}/prompts.jsonl -o {tmp_path}/d1/")
+    assert r.exit_code == 1 and r.stderr == (
+        f"error: another process is writing answers into {tmp_path}/d1: let it end (run this again then to "
+        "go on), or give another --out\n"
+    )
     r = run(f"train data -m {root}/target --source python-stdlib -o {tmp_path}/data")
     assert r.exit_code == 1 and "another list of prompts than 'python-stdlib' gives" in r.stderr
     r = run(
