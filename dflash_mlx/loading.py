@@ -346,6 +346,12 @@ def reading_target(path: Path):
         ) from None
     except ValueError as e:  # mlx-lm's: a model type it does not know, weights that do not fit the config
         raise UserError(f"mlx-lm cannot load the target at {path}: {e}") from None
+    except (TypeError, AttributeError, KeyError) as e:  # a config or tokenizer file lacking a field, or of
+        # another kind (`{"model_type": "llama"}` alone; a list where an object goes)
+        raise UserError(
+            f"mlx-lm cannot load the target at {path}: its config.json or tokenizer files lack a field or "
+            f"hold one of another kind ({type(e).__name__}: {e})"
+        ) from None
 
 
 def load(name: str, dtype="auto"):

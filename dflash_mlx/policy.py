@@ -1129,7 +1129,7 @@ def kept_costs(path: Path) -> CostModel | None:
     """The costs kept at `path`, or None (none, unreadable, or not a cost model: measured again)."""
     try:
         return CostModel(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError, KeyError):
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
 

@@ -454,6 +454,10 @@ def saved_run(out: str | Path) -> dict | None:
         state = json.loads((ckpt / "state.json").read_text())
         if not isinstance(state, dict) or not {"step", "train_config"} <= state.keys():
             raise ValueError("no step and train_config")
+        try:  # (its settings' kinds and ranges, before a resume reads them)
+            TrainConfig(**{**asdict(TrainConfig()), **state["train_config"]})
+        except UserError as e:
+            raise ValueError(e) from None
     with checkpoint_file(ckpt / "config.json"):
         config = DFlashConfig.from_dict(read_config(ckpt))
     return {**state, "config": config}

@@ -203,6 +203,8 @@ def test_a_quantized_target_is_not_quantized_again(tmp_path):
     for damage, line in (
         (lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 64), "cannot load the target at"),
         (lambda d: _set_config(d, model_type="foobar"), "mlx-lm cannot load the target at"),
+        (lambda d: (d / "config.json").write_text('{"model_type": "llama"}'), "lack a field or hold one of"),
+        (lambda d: (d / "tokenizer_config.json").write_text("[1]"), "lack a field or hold one of another"),
         (lambda d: [p.unlink() for p in d.glob("tokenizer*")], "has no tokenizer"),
     ):
         shutil.rmtree(tmp_path / "d", ignore_errors=True)

@@ -344,14 +344,18 @@ def test_a_check_of_acceptance_cut_short_keeps_the_step_it_checked(tiny_setup, t
     assert json.loads((tmp_path / "last" / "checkpoint" / "state.json").read_text())["step"] == 3
 
 
-@pytest.mark.parametrize("damaged", ["state.json", "model.safetensors", "optimizer.safetensors"])
+@pytest.mark.parametrize("damaged", ["state.json", "model.safetensors", "optimizer.safetensors", "lr"])
 def test_a_damaged_checkpoint_is_named_in_one_line(tiny_setup, tmp_path, damaged):
     model, seqs = tiny_setup
     cfg = tiny_config(steps=2, checkpoint_every=1)
     train(Target(model), make_tokenizer(), seqs, tmp_path, cfg)
     file = tmp_path / "checkpoint" / damaged
-    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])  # (a copy cut short)
-    with pytest.raises(UserError, match=f"checkpoint/{damaged} is damaged .*: this run cannot go on"):
+    if damaged == "lr":  # a setting of another kind (a hand edit): TrainConfig's TypeError came through
+        file, state = file.with_name("state.json"), json.loads(file.with_name("state.json").read_text())
+        file.write_text(json.dumps({**state, "train_config": {**state["train_config"], "lr": "x"}}))
+    else:
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])  # (a copy cut short)
+    with pytest.raises(UserError, match=f"checkpoint/{file.name} is damaged .*: this run cannot go on"):
         train(Target(model), make_tokenizer(), seqs, tmp_path, replace(cfg, steps=3))
 
 
