@@ -29,7 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .benchsets import SETS, bench_set, parsed_stdlib
 from .chat import apply_chat_template
 from .errors import NotFound, UserError, unpaired_surrogate
-from .files import check_writable, one_at_a_time
+from .files import check_writable, is_write_error, one_at_a_time
 from .hub import download
 from .platform import backend, ctrl_c_in_mlx, device_memory
 from .policy import weights_digest
@@ -449,19 +449,28 @@ def _write_shard(
     offsets = np.cumsum([0] + [len(s) for s, _ in seqs])
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".shard-{index:05d}.tmp.npz"
-    np.savez_compressed(
-        tmp,
-        tokens=tokens,
-        offsets=offsets,
-        prompt_lens=np.array([p for _, p in seqs]),
-        first_prompt=np.array(first_prompt),
-        next_prompt=np.array(next_prompt),
-        source=np.array(source),
-        tokenizer=np.array(tokenizer),
-        prompts=np.array(prompts),
-        settings=np.array(settings),
-        target=np.array(target),
-    )
+    try:
+        np.savez_compressed(
+            tmp,
+            tokens=tokens,
+            offsets=offsets,
+            prompt_lens=np.array([p for _, p in seqs]),
+            first_prompt=np.array(first_prompt),
+            next_prompt=np.array(next_prompt),
+            source=np.array(source),
+            tokenizer=np.array(tokenizer),
+            prompts=np.array(prompts),
+            settings=np.array(settings),
+            target=np.array(target),
+        )
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if is_write_error(e):
+            raise UserError(
+                f"cannot write a shard into {folder} ({e.strerror}): is the disk full? The shards written "
+                "before are kept: make room, and the same command goes on"
+            ) from None
+        raise
     os.replace(tmp, folder / f"shard-{index:05d}.npz")
 
 

@@ -887,6 +887,32 @@ def test_greedy_data_keeps_the_batch_full_across_shards(tmp_path):
     assert model.passes <= 32, model.passes
 
 
+def test_a_full_disk_names_the_data_folder_keeps_the_shards_before_and_leaves_no_partial_one(
+    tmp_path, monkeypatch
+):
+    import errno
+
+    model, tok = make_target("llama"), make_tokenizer(eos=95)
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 9)]
+    real, written = np.savez_compressed, []
+
+    def fills_up(path, **arrays):
+        if written:  # (the second shard: half of it, then the error)
+            path.write_bytes(b"PK" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(path)
+        return real(path, **arrays)
+
+    monkeypatch.setattr(np, "savez_compressed", fills_up)
+    with pytest.raises(
+        UserError, match=f"^cannot write a shard into {tmp_path} \\(No space left on device\\): is"
+    ):
+        generate_data(model, tok, prompts, tmp_path, max_new_tokens=8, batch_size=2, shard_size=2)
+    assert (
+        sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.npz"] and len(load_shards(tmp_path)) == 2
+    )
+
+
 def test_greedy_answers_finished_before_a_stop_are_kept_and_not_generated_again(tmp_path):
     model, tok = make_target("llama"), make_tokenizer(eos=95)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 13)]
