@@ -30,6 +30,10 @@ __all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str):
+    if name == "__version__":  # (read from the installed package's metadata: one place for it)
+        from importlib.metadata import version
+
+        return version("dflash-mlx")
     if name not in _HOMES:
         raise AttributeError(f"module 'dflash_mlx' has no attribute {name!r}")
     value = getattr(_import_module(f".{_HOMES[name]}", __name__), name)

@@ -41,6 +41,10 @@ def apply_chat_template(
     """
     if isinstance(tokenizer, str) or not hasattr(tokenizer, "encode"):
         raise UserError("give the tokenizer first (as load_pair or load returns it), then the messages")
+    if "tokenize" in template_kwargs:  # (transformers' and mlx-lm's keyword: here always ids)
+        raise UserError(
+            "apply_chat_template returns token ids, and takes no tokenize: tokenizer.decode(ids) is the text"
+        )
     _check_messages(messages, system)
     text = chat_text(
         tokenizer, messages, system=system, add_generation_prompt=add_generation_prompt, **template_kwargs
@@ -73,6 +77,8 @@ def _check_messages(messages, system) -> None:
         if not isinstance(content, str):
             parts = " (join the parts' text into one string)" if isinstance(content, list) else ""
             raise UserError(f"message {i}'s content must be text, got {type(content).__name__}{parts}")
+        if system is not None and m["role"] == "system":  # (rendered as two system turns)
+            raise UserError(f"system is given, and message {i} is a system message too: give one of them")
     for text in [system, *(m.get("content") for m in listed)]:
         if (at := unpaired_surrogate(text or "")) is not None:
             raise UserError(

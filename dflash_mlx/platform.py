@@ -172,6 +172,7 @@ def _find_blas() -> str | None:
 
 def preload_blas() -> dict:
     """Load a fast system BLAS into the process before MLX does, where that helps and is possible."""
+    global _warned
     if blas["status"] != "not attempted":
         return blas
     if not sys.platform.startswith("linux"):
@@ -189,6 +190,7 @@ def preload_blas() -> dict:
             "reference BLAS: import dflash_mlx first",
             stacklevel=3,
         )
+        _warned = True  # (said: not again when a model loads)
     else:
         path = os.environ.get(LIBRARY_ENV) or _find_blas()
         if path is None:

@@ -265,7 +265,7 @@ def stream_generate(
         raise UserError(
             f"prompt_progress_callback must be a function (done, total), got {prompt_progress_callback!r}"
         )
-    if sampler is not None and not callable(sampler):
+    if sampler is not None and not (callable(sampler) and _takes(sampler, 1)):
         raise UserError(
             f"sampler must be a function of log-probabilities, e.g. mlx_lm.sample_utils.make_sampler(...), "
             f"got {sampler!r}"
@@ -498,6 +498,8 @@ def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs
         inspect.signature(stream_generate).bind(model, draft, tokenizer, prompt, **kwargs)
     except TypeError as e:
         raise TypeError(f"generate() {e}") from None
+    if isinstance(prompt, abc.Iterator):  # (read once here: max_tokens=0 counts its tokens after)
+        prompt = list(prompt)
     text, tokens, acc, sources, last = [], [], [], [], None
     logprobs, top = (None, None) if kwargs.get("logprobs") is None else ([], [])
     for last in stream_generate(model, draft, tokenizer, prompt, **kwargs):

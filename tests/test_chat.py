@@ -36,6 +36,12 @@ def smollm2_drafter(path: Path):
         (None, {}, "got NoneType"),
         ("hi", {"system": 5}, "system must be text, got int"),
         ("a\ud800b", {}, "an unpaired UTF-16 surrogate ('\\ud800') in the messages is not text"),
+        (  # (rendered as two system turns)
+            [{"role": "system", "content": "A"}, {"role": "user", "content": "hi"}],
+            {"system": "B"},
+            "system is given, and message 0 is a system message too: give one of them",
+        ),
+        ("hi", {"tokenize": False}, "returns token ids, and takes no tokenize: tokenizer.decode(ids) is the"),
     ],
 )
 def test_messages_a_template_cannot_take_are_one_line_that_says_what_it_takes(

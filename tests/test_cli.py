@@ -1189,6 +1189,9 @@ def test_version_is_the_projects():
     for args in ("version", "--version", "-V"):
         r = run(args)
         assert r.exit_code == 0 and r.stdout.strip() == f"dflash-mlx {project['version']}"
+    import dflash_mlx
+
+    assert dflash_mlx.__version__ == project["version"]  # (in Python, as packages have it)
     assert run("train run -h").stdout == run("train run --help").stdout  # (-h everywhere)
 
 

@@ -58,6 +58,9 @@ def test_max_tokens_zero_yields_nothing(model):
     out = generate(model, make_draft(), make_tokenizer(), prompt_of(4), max_tokens=0)
     assert (out.tokens, out.prompt_tokens) == ([], 4)
     assert generate(model, make_draft(), make_tokenizer(), "w5 w6 w7", max_tokens=0).prompt_tokens == 3
+    assert (
+        generate(model, make_draft(), make_tokenizer(), iter(prompt_of(4)), max_tokens=0).prompt_tokens == 4
+    )
 
 
 def test_an_unsupported_family_names_itself_and_the_supported_ones():
@@ -108,8 +111,9 @@ def test_arguments_of_the_wrong_shape_or_kind_are_refused_by_name(model):
         generate(model, draft, tok, [5, 6], prompt_cache=[])
     with pytest.raises(TypeError, match="^generate\\(\\) got an unexpected keyword argument 'max_token'"):
         generate(model, draft, tok, [5, 6], max_token=5)
-    with pytest.raises(UserError, match="sampler must be a function of log-probabilities"):
-        generate(model, draft, tok, [5, 6], sampler=5)
+    for sampler in (5, lambda logprobs, key: logprobs):  # (the second failed deep in the cycle)
+        with pytest.raises(UserError, match="sampler must be a function of log-probabilities"):
+            generate(model, draft, tok, [5, 6], sampler=sampler)
     for name in ("lookup", "compile", "continues"):
         with pytest.raises(UserError, match=f"{name} must be True or False, got 'no'"):
             generate(model, draft, tok, [5, 6], **{name: "no"})

@@ -49,10 +49,11 @@ def test_a_bad_blas_path_is_named_and_the_advice_says_fix_or_unset_it():
     )
 
 
-def test_importing_mlx_first_warns():
-    r = python("import mlx.core, dflash_mlx")
+def test_importing_mlx_first_warns_once():
+    r = python("import mlx.core, dflash_mlx; dflash_mlx.platform.warn_if_slow_blas()")  # (as a load does)
     assert r.returncode == 0
     assert "mlx.core was imported before dflash_mlx" in r.stderr and "import dflash_mlx first" in r.stderr
+    assert r.stderr.count("import dflash_mlx first") == 1
     assert "imported before" not in python("import dflash_mlx, mlx.core").stderr
 
 
