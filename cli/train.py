@@ -116,14 +116,12 @@ def data(
             target, tokenizer = load(model)
             Target(target)  # a family `train run` cannot use is refused before hours of generation
             if batch_size is None:
-                batch_size = max(
-                    1, min(answer_rows(target, max_prompt_tokens + max_new_tokens), total - done)
-                )
+                fits = answer_rows(target, max_prompt_tokens + max_new_tokens)
+                batch_size = max(1, min(fits, total - done))
                 typer.echo(f"answering {batch_size} prompts at a time (--batch-size)", err=True)
             before, tic = _answer_tokens(load_shards(folder)), time.perf_counter()
-            generated = (
-                0  # answer tokens, of unfinished answers too: the bar's speed moves from the first step
-            )
+            # answer tokens, of unfinished answers too: the bar's speed moves from the first step
+            generated = 0
 
             def speed() -> str:
                 return f"{generated / (time.perf_counter() - tic):.0f} tokens/s"
@@ -136,9 +134,8 @@ def data(
             def made() -> str:
                 seqs = load_shards(folder)
                 tokens = _answer_tokens(seqs) - before
-                return (
-                    f"{_sequences(len(seqs))} in {out} ({tokens} new answer tokens, generated at {speed()})"
-                )
+                new = f"{tokens} new answer tokens, generated at {speed()}"
+                return f"{_sequences(len(seqs))} in {out} ({new})"
 
             bar = progress_bar("generating answers", detail=True)
             with bar, terminated_as_interrupted() as terminated:
@@ -164,9 +161,8 @@ def data(
                     bar.stop()
                     typer.echo(f"stopped: {made()}; run the same command to go on", err=True)
                     raise typer.Exit(interrupted_code(terminated)) from None
-                bar.update(
-                    task, completed=total
-                )  # done: prompts skipped as too long never count towards the bar
+                # done: prompts skipped as too long never count towards the bar
+                bar.update(task, completed=total)
     typer.echo(made())
 
 
