@@ -766,6 +766,18 @@ def test_a_connection_that_sends_no_request_head_in_time_is_closed_and_one_that_
             assert time.monotonic() - tic < 10
 
 
+def test_a_connection_an_answer_kept_open_waits_the_head_deadline_not_uvicorns_5_s(tiny):  # noqa: F811
+    """uvicorn closed it 5 s after an answer, when httpx's pool (the openai client's) keeps one as long:
+    a request sent as the server closed it failed ("Server disconnected")."""
+    body = json.dumps(request("/v1/chat/completions", "w5", max_tokens=3)).encode()
+    with serving(create_app(*tiny, config(head_seconds=9, body_seconds=10))) as url, connect(url) as s:
+        for pause in (6, 0):
+            s.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            reply = read_until(s, b"chat.completion")
+            assert reply.startswith(b"HTTP/1.1 200"), reply
+            time.sleep(pause)
+
+
 def test_a_long_value_a_client_sent_comes_back_cut_short(server):
     url, _ = server
     r = post(url, "/v1/chat/completions", request("/v1/chat/completions", "w5", model="m" * 100_000))

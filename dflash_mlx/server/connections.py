@@ -72,6 +72,9 @@ def protocol(seconds: float, most: int) -> type[H11Protocol]:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            if self.timeout_keep_alive_task is not None:  # (uvicorn's 5 s: a client pooling connections
+                self.timeout_keep_alive_task.cancel()  # for as long, as httpx does, would race its close)
+                self.timeout_keep_alive_task = None
             self._wait()
 
         def _answering(self) -> bool:
