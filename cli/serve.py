@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
+import os
 import re
 import resource
 import signal
@@ -41,6 +43,7 @@ from .options import (
 )
 
 GRACE = 5  # seconds uvicorn gives open requests at Ctrl-C
+KEY_ENV = "DFLASH_MLX_API_KEY"
 
 
 def _claim_port(host: str, port: int, backlog: int = 128) -> socket.socket:
@@ -83,7 +86,7 @@ def serve(
     ),
     port: int = typer.Option(8080, help="Port to listen on."),
     api_key: str | None = typer.Option(
-        None, "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require this key (Bearer or x-api-key)."
+        None, "--api-key", envvar=KEY_ENV, help="Require this key (Bearer or x-api-key)."
     ),
     max_concurrency: int = typer.Option(4, help="Requests generated at once (batched in each step)."),
     max_queue: int = typer.Option(16, help="Requests waiting beyond those; past that: 429."),
@@ -142,7 +145,8 @@ def serve(
             raise UserError("--host is empty: give an address to listen on (127.0.0.1: this machine only)")
         if name is not None and not name.strip():
             raise UserError("--name is empty: give the model name clients use, or leave it out")
-        if api_key is not None and not api_key.strip():
+        if (api_key is not None and not api_key.strip()) or (api_key is None and KEY_ENV in os.environ):
+            # (an environment file whose secret was left unfilled would serve without one)
             raise UserError("the API key (--api-key or DFLASH_MLX_API_KEY) is empty: give one or none")
         for origin in allow_origin or ():  # (as a browser names a page's origin: else it never matches)
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
@@ -167,6 +171,12 @@ def serve(
         backlog = max(16, min(512, files // 8))
         most = max(16, files - SPARE_FILES - backlog)
         sock = _claim_port(host, port, backlog)  # before minutes of loading, not after
+        if api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+            stderr().print(
+                f"note: {host} lets other machines in, and no API key is asked of them (--api-key)",
+                markup=False,
+                highlight=False,
+            )
         target, drafter, tokenizer = load_pair(model, draft)
         template = template_kwargs(model, think, tokenizer)
         # Imported here: FastAPI and uvicorn take about 0.3 s to import, which every other

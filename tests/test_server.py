@@ -4,6 +4,7 @@ on a free loopback port."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -1205,6 +1206,9 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
     ):
         bad = subprocess.run(command + more, capture_output=True, text=True, timeout=120)
         assert bad.returncode == 1 and line in bad.stderr.strip().splitlines()[-1], bad.stderr
+    unfilled = dict(os.environ, DFLASH_MLX_API_KEY="")  # (an environment file's secret left empty)
+    bad = subprocess.run(command, capture_output=True, text=True, timeout=120, env=unfilled)
+    assert bad.returncode == 1 and "the API key (--api-key or DFLASH_MLX_API_KEY) is empty" in bad.stderr
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
