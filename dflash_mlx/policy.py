@@ -1108,6 +1108,9 @@ def costs_for(target, draft, batches=(), progress=None) -> CostModel:
     read from disk; `batches`: the batch sizes whose passes must be priced too (measured where they are
     not yet); `progress(done, total)`: the passes timed so far, of all this call times."""
     path = costs_path(target, draft)
+    kept = kept_costs(path)  # (written whole: read without waiting for a process measuring more)
+    if kept is not None and not _unpriced(kept.batches, batches):
+        return kept
     # Two processes measuring at once would each time passes slowed by the other's: the second waits,
     # then reads what the first measured.
     with one_at_a_time(f"costs-{path.stem}", "measuring this machine's costs for the pair"):

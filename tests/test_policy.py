@@ -915,6 +915,28 @@ def test_a_measurement_of_costs_reports_each_pass_it_times_against_the_passes_it
     assert reports((2, 4, 8))[1] == 0
 
 
+def test_kept_costs_are_read_while_another_process_measures_more(tmp_path, monkeypatch, capfd):
+    """`generate` waited, "waiting for another process that is measuring ...", while a `serve` started
+    on the same home priced its batched passes (a minute), though all it needed was kept."""
+    import fcntl
+    import threading
+
+    from dflash_mlx.policy import costs_for, costs_path
+
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path))
+    draft = make_draft()
+    target = prepare(make_target("llama"), draft)
+    kept = costs_for(target, draft)
+    measuring = open(tmp_path / "locks" / f"costs-{costs_path(target, draft).stem}", "a")
+    fcntl.flock(measuring, fcntl.LOCK_EX)  # (its own open file: as another process holds it)
+    read = []
+    thread = threading.Thread(target=lambda: read.append(costs_for(target, draft)), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert read == [kept] and "waiting" not in capfd.readouterr().err
+    measuring.close()
+
+
 def test_profile_measures_the_costs_again_and_keeps_the_batched_passes_priced(tmp_path, monkeypatch):
     """`profile -m` times the single passes again; the batched ones `serve` priced stay, so the next
     `serve` does not spend a minute pricing them again."""
