@@ -222,6 +222,8 @@ def test_a_worker_process_that_ends_fails_its_answer_and_the_server_goes_on(save
         for seed in (46, 47):  # (answered here: the ended process takes nothing more)
             _answered(url, seed)
         assert metric(url, "dflash_mlx_generated_tokens_total") > 0  # (/metrics still answers)
+        health = httpx.get(f"{url}/health")  # (it said "ok": a supervisor never restarted it)
+        assert health.status_code == 503 and health.json()["ended_worker_processes"] == [1]
 
 
 def test_an_answer_in_the_worker_process_ends_at_its_time_limit(saved):

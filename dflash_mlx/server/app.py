@@ -531,6 +531,11 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        # A worker process that ended leaves the server answering at part of its capacity: a 503 here
+        # tells a supervisor to restart it, a load balancer to send elsewhere.
+        if ended := [r.index for r in scheduler.remotes if r.ended]:
+            said = {"status": "degraded", "model": config.model_id, "ended_worker_processes": ended}
+            return Response(dumps(said), status_code=503, media_type="application/json")
         return {"status": "ok", "model": config.model_id}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
