@@ -126,6 +126,9 @@ def serve(
     draft_window: DraftWindow = None,
     think: Think = None,
     name: str | None = typer.Option(None, help="The model name clients use (default: --model)."),
+    access_log: bool = typer.Option(
+        False, "--access-log", help="Log a line per request: its time, client, request line and status."
+    ),
 ):
     """Serve the pair over HTTP: OpenAI chat completions and completions, Anthropic messages."""
     with user_errors(SAMPLING):
@@ -185,6 +188,7 @@ def serve(
 
         from dflash_mlx.server.app import ServerConfig, create_app
         from dflash_mlx.server.connections import protocol
+        from dflash_mlx.server.processes import log_to_stderr
         from dflash_mlx.server.scheduler import worker_share
 
         # Measured now, not in the first request's time; batched passes are priced for the adaptive
@@ -209,7 +213,7 @@ def serve(
             max_connections=most,
         )
         app = create_app(target, drafter, tokenizer, config)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    log_to_stderr()
     # A second Ctrl-C cancels the answers under way and the app's lifespan, each of which uvicorn would
     # log with its traceback (the lifespan's as the text of one).
     logging.getLogger("uvicorn.error").addFilter(
@@ -265,11 +269,15 @@ def serve(
             host=host,
             port=port,
             log_level="warning",
+            log_config=None,  # (its lines in the server's log, with their times)
+            access_log=access_log,
             timeout_graceful_shutdown=GRACE,
             backlog=backlog,
             http=protocol(config.head_seconds, config.max_connections),
         )
     )
+    if access_log:  # (uvicorn's line per request: the client's address, the request line, the status)
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # (a Ctrl-C before the server took over its signals)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -1209,7 +1210,7 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
     unfilled = dict(os.environ, DFLASH_MLX_API_KEY="")  # (an environment file's secret left empty)
     bad = subprocess.run(command, capture_output=True, text=True, timeout=120, env=unfilled)
     assert bad.returncode == 1 and "the API key (--api-key or DFLASH_MLX_API_KEY) is empty" in bad.stderr
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(command + ["--access-log"], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -1232,6 +1233,10 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
     assert server.returncode == 0, err
     (line,) = [line for line in err.splitlines() if line.startswith("serving tiny")]
     assert line.endswith("(OpenAI) and /v1/messages (Anthropic); Ctrl-C stops")  # (a log's line, unfolded)
+    # --access-log: a line per request, with its time (a service's log is read later)
+    when = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+    logged = rf'^{when} INFO: 127\.0\.0\.1:\d+ - "POST /v1/chat/completions HTTP/1\.1" 200$'
+    assert len([line for line in err.splitlines() if re.match(logged, line)]) == 1, err
 
 
 @pytest.mark.parametrize(

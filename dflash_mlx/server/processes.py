@@ -213,10 +213,15 @@ class _Kept:
         return max((common_prefix(kept, prompt) for kept in self.tokens), default=0)
 
 
+def log_to_stderr() -> None:
+    """The server's log, and its worker processes': a time on each line (a service's log is read later)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s: %(message)s")
+
+
 def _serve(conn, names, most: int, threads: int, pool_args) -> None:
     """A worker process: the pair loaded, a scheduler of its own answering what the server sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the server's Ctrl-C stops it through the pipe)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    log_to_stderr()
     try:
         target, draft, tokenizer = load_pair(*names)
     except Exception as e:  # noqa: BLE001  (said by the server, which does not start)
