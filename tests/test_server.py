@@ -1122,6 +1122,9 @@ def test_the_pool_gives_a_conversation_its_cache_and_a_branch_a_copy_and_stays_w
     small.put(cache)
     small.put(branch.cache)
     assert small.caches == [branch.cache] and small.evictions == 1
+    none = PromptCachePool(target, draft, max_bytes=0)  # (--cache-gb 0: each request counted an eviction)
+    none.put(cache)
+    assert none.caches == [] and none.evictions == 0
 
 
 def test_a_target_with_recurrent_layers_reuses_a_cache_back_to_where_its_state_was_kept():

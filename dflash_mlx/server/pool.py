@@ -73,8 +73,8 @@ class PromptCachePool:
 
     def put(self, cache: SpeculativeCache) -> None:
         """Keep a request's cache, if it is consistent and holds what no kept cache holds."""
-        if cache.broken or cache.in_flight or not cache.tokens:
-            return
+        if cache.broken or cache.in_flight or not cache.tokens or self.max_bytes <= 0:
+            return  # (--cache-gb 0 keeps none: not one evicted per request)
         cache.settle()
         with self.lock:
             self._put(cache)
