@@ -41,6 +41,13 @@ def run() -> None:
         signal.signal(signal.SIGINT, previous)
     try:
         app()
+    except SystemExit as e:
+        hub = sys.modules.get("dflash_mlx.hub")
+        if hub is not None and hub.abandoned:  # (a stopped download: Python would wait for its threads)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.code if isinstance(e.code, int) else 1)
+        raise
     except OSError as e:  # the output could not be written (a full disk; > /dev/full): not a bug
         if not is_write_error(e):
             raise

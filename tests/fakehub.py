@@ -16,7 +16,8 @@ file requests with 401 `X-Error-Code: GatedRepo`, as the Hub does for anonymous 
 
 Faults, for testing resumption: `cut[(repo, file)] = k` makes the next k plain GETs of that file announce
 the whole Content-Length, send half the bytes and drop the connection; `fail_ranged[(repo, file)] = k`
-answers the next k ranged GETs with a 500. Every request is logged in `log` as (method, path, Range).
+answers the next k ranged GETs with a 500; `stall[(repo, file)] = event` sends half the file, then the
+rest once the event is set. Every request is logged in `log` as (method, path, Range).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class FakeHub:
         self.repos, self.gated, self.datasets = repos, set(gated), set(datasets)
         self.cut: dict[tuple[str, str], int] = {}
         self.fail_ranged: dict[tuple[str, str], int] = {}
+        self.stall: dict[tuple[str, str], threading.Event] = {}  # half a file, then wait for the event
         self.log: list[tuple[str, str, str | None]] = []
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
@@ -152,7 +154,12 @@ class _Handler(BaseHTTPRequestHandler):
         if start:
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         self.end_headers()
-        if self.command == "GET":
+        if self.command == "GET" and (repo, name) in hub.stall and not start:
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            hub.stall[(repo, name)].wait(60)  # (a slow download's middle)
+            self.wfile.write(data[len(data) // 2 :])
+        elif self.command == "GET":
             self.wfile.write(data[start : len(data) // 2] if cut else data[start:])
             # when cut: returning closes the socket with the body half sent
 

@@ -85,6 +85,34 @@ def test_download_then_cached(hub, tmp_path):
     assert (path / "model.safetensors").read_bytes() == WEIGHTS
 
 
+def test_a_ctrl_c_during_a_download_stops_it_at_once(hub, monkeypatch):
+    """huggingface_hub downloads in a pool of threads: a Ctrl-C came only once the file being downloaded
+    was whole (minutes for a model's weights), and Python waited for the pool at exit too."""
+    import signal
+
+    import dflash_mlx.hub as hub_module
+
+    monkeypatch.setattr(hub_module, "abandoned", False)
+    hub.stall[("org/tiny", "model.safetensors")] = release = threading.Event()
+
+    def ctrl_c_once_it_downloads():
+        deadline = time.monotonic() + 30
+        while not hub.file_requests("org/tiny") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_once_it_downloads, daemon=True).start()
+    tic = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        resolve("org/tiny")
+    assert time.monotonic() - tic < 10 and hub_module.abandoned  # (the command line exits at once)
+    release.set()  # (the download left behind ends, before the Hub closes)
+    deadline = time.monotonic() + 30
+    while any(t.name == "download" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_a_target_comes_with_its_tokenizer_and_chat_template(hub):
     """What mlx-lm's own download fetches: a template or tokenizer left behind breaks the target later."""
     path = resolve("org/target")
