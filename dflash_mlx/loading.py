@@ -37,6 +37,7 @@ from .hub import download
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .models.formats import drafter_format
 from .pairing import prepare
+from .phrases import FILE as PHRASES_FILE
 from .phrases import Phrases
 from .platform import backend, cache_home, kernel_folder_problem, warn_if_slow_blas
 
@@ -227,6 +228,11 @@ def _a_file(name: str) -> UserError:
     return UserError(f"{name} is a file; expected a model folder (or a .gguf file for a target)")
 
 
+# What a model's download takes: mlx-lm's files (weights, configs, tokenizer, template) and a drafter's
+# phrase table.
+MODEL_FILES = [*DEFAULT_ALLOW_PATTERNS, PHRASES_FILE]
+
+
 def resolve(name: str) -> Path:
     """A local folder as is; anything else is a Hugging Face repo id, downloaded (and cached)."""
     path = Path(name).expanduser()
@@ -236,7 +242,7 @@ def resolve(name: str) -> Path:
         check_utf8_name(path, reading=True)
         return path
     check_name(name)
-    return download(name, allow_patterns=DEFAULT_ALLOW_PATTERNS)
+    return download(name, allow_patterns=MODEL_FILES)
 
 
 def target_name(name: str) -> str:
@@ -292,7 +298,7 @@ def local_copies(pair: Pair) -> dict[str, int]:
             paths = [MODELS_DIR / name]
         else:
             try:
-                paths = [Path(snapshot_download(name, local_files_only=True))]
+                paths = [Path(snapshot_download(name, local_files_only=True, allow_patterns=MODEL_FILES))]
             except Exception:  # not in the local Hugging Face cache
                 paths = []
         paths = [p for p in paths if (p / "config.json").is_file()]  # (not a stray file or empty folder)

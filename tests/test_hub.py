@@ -32,6 +32,12 @@ REPOS = {
         "README.md": b"# not downloaded\n",
         "original/consolidated.00.pth": b"not downloaded",
     },
+    "org/drafter": {
+        "config.json": CONFIG,
+        "model.safetensors": WEIGHTS,
+        "phrases.npz": b"PK",
+        "README.md": b"#",
+    },
 }
 
 
@@ -126,6 +132,19 @@ def test_a_target_comes_with_its_tokenizer_and_chat_template(hub):
         "tokenizer_config.json",
     ]
     assert (path / "chat_template.jinja").read_bytes() == b"{{ x }}"
+
+
+def test_a_drafter_comes_with_its_phrase_table_and_shows_as_here_once_downloaded(hub):
+    """The table was left out (mlx-lm's patterns have no .npz); `dflash-mlx models` never showed a
+    downloaded pair as here (asked of the cache for every file of the repo, README.md too)."""
+    from dflash_mlx.loading import Pair, local_copies
+
+    pair = Pair(name="p", target="org/target", draft="org/drafter", family="llama")
+    assert local_copies(pair) == {}
+    path = resolve("org/drafter")
+    assert (path / "phrases.npz").read_bytes() == b"PK" and not (path / "README.md").exists()
+    resolve("org/target")
+    assert set(local_copies(pair)) == {"target", "drafter"}
 
 
 def test_interrupted_download_resumes_with_range(hub):
