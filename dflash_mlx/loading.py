@@ -233,8 +233,9 @@ def _a_file(name: str) -> UserError:
 MODEL_FILES = [*DEFAULT_ALLOW_PATTERNS, PHRASES_FILE]
 
 
-def resolve(name: str) -> Path:
-    """A local folder as is; anything else is a Hugging Face repo id, downloaded (and cached)."""
+def resolve(name: str, files: list[str] = MODEL_FILES) -> Path:
+    """A local folder as is; anything else is a Hugging Face repo id, its `files` (patterns) downloaded
+    (and cached)."""
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -242,7 +243,7 @@ def resolve(name: str) -> Path:
         check_utf8_name(path, reading=True)
         return path
     check_name(name)
-    return download(name, allow_patterns=MODEL_FILES)
+    return download(name, allow_patterns=files)
 
 
 def target_name(name: str) -> str:
@@ -278,13 +279,13 @@ def refuse_drafter_as_target(name: str) -> None:
         raise UserError(f"{name} is a DFlash drafter, not a target: pass it as the drafter (-d/--draft)")
 
 
-def resolve_draft(name: str) -> Path:
+def resolve_draft(name: str, files: list[str] = MODEL_FILES) -> Path:
     if Path(name).expanduser().exists():  # a folder here wins over a registry name
         return resolve(name)
     pair = find_pair(name)
     if pair is not None:  # a target's name finds its drafter
         name = pair.draft
-    return shipped(name) or resolve(name)
+    return shipped(name) or resolve(name, files)
 
 
 def local_copies(pair: Pair) -> dict[str, int]:
@@ -487,7 +488,11 @@ def load_pair(target: str, draft: str | None = None, dtype="auto"):
     name = draft_for(target, draft)  # before loading (or downloading) anything
     if draft is None and (local := shipped(name)):
         name = str(local)  # the registry means the drafter shipped here, not a folder of that name here
-    model, tokenizer = load(target, dtype)  # before the drafter: a missing target is the clearer error
+    # A drafter misspelt, missing on the Hub or not a drafter is said before the target loads (or
+    # downloads: minutes); only its config.json is fetched for that. A target's mistyped path first.
+    check_name(target_name(target))
+    drafter_format(read_config(resolve_draft(name, ["config.json"])), name)
+    model, tokenizer = load(target, dtype)  # before the drafter's weights: a missing target is clearer
     drafter = load_draft(name, dtype)
     prepare(model, drafter)
     if drafter.phrases and drafter.phrases.tokenizer not in ("", tokenizer_fingerprint(tokenizer)):

@@ -12,6 +12,7 @@ from fakehub import FakeHub
 from huggingface_hub import constants
 
 from dflash_mlx.data import prompt_source
+from dflash_mlx.errors import UserError
 from dflash_mlx.loading import resolve
 
 WEIGHTS = os.urandom(300_000)
@@ -229,3 +230,16 @@ def test_a_dataset_of_prompts_missing_gated_or_unreachable_is_one_line(hub):
     ):
         prompt_source("hf:org/gated-prompts")
     assert time.monotonic() - tic < 15  # (not after retries)
+
+
+def test_a_misspelt_or_wrong_drafter_is_said_before_the_target_downloads(hub):
+    """The drafter was looked for only once the target was whole: minutes of a model's download, then
+    "no such repo" for a typo in --draft."""
+    from dflash_mlx.loading import load_pair
+
+    with pytest.raises(FileNotFoundError, match="no folder org/drafterr here, and no such repo"):
+        load_pair("org/target", "org/drafterr")
+    with pytest.raises(UserError, match="org/tiny is a target .*, not a DFlash drafter"):
+        load_pair("org/target", "org/tiny")
+    assert not hub.file_requests("org/target")
+    assert [r[1].rsplit("/", 1)[1] for r in hub.file_requests("org/tiny")] == ["config.json"]

@@ -26,6 +26,7 @@ from tiny import make_draft, make_target, make_tokenizer
 from dflash_mlx import SpeculativeCache, apply_chat_template, generate, stream_generate
 from dflash_mlx.chat import as_text, encode_chat_text
 from dflash_mlx.server.app import ServerConfig, _OpenAIReply, create_app, token_bytes
+from dflash_mlx.server.metrics import Metrics
 from dflash_mlx.server.channels import CONTENT, REASONING, TOOL, Channels
 from dflash_mlx.server.pool import PromptCachePool
 from dflash_mlx.settings import GenerationSettings
@@ -275,7 +276,7 @@ def test_a_tokens_log_probability_carries_its_own_bytes_even_where_they_are_part
         assert any(tokenizer.decode([t]).endswith("\ufffd") for t in ids)  # (where decoding alone fails)
         # the legacy layout's text_offset: the characters before each token, over the chunks it
         # came in (a character split over tokens counts from the one that completes it)
-        reply, pieces = _OpenAIReply("m", "text_completion", tokenizer), [piece(t) for t in ids]
+        reply, pieces = _OpenAIReply("m", "text_completion", tokenizer, Metrics()), [piece(t) for t in ids]
         chunks = [pieces[:3], pieces[3:5], pieces[5:]]
         offsets = [o for c in chunks for o in reply._text_logprobs([(p, -1.0, []) for p in c])["text_offset"]]
         assert offsets == [len(b"".join(pieces[:i]).decode("utf-8", "ignore")) for i in range(len(ids))]
@@ -921,6 +922,15 @@ def test_an_internal_error_is_a_500_and_the_server_goes_on(tiny, server, monkeyp
         timeout=60,
     )
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    # Streamed, the 200 has gone before the error: it ends the stream, and is counted apart.
+    before = metric(url, 'dflash_mlx_stream_errors_total{api="openai",status="500"}')
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": 13, "stream": True},
+        timeout=60,
+    )
+    assert r.status_code == 200 and '"type":"server_error"' in r.text.replace(" ", ""), r.text
+    assert metric(url, 'dflash_mlx_stream_errors_total{api="openai",status="500"}') == before + 1
     client, _ = clients(url)
     assert client.chat.completions.create(model="tiny", messages=messages).choices[0].message.content == (
         expected(tiny, messages).text

@@ -571,7 +571,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         check_given(body)
         tools = body.offered or None
         settings = settings_for(body, body.max_completion_tokens or body.max_tokens)
-        reply = _OpenAIReply(config.model_id, "chat.completion", tokenizer)
+        reply = _OpenAIReply(config.model_id, "chat.completion", tokenizer, metrics)
         conversation = await prompts.conversation(
             body.conversation(config.max_body_depth), tools, body.chat_template_kwargs
         )
@@ -605,7 +605,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             )
         # (max_tokens 0: one token is made from the prompt's pass anyway, and left out of the reply)
         settings = settings_for(body, max(body.max_tokens, 1))
-        reply = _OpenAIReply(config.model_id, "text_completion", tokenizer)
+        reply = _OpenAIReply(config.model_id, "text_completion", tokenizer, metrics)
         async with admitted():
             tokens = await prompts.text(prompt)
             scored = bool(body.echo) and body.logprobs is not None
@@ -639,7 +639,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         check_model(body.model)
         check_refused(body)
         settings = settings_for(body, body.max_tokens)
-        reply = _AnthropicReply(config.model_id)
+        reply = _AnthropicReply(config.model_id, metrics)
         conversation = await anthropic_conversation(body)
         async with admitted():
             prompt = await prompts.chat(conversation)
@@ -662,7 +662,10 @@ class Echo:
     alone: bool  # max_tokens 0: the prompt alone, nothing generated
 
 
-def _stream_error(path: str, e: Exception) -> dict:
+def _stream_error(path: str, e: Exception, metrics: Metrics) -> dict:
+    """The error event ending a stream that has begun (its 200 sent, so counted apart: `stream_errors`)."""
+    status = e.status if isinstance(e, ApiError) else 400 if isinstance(e, UserError) else 500
+    metrics.stream_errors.labels("anthropic" if path == ANTHROPIC else "openai", str(status)).inc()
     if isinstance(e, ApiError):
         return error_body(path, e.status, e.message, e.param, e.code)
     if isinstance(e, UserError):
@@ -678,8 +681,8 @@ def _drain(channels: Channels, text: str, finished: bool, cut: bool = False) -> 
 
 
 class _OpenAIReply:
-    def __init__(self, model: str, kind: str, tokenizer):
-        self.model, self.kind, self.tokenizer = model, kind, tokenizer
+    def __init__(self, model: str, kind: str, tokenizer, metrics: Metrics):
+        self.model, self.kind, self.tokenizer, self.metrics = model, kind, tokenizer, metrics
         self.eos = set(tokenizer.eos_token_ids)
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -807,7 +810,7 @@ class _OpenAIReply:
                             else {"content": value}
                         )
         except Exception as e:  # noqa: BLE001  (the stream has begun: the error goes in it)
-            yield sse(_stream_error("/v1/chat/completions", e))
+            yield sse(_stream_error("/v1/chat/completions", e, self.metrics))
             return
         if scoring and any(t not in self.eos for t, _, _ in generation.scored[start:]):  # (no chunk yet)
             yield chunk({"content": ""})
@@ -859,7 +862,7 @@ class _OpenAIReply:
                 if not alone and (response.text or (scoring and response.tokens)):
                     yield chunk(response.text)
         except Exception as e:  # noqa: BLE001
-            yield sse(_stream_error("/v1/completions", e))
+            yield sse(_stream_error("/v1/completions", e, self.metrics))
             return
         yield chunk("", "length" if alone else generation.finish_reason)
         if include_usage:
@@ -910,8 +913,8 @@ def _openai_call(call: ToolCall) -> dict:
 
 
 class _AnthropicReply:
-    def __init__(self, model: str):
-        self.model = model
+    def __init__(self, model: str, metrics: Metrics):
+        self.model, self.metrics = model, metrics
         self.id = "msg_" + uuid.uuid4().hex[:24]
 
     def _stop(self, generation: Generation, calls: int) -> tuple[str, str | None]:
@@ -1017,7 +1020,7 @@ class _AnthropicReply:
                         {"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta"
                     )
         except Exception as e:  # noqa: BLE001  (the stream has begun: the error goes in it)
-            yield sse(_stream_error(ANTHROPIC, e), "error")
+            yield sse(_stream_error(ANTHROPIC, e, self.metrics), "error")
             return
         if open_kind is not None:
             yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")

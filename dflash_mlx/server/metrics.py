@@ -47,6 +47,13 @@ class Metrics:
             ["source"],
             registry=r,
         )
+        self.stream_errors = Counter(
+            "dflash_mlx_stream_errors",
+            "Streamed answers that ended in an error event (counted as 200s in dflash_mlx_requests: the "
+            "status was sent before), by API and the error's status",
+            ["api", "status"],
+            registry=r,
+        )
         self.cancelled = Counter(
             "dflash_mlx_cancelled_requests",
             "Requests stopped because their client went away (or stopped reading), waiting or answering",
