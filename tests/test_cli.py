@@ -1183,7 +1183,7 @@ def test_every_command_prints_its_help():
 
 
 def test_version_is_the_projects():
-    from dflash_mlx.loading import tomllib  # tomli before Python 3.11
+    import tomllib
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
     for args in ("version", "--version", "-V"):

@@ -1,5 +1,6 @@
 """The registry finds a target's drafter by name, target id or alias."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,9 @@ def test_the_registry_drafter_is_the_shipped_one_whatever_folder_is_here(tmp_pat
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "smollm2-135m-instruct-dflash").mkdir()
+    shutil.copy(
+        MODELS_DIR / "smollm2-135m-instruct-dflash" / "config.json", tmp_path / "smollm2-135m-instruct-dflash"
+    )
     asked = []
 
     def load_draft(name, dtype):
