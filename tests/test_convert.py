@@ -427,11 +427,13 @@ def test_the_demo_targets_file_in_several_environments_is_converted_once(tmp_pat
         (tmp_path / env).mkdir()
         files.append(write_gguf(tmp_path / env / "tiny.gguf", "llama") and tmp_path / env / "tiny.gguf")
     shutil.copy(files[0], files[1])  # (the same wheel's file: the same bytes, another time)
+    before = loading.gguf_folder(files[0], mx.float32)  # (named by its path, as all were)
     made = []
     for file in files:
         monkeypatch.setattr(loading, "smollm2_gguf", lambda file=file: file)
         made.append(loading.gguf_folder(file, mx.float32))
-    assert made[0] == made[1] and capsys.readouterr().err.count("converting tiny.gguf") == 1
+    assert made[0] == made[1] and capsys.readouterr().err.count("converting tiny.gguf") == 2
+    assert not before.exists()
     assert not (made[0] / loading.SOURCE).exists()  # (shared: no one file's conversion)
 
 
