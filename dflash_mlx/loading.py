@@ -37,7 +37,7 @@ from .gguf import WRITTEN, convert_gguf
 from .hub import download
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .models.formats import drafter_format
-from .pairing import prepare
+from .pairing import evaluate_kept_arrays, prepare
 from .phrases import FILE as PHRASES_FILE
 from .phrases import Phrases
 from .platform import backend, cache_home, kernel_folder_problem, pip_install, warn_if_slow_blas
@@ -417,6 +417,7 @@ def load(name: str, dtype="auto"):
         args.max_position_embeddings = context  # some of mlx-lm's ModelArgs (gpt_oss) drop it; limits need it
     if dtype is not None:
         model.set_dtype(dtype)
+    evaluate_kept_arrays(model)  # (here, in the loading thread: an answer may be asked for in another)
     return model, tokenizer
 
 
@@ -479,7 +480,7 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
     model.load_weights(list(weights.items()))
     if dtype is not None:
         model.set_dtype(dtype)
-    mx.eval(model.parameters())
+    evaluate_kept_arrays(model)
     model.eval()
     model.phrases = Phrases.load(path)  # (not a parameter: lookup's fallback, see phrases.py)
     return model

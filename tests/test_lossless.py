@@ -5,6 +5,7 @@ import sys
 
 import pytest
 from tiny import (
+    CONFIGS,
     FAMILIES,
     OracleDraft,
     draft_config,
@@ -63,6 +64,52 @@ def test_a_draft_window_stays_lossless(targets, family, monkeypatch):
     assert out.tokens == ref and cache.draft_cache[0].rows <= 10
     out = generate(model, make_draft(), no_eos_tokenizer(ref), prompt, max_tokens=60, draft_window=6)
     assert out.tokens == ref
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize("family", ["llama3.1", "gpt_oss", "gemma4"])
+def test_an_answer_asked_for_in_another_thread_than_the_pairs_load(family, tmp_path):
+    """mlx-lm's scaled RoPEs (Llama 3.1's, YaRN's, Gemma 4's) keep a lazy `_freqs` of the loading
+    thread's stream: the first pass in another thread (a server's worker) failed, "There is no
+    Stream(cpu, 0) in current thread"."""
+    import threading
+
+    import mlx.core as mx
+    from mlx_lm.utils import save_config, save_model
+    from test_drafter import write_zlab_checkpoint
+
+    from dflash_mlx import load, load_draft
+
+    config = dict(CONFIGS["llama"], rope_scaling=LLAMA3_ROPE) if family == "llama3.1" else CONFIGS[family]
+    built = make_target("llama", rope_scaling=LLAMA3_ROPE) if family == "llama3.1" else make_target(family)
+    save_model(tmp_path / "target", built)
+    save_config(dict(config), tmp_path / "target" / "config.json")
+    make_tokenizer()._tokenizer.save_pretrained(tmp_path / "target")
+    write_zlab_checkpoint(tmp_path / "draft", make_draft())
+    prompt, got = prompt_of(9), []
+    ref = greedy_reference(built, prompt, 8)
+    model, _ = load(str(tmp_path / "target"))
+    draft = load_draft(str(tmp_path / "draft"))
+
+    def answer():
+        try:
+            got.append(generate(model, draft, no_eos_tokenizer(ref), prompt, max_tokens=8).tokens)
+        except RuntimeError as e:
+            got.append(e)
+        mx.clear_streams()
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    thread.join()
+    assert got == [ref]
 
 
 def test_the_answer_stops_where_the_context_ends():
