@@ -37,7 +37,7 @@ from .gguf import WRITTEN, convert_gguf
 from .hub import download
 from .models.dflash import DFlashConfig, DFlashDraftModel, is_drafter_config
 from .models.formats import drafter_format
-from .pairing import evaluate_kept_arrays, prepare
+from .pairing import prepare
 from .phrases import FILE as PHRASES_FILE
 from .phrases import Phrases
 from .platform import backend, cache_home, kernel_folder_problem, pip_install, warn_if_slow_blas
@@ -419,6 +419,14 @@ def load(name: str, dtype="auto"):
         model.set_dtype(dtype)
     evaluate_kept_arrays(model)  # (here, in the loading thread: an answer may be asked for in another)
     return model, tokenizer
+
+
+def evaluate_kept_arrays(model: nn.Module) -> None:
+    """Compute the arrays a model keeps beside its parameters: mlx-lm's scaled RoPEs (Llama 3.1's,
+    YaRN's, Gemma 4's) build a private `_freqs` lazily, which `mx.eval(model.parameters())` leaves out.
+    Left lazy it belongs to the loading thread's stream, and a first pass in another thread (a server's
+    worker, an answer asked for in a thread) fails: "There is no Stream(cpu, 0) in current thread"."""
+    mx.eval([v for part in model.modules() for v in part.values() if isinstance(v, mx.array)])
 
 
 def load_draft(name: str, dtype="auto") -> DFlashDraftModel:

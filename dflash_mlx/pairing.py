@@ -8,7 +8,6 @@ through it.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import UserError
@@ -70,24 +69,7 @@ def prepare(model: nn.Module | Target, draft: DFlashDraftModel | None) -> Target
         check_pair(model, draft)
         if draft.bound_to is not model.model:
             draft.bind(model)
-    evaluate_kept_arrays(model.model, draft)
     return model
-
-
-def evaluate_kept_arrays(*modules: nn.Module | None) -> None:
-    """Compute the arrays modules keep beside their parameters: mlx-lm's scaled RoPEs (Llama 3.1's,
-    YaRN's, Gemma 4's) build a private `_freqs` lazily, which `mx.eval(model.parameters())` leaves out.
-    Left lazy it belongs to the loading thread's stream, and a first pass in another thread (a server's
-    worker, an answer asked for in a thread) fails: "There is no Stream(cpu, 0) in current thread"."""
-    kept = [
-        value
-        for module in modules
-        if module is not None
-        for part in module.modules()
-        for value in part.values()
-        if isinstance(value, mx.array)
-    ]
-    mx.eval(kept)
 
 
 def context_length(model: nn.Module | Target) -> int | None:
