@@ -300,6 +300,25 @@ def test_completions_and_models(tiny, server):
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 
+def test_a_target_whose_text_model_is_nested_takes_completions_and_logit_bias(tmp_path):
+    """Qwen3.5's outer ModelArgs (text_config) has no vocab_size: every completion and every logit_bias
+    was a 500."""
+    target, draft, tok = make_target("qwen3_5"), make_draft(), chat_tokenizer(tmp_path)
+    ids = [5, 17, 40]
+    with serving(create_app(target, draft, tok, config())) as url:
+        client, _ = clients(url)
+        r = client.completions.create(model="tiny", prompt=ids, max_tokens=6)
+        answer = generate(target, draft, tok, ids, max_tokens=6).tokens
+        assert tok.decode(ids) + r.choices[0].text == tok.decode(ids + answer)
+        messages = [{"role": "user", "content": words(5)}]
+        r = client.chat.completions.create(model="tiny", messages=messages, logit_bias={"7": 5})
+        assert (
+            r.choices[0].message.content == expected((target, draft, tok), messages, logit_bias={7: 5}).text
+        )
+        with pytest.raises(openai.BadRequestError, match="logit_bias: token ids must be in 0.."):
+            client.chat.completions.create(model="tiny", messages=messages, logit_bias={"100000": 1})
+
+
 def test_echo_gives_the_prompt_back_scored_by_the_target_as_evaluation_harnesses_ask(tiny, server):
     """lm-eval's loglikelihood requests: echo, logprobs 1, max_tokens 0 or 1, the prompt as token ids;
     the prompt's log-probabilities are the target's own, over several prefill chunks."""

@@ -33,7 +33,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from starlette.exceptions import HTTPException
 
 from ..errors import UserError
-from ..pairing import context_length, context_room
+from ..pairing import context_length, context_room, prepare
 from ..settings import GenerationSettings
 from ..speculative import GenerationResponse
 from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_reasoning
@@ -356,6 +356,7 @@ def sse(data: dict | str, event: str | None = None) -> str:
 
 def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     metrics = Metrics()
+    vocab = prepare(target, draft).vocab_size  # (the text model's: Qwen3.5's outer args have none)
     pool = PromptCachePool(target, draft, config.cache_bytes, config.defaults.draft_window)
     scheduler = scheduler_for(
         target,
@@ -461,10 +462,8 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
         d = config.defaults
         openai = isinstance(body, (ChatCompletionRequest, CompletionRequest))  # (extras are not read)
         bias = body.logit_bias if openai else None
-        if bias and not 0 <= min(bias) <= max(bias) < target.args.vocab_size:
-            raise ApiError(
-                400, f"logit_bias: token ids must be in 0..{target.args.vocab_size - 1}", param="logit_bias"
-            )
+        if bias and not 0 <= min(bias) <= max(bias) < vocab:
+            raise ApiError(400, f"logit_bias: token ids must be in 0..{vocab - 1}", param="logit_bias")
         # (OpenAI's APIs take them; a field left out or null keeps its default)
         processors = {
             name: getattr(body, name) for name in PROCESSORS if openai and getattr(body, name) is not None
@@ -594,7 +593,6 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
             prompt = body.one()
         except ValueError as e:
             raise ApiError(400, f"prompt: {e}", param="prompt") from None
-        vocab = target.args.vocab_size
         if isinstance(prompt, list) and not all(0 <= t < vocab for t in prompt):
             raise ApiError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
         if body.max_tokens == 0 and not body.echo:
