@@ -165,6 +165,16 @@ class StopText:
 # that stops taking pieces holds up no one). The server needs none: its one generation thread runs all
 # its answers.
 _MLX_CALLS = threading.RLock()
+_THREAD = threading.local()  # of a thread other than the main one that ran an answer: `_StreamsCleared`
+
+
+class _StreamsCleared:
+    """Held by a thread that ran an answer, and dropped in that thread as it ends: MLX keeps streams for
+    each thread, which `mx.clear_streams()` must end in their thread, else the process can abort as it
+    exits ("terminate called without an active exception")."""
+
+    def __del__(self):
+        mx.clear_streams()
 
 
 def stream_generate(
@@ -332,6 +342,8 @@ def stream_generate(
     history = prompt_ids or (prompt_cache.tokens if prompt_cache is not None else [])
     joins = history[-1] if history and (continues or not prompt_ids) else None
     answer = Answer(tokenizer, stops, len(prompt_ids), joins)
+    if threading.current_thread() is not threading.main_thread() and not hasattr(_THREAD, "streams"):
+        _THREAD.streams = _StreamsCleared()
     with _MLX_CALLS:  # (a first answer measures the pair's costs too)
         if settings.seed is not None:
             mx.random.seed(settings.seed)

@@ -1,5 +1,6 @@
 """Greedy speculative decoding must reproduce mlx-lm's own greedy decoding token for token."""
 
+import os
 import subprocess
 import sys
 
@@ -110,6 +111,44 @@ def test_an_answer_asked_for_in_another_thread_than_the_pairs_load(family, tmp_p
     thread.start()
     thread.join()
     assert got == [ref]
+
+
+THREAD_THEN_EXIT = """
+import sys, threading
+from pathlib import Path
+import dflash_mlx
+from mlx_lm.utils import save_config, save_model
+from test_drafter import write_zlab_checkpoint
+from tiny import CONFIGS, make_draft, make_target, make_tokenizer
+root = Path(sys.argv[1])
+save_model(root / "target", make_target("qwen3"))
+save_config(dict(CONFIGS["qwen3"]), root / "target" / "config.json")
+make_tokenizer()._tokenizer.save_pretrained(root / "target")
+write_zlab_checkpoint(root / "draft", make_draft())
+model, draft, tok = dflash_mlx.load_pair(str(root / "target"), str(root / "draft"))
+answer = lambda: print(dflash_mlx.generate(model, draft, tok, [10, 11, 12], max_tokens=4).tokens)
+thread = threading.Thread(target=answer)
+thread.start()
+thread.join()
+"""
+
+
+def test_a_process_that_answered_in_a_thread_exits_cleanly(tmp_path):
+    """A thread's MLX streams, left for the process's exit, aborted it (exit status 134, "terminate
+    called without an active exception"), often, where the thread had not called mx.clear_streams()."""
+    from pathlib import Path
+
+    for run in range(3):  # (it did not abort every time)
+        (tmp_path / str(run)).mkdir()
+        r = subprocess.run(
+            [sys.executable, "-c", THREAD_THEN_EXIT, str(tmp_path / str(run))],
+            cwd=Path(__file__).parent,
+            env={**os.environ, "DFLASH_MLX_HOME": str(tmp_path / "home")},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0 and r.stdout.count(",") == 3, r.stderr[-2000:]
 
 
 def test_the_answer_stops_where_the_context_ends():
