@@ -786,8 +786,9 @@ def test_a_process_waiting_for_another_says_so_and_a_home_without_locks_goes_on(
 
     thread = threading.Thread(target=waits)
     thread.start()
-    deadline = time.monotonic() + 30
-    while "waiting" not in (said := capfd.readouterr().err) and time.monotonic() < deadline:
+    deadline, said = time.monotonic() + 30, ""
+    while not said.endswith("\n") and time.monotonic() < deadline:  # (print writes the line's end apart)
+        said += capfd.readouterr().err
         time.sleep(0.05)
     assert said == "waiting for another process that is measuring the costs ...\n" and not entered.is_set()
     other.close()
