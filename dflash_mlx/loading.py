@@ -182,10 +182,12 @@ def gguf_folder(path: Path, dtype: mx.Dtype | None) -> Path:
     # deleted); each is as large as the model.
     for old in dest.parent.iterdir():
         suffix = old.name[len(f"{path.stem}-{tag}-") :]
-        ours = old.name.startswith(f"{path.stem}-{tag}-")
-        earlier = ours and (suffix.startswith(f"{where}-") or re.fullmatch(r"\d+-\d+", suffix))
-        # (the demo's: those each environment made, named by its path, before they were shared)
-        earlier = earlier or (ours and version is not None and not (old / SOURCE).exists())
+        earlier = old.name.startswith(f"{path.stem}-{tag}-") and (
+            suffix.startswith(f"{where}-")
+            or re.fullmatch(r"\d+-\d+", suffix)
+            # (the demo's: those each environment made, named by its path, before they were shared)
+            or (version is not None and not (old / SOURCE).exists())
+        )
         if old != dest and (earlier or _source_gone(old)) and (old / "config.json").exists():
             shutil.rmtree(old, ignore_errors=True)
     return dest
