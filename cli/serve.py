@@ -12,6 +12,7 @@ import re
 import resource
 import signal
 import socket
+import threading
 
 import typer
 from rich.markup import escape
@@ -233,8 +234,11 @@ def serve(
         def handle_exit(self, sig, frame):
             # Ctrl-C: the requests still queued end now, the answers under way a second before uvicorn's
             # grace period is over (it would hold them all to its end, then cut their connections). A
-            # second signal, of any kind, stops it at once.
-            scheduler.close_queue(grace=GRACE - 1)
+            # second signal, of any kind, stops it at once. Closing runs in a thread of its own: the
+            # signal may have come while this thread held a lock that closing takes (telling a worker
+            # process), and would wait for itself.
+            if not came:
+                threading.Thread(target=scheduler.close_queue, args=(GRACE - 1,), daemon=True).start()
             self.force_exit = self.should_exit
             came.append(sig)
             super().handle_exit(sig, frame)
@@ -243,15 +247,13 @@ def serve(
         def capture_signals(self):
             # uvicorn's, with SIGHUP (a closing terminal) too, which otherwise ended the process inside
             # the event loop; and no signal raised again once the server has stopped (a second Ctrl-C
-            # was, into the shutdown, which cut every stream and aborted MLX's work): the exit code
-            # says which came first (below).
-            stops = [signal.SIGINT, *stop_signals()]
-            previous = {s: signal.signal(s, self.handle_exit) for s in stops}
-            try:
-                yield
-            finally:
-                for s, handler in previous.items():
-                    signal.signal(s, handler)
+            # was, into the shutdown, which cut every stream and aborted MLX's work). Nor are the
+            # handlers put back: the process only ends from here on, and a signal that came while it
+            # did raised into whatever ran (its workers stopping, exit's clean-up). The exit code says
+            # which signal came first (below).
+            for s in (signal.SIGINT, *stop_signals()):
+                signal.signal(s, self.handle_exit)
+            yield
 
         async def startup(self, sockets=None):
             await super().startup(sockets)

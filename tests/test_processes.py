@@ -334,3 +334,37 @@ def _up(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+BURST = """
+import os, signal, sys, time
+end = time.monotonic() + 0.5
+while time.monotonic() < end:
+    try:
+        os.kill(int(sys.argv[1]), signal.SIGINT)
+    except ProcessLookupError:
+        break
+"""
+
+
+def test_serve_with_two_processes_ends_when_signals_come_in_a_burst(saved):
+    """A terminal's Ctrl-C under `timeout` (which passes the signal on) reaches the server twice at once:
+    a signal that came while the first one's handler was telling the worker process to close must not
+    wait for that handler, which it interrupted (the server hung, deaf to all but SIGKILL)."""
+    names, _ = saved
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "-m", names[0], "-d", names[1]]
+    command += ["--port", str(port), "--name", "tiny", "--processes", "2"]
+    for _ in range(2):
+        server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        try:
+            until(lambda server=server: _up(port) or server.poll() is not None)
+            assert server.poll() is None, server.communicate()[1]
+            # (a signal pending at almost every step of the first one's handler)
+            subprocess.run([sys.executable, "-c", BURST, str(server.pid)], timeout=30)
+            _, err = server.communicate(timeout=30)
+        finally:
+            server.kill()
+        assert server.returncode == 0, err
