@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from dflash_mlx.bench import counted
+from dflash_mlx.channels import REASONING, Channels
 from dflash_mlx.chat import ChatSession
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
@@ -143,30 +144,6 @@ def read_message(console: Console) -> str:
     return "\n".join(lines)
 
 
-class ThinkingFilter:
-    """Splits streamed text into answer and <think>...</think> parts so thinking can be dimmed."""
-
-    def __init__(self):
-        self.thinking = False
-
-    def split(self, text: str) -> list[tuple[str, bool]]:
-        """-> [(text, is_thinking)]; both tags count as thinking."""
-        out = []
-        while text:
-            tag = "</think>" if self.thinking else "<think>"
-            i = text.find(tag)
-            if i < 0:
-                out.append((text, self.thinking))
-                break
-            if self.thinking:
-                out.append((text[: i + len(tag)], True))
-            else:
-                out += [(text[:i], False), (tag, True)]
-            text = text[i + len(tag) :]
-            self.thinking = not self.thinking
-        return [(t, k) for t, k in out if t]
-
-
 def status_line(turn: dict) -> str:
     parts = [f"{turn['tokens']} tokens"]
     if turn["tokens"] > 1:  # a rate needs a second token (the first comes with the prefill)
@@ -238,7 +215,15 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
             console.file.write("\r\x1b[2K")
             console.print(f"{LABEL}[dim]{said}[/dim]", end="")
 
-    thinking = ThinkingFilter()
+    def shown(parts: list[tuple[str, str]]) -> None:
+        """The answer as it streams; thinking dimmed (its markers left out), or not at all."""
+        for channel, part in parts:
+            if channel == REASONING and hide_thinking:
+                continue
+            style = "dim" if channel == REASONING else None
+            console.print(escape(part), end="", style=style, soft_wrap=True)
+
+    channels = None  # (made once the reply's prompt shows whether it starts inside a thinking block)
     messages = len(session.messages)
     pieces = session.reply(text, should_stop=lambda: stop, reading=reading)
     previous = signal.signal(signal.SIGINT, on_sigint)
@@ -247,10 +232,9 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
         console.print(LABEL, end="")
         for piece in pieces:
             started = True
-            for part, is_thinking in thinking.split(piece.text):
-                if is_thinking and hide_thinking:
-                    continue
-                console.print(escape(part), end="", style="dim" if is_thinking else None, soft_wrap=True)
+            channels = channels or Channels(session.tokenizer, session.thinking, None)
+            shown(channels.feed(piece.text))
+        shown(channels.finish() if channels else [])
     except UserError as e:  # a full context (ContextFull) or settings the model refuses: the chat goes on
         if console.is_terminal and not started:  # (the refusal takes the label's place: no answer came)
             console.file.write("\r\x1b[2K")

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .cache import SpeculativeCache
+from .channels import starts_in_reasoning
 from .errors import UserError, unpaired_surrogate
 from .files import atomic_file
 from .pairing import context_length, prepare
@@ -217,6 +218,8 @@ class ChatSession:
         self.messages: list[dict] = []
         self.cache = self.new_cache()
         self.turns: list[dict] = []  # per-turn statistics
+        # whether the last reply began inside a thinking block (a template that opens one for the model)
+        self.thinking = False
 
     def new_cache(self) -> SpeculativeCache:
         return SpeculativeCache(self.target, self.draft, self.settings.draft_window)
@@ -286,6 +289,7 @@ class ChatSession:
             # At least one token goes in: after a message dropped between two cycles, the cache can hold the
             # whole of `ids` (the message and a partial answer), and an empty prompt would be refused.
             keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
+            self.thinking = starts_in_reasoning(self.tokenizer, ids)
             if not self.cache.truncate(keep):
                 self.cache, keep = self.new_cache(), 0
             stream = stream_generate(

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -514,3 +515,44 @@ def test_a_second_ctrl_c_while_a_stopped_answer_cleans_up_reaches_the_chat_and_k
     second = "".join(p.text for p in session.reply("Thanks."))
     full = apply_chat_template(tokenizer, session.messages[:-1])
     assert second == generate(model, draft, tokenizer, full, max_tokens=12).text
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["the-model-opens-it", "the-template-opens-it"])
+def test_thinking_is_shown_dimmed_or_hidden_without_its_markers(tmp_path, opened):
+    """The chat shows a reply's thinking dimmed (or, with --hide-thinking, not at all) and its answer as
+    it is, by the tokenizer's own markers: also where the template opens the thinking block itself (its
+    prompt ends in <think>, so the reply holds only the end marker), which once showed as the answer."""
+    import io
+
+    from mlx_lm.utils import load_tokenizer
+    from rich.console import Console
+    from serving import SCRIPT_WORDS, TOOL_TEMPLATE, scripted_pair, word_tokenizer_folder
+
+    from dflash_mlx.cli.chat import answer
+
+    model, tok = scripted_pair(tmp_path)
+    if opened:  # (the scripted reply goes on from <think> as it would after the model wrote it)
+        word_tokenizer_folder(
+            tmp_path,
+            SCRIPT_WORDS,
+            TOOL_TEMPLATE + "{% if add_generation_prompt %}<think> {% endif %}",
+            "<eos>",
+        )
+        tok = load_tokenizer(tmp_path)
+    for hide in (False, True):
+        session = ChatSession(model, None, tok, max_tokens=5 if opened else 6)  # (to "sunny")
+        out = io.StringIO()
+        answer(session, Console(file=out, force_terminal=True, color_system="standard"), "weather", hide)
+        shown = out.getvalue()
+        text = re.sub("\x1b\\[[0-9;]*m", "", shown)
+        assert "think>" not in text and "it is sunny" in text
+        assert ("hmm" in text) != hide
+        if not hide:  # dimmed (SGR 2), and the answer not
+            assert re.search("\x1b\\[2m ?hmm\x1b\\[0m", shown) and "\x1b[0m it is sunny" in shown
+        assert session.messages[-1]["content"].split() == ["<think>"] * (not opened) + [
+            "hmm",
+            "</think>",
+            "it",
+            "is",
+            "sunny",
+        ]

@@ -24,9 +24,9 @@ from serving import CALL, CALL_WORDS, ODD_WORDS, chat_tokenizer, scripted_pair, 
 from tiny import make_draft, make_target, make_tokenizer
 
 from dflash_mlx import SpeculativeCache, apply_chat_template, generate, stream_generate
+from dflash_mlx.channels import CONTENT, REASONING, TOOL, Channels
 from dflash_mlx.chat import as_text, encode_chat_text
 from dflash_mlx.server.app import ServerConfig, _OpenAIReply, create_app, token_bytes
-from dflash_mlx.server.channels import CONTENT, REASONING, TOOL, Channels
 from dflash_mlx.server.metrics import Metrics
 from dflash_mlx.server.pool import PromptCachePool
 from dflash_mlx.settings import GenerationSettings

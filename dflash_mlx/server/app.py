@@ -32,11 +32,11 @@ from fastapi.responses import Response, StreamingResponse
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, _byte_decoder
 from starlette.exceptions import HTTPException
 
+from ..channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_reasoning
 from ..errors import UserError
 from ..pairing import context_length, context_room, prepare
 from ..settings import GenerationSettings
 from ..speculative import GenerationResponse
-from .channels import CONTENT, REASONING, TOOL, Channels, ToolCall, starts_in_reasoning
 from .errors import ANTHROPIC, CLIENT_GONE, INTERNAL, ApiError, Json, dumps, error_body, error_response, shown
 from .metrics import Metrics
 from .pool import PromptCachePool
@@ -903,11 +903,8 @@ def _text(raw: bytes) -> str:
 
 
 def _openai_call(call: ToolCall) -> dict:
-    return {
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments_json},
-    }
+    arguments = call.arguments if isinstance(call.arguments, str) else dumps(call.arguments)
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
 class _AnthropicReply:

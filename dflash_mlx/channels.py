@@ -1,4 +1,5 @@
-"""A reply's streamed text split into reasoning, answer and tool calls.
+"""A reply's streamed text split into reasoning, answer and tool calls (the server's replies, the chat's
+display).
 
 The markers are the ones mlx-lm's tokenizer wrapper infers for the model (`think_start`/`think_end`,
 and `tool_call_start`/`tool_call_end` with the `tool_parser` that reads what lies between them); mlx-lm's
@@ -12,8 +13,6 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from .errors import dumps
-
 REASONING, CONTENT, TOOL = "reasoning", "content", "tool"
 
 
@@ -22,11 +21,6 @@ class ToolCall:
     name: str
     arguments: dict | str  # as the parser read them (a dict for JSON arguments)
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    @property
-    def arguments_json(self) -> str:
-        args = self.arguments
-        return args if isinstance(args, str) else dumps(args)
 
 
 def starts_in_reasoning(tokenizer, prompt: list[int]) -> bool:
