@@ -19,6 +19,9 @@ from .trees import candidates
 # Suffix lengths tried, longest first, and the most tokens one lookup proposes (see docs/policy.md).
 LOOKUP_NGRAMS = (4, 3, 2)
 LOOKUP_MAX = 16
+# The longest agreement `match` counts: how far back the text agrees with the context before a match
+# tells how long the match will hold (a copy under way holds longer than a suffix just met).
+AGREEMENT_MAX = 32
 # The "suffix length" a proposal from the phrase table is reported with: the policy learns its odds apart.
 PHRASES = 1
 PHRASES_MAX = 8  # (a table's chain rarely holds longer; each token costs a few dict lookups)
@@ -85,22 +88,36 @@ class NgramIndex:
     def match(self, cap: int = LOOKUP_MAX) -> tuple[list[int], int]:
         """-> (up to `cap` tokens that follow the match found earlier, while the text since has copied
         it, or that followed the latest earlier occurrence of the longest suffix that occurred before
-        (the match followed from now on), and the longest suffix length n the two agree over); else
-        what the phrase table expects, (tokens, PHRASES); ([], 0) when neither has anything."""
+        (the match followed from now on), and n: how many of the text's last tokens agree with those
+        before the match, at least the suffix's length, at most AGREEMENT_MAX); else what the phrase
+        table expects, (tokens, PHRASES); ([], 0) when neither has anything."""
         end = len(self.tokens)
         if (i := self.copying) is not None:
             for n in self.sizes:
                 if i >= n and self.tokens[i - n : i] == self.tokens[end - n :]:
-                    return self.tokens[i : i + cap], n
+                    return self.tokens[i : i + cap], self._agreement(i, n)
         for n in self.sizes:
             if end >= n:
                 i = self.latest[n].get(tuple(self.tokens[end - n :]))
                 if i is not None:
                     self.copying = i
-                    return self.tokens[i : i + cap], n
+                    return self.tokens[i : i + cap], self._agreement(i, n)
         if self.phrases and (found := self.phrases.follow(self.tokens, min(cap, PHRASES_MAX))):
             return found, PHRASES
         return [], 0
+
+    def _agreement(self, i: int, n: int) -> int:
+        """How many tokens before index i equal the text's last ones, knowing the last n do."""
+        end, most = len(self.tokens), min(i, AGREEMENT_MAX)
+        while n < most and self.tokens[i - 1 - n] == self.tokens[end - 1 - n]:
+            n += 1
+        return n
+
+
+def lookup_bucket(n: int) -> int:
+    """The class 1..8 a policy learns lookup's odds by, from `match`'s n: the phrase table's (1) and each
+    suffix length up to 4 apart, then agreements of 5-7, 8-15, 16-31 and 32 or more tokens."""
+    return n if n <= 4 else min(n.bit_length() + 2, 8)
 
 
 def draft_block(k: int, block_size: int) -> int:

@@ -39,7 +39,15 @@ from mlx.utils import tree_flatten
 
 from .batching import batchable, merge
 from .cache import SpeculativeCache
-from .drafters import LOOKUP_MAX, LOOKUP_NGRAMS, PHRASES, DFlashDrafter, draft_block, from_logits
+from .drafters import (
+    LOOKUP_MAX,
+    LOOKUP_NGRAMS,
+    PHRASES,
+    DFlashDrafter,
+    draft_block,
+    from_logits,
+    lookup_bucket,
+)
 from .errors import UserError
 from .files import atomic_file, one_at_a_time
 from .models.dflash import DraftCache
@@ -292,7 +300,7 @@ class AdaptivePolicy:
         self.trees = trees  # whether a drafted block may be verified as a tree (`shape`)
         self.max = {DFLASH: max_dflash, LOOKUP: max_lookup if lookup else 0}
         self.dflash = _Odds(max_dflash)
-        self.lookup = {n: _Odds(max_lookup) for n in range(1, 9)}  # by matched suffix length (or PHRASES)
+        self.lookup = {n: _Odds(max_lookup) for n in range(1, 9)}  # by `lookup_bucket`
         # the chance a match follows where one may
         self.follows = {n: _Odds(1) for n in (*LOOKUP_NGRAMS, PHRASES)}
         self.waited_for: list[int] = []  # the suffix lengths plain_next waited for a match at
@@ -401,7 +409,7 @@ class AdaptivePolicy:
         proposals (as many as it has) and with the drafter's."""
         tokens, n = lookup
         k = min(len(tokens), self.max[LOOKUP])
-        by_lookup = expected_tokens(self.lookup[min(n, 8)].rates(k)) if k else [1.0]
+        by_lookup = expected_tokens(self.lookup[lookup_bucket(n)].rates(k)) if k else [1.0]
         by_dflash = expected_tokens(self.dflash.rates(self.max[DFLASH])) if self.max[DFLASH] else [1.0]
         return by_lookup, by_dflash
 
@@ -414,7 +422,7 @@ class AdaptivePolicy:
             for n in index.possible() + ([PHRASES] if index.phrases else []):
                 chance = rest * self.follows[n].rates(1)[0]
                 rest -= chance
-                found = expected_tokens(self.lookup[min(n, 8)].rates(self.max[LOOKUP]))
+                found = expected_tokens(self.lookup[lookup_bucket(n)].rates(self.max[LOOKUP]))
                 by_lookup = [e + chance * (f - 1.0) for e, f in zip(by_lookup, found)]
         return by_lookup, self.expectations(([], 0))[1]
 
@@ -441,7 +449,7 @@ class AdaptivePolicy:
         switch = self._switch(context) if self.after_plain else 0.0
         options = [(1.0 / step, Choice(PLAIN, 0))]
         if self.max[LOOKUP] and tokens:
-            odds, most = self.lookup[min(n, 8)], min(len(tokens), self.max[LOOKUP])
+            odds, most = self.lookup[lookup_bucket(n)], min(len(tokens), self.max[LOOKUP])
             rate, k = self._best(odds, most, context, False, pace[LOOKUP], switch)
             options.append((rate, Choice(LOOKUP, k)))
         if self.max[DFLASH]:
@@ -474,7 +482,7 @@ class AdaptivePolicy:
                 self.idle[source] = 0
             elif choice.source == PLAIN and self.idle[source] >= self.wait[source]:
                 self.idle[source], self.wait[source] = 0, min(2 * self.wait[source], PROBE_MAX)
-                for odds in (self.dflash,) if source == DFLASH else (self.lookup[min(n, 8)],):
+                for odds in (self.dflash,) if source == DFLASH else (self.lookup[lookup_bucket(n)],):
                     odds.discount(PROBE_KEEP)
                 return option
             else:
@@ -505,7 +513,7 @@ class AdaptivePolicy:
         waiting, rest = 0.0, 1.0
         for n in lengths:
             chance = rest * self.follows[n].rates(1)[0]
-            odds = self.lookup[min(n, 8)]
+            odds = self.lookup[lookup_bucket(n)]
             lookup = self._best(odds, self.max[LOOKUP], context, False, pace[LOOKUP], switch)[0]
             waiting, rest = waiting + chance * max(lookup, step), rest - chance
         if waiting + rest * step > ahead:
@@ -626,7 +634,7 @@ class AdaptivePolicy:
         tokens, ngram = found
         chain = tokens[: min(width, self.max[LOOKUP])]
         if chain:
-            rates = self.lookup[min(ngram, 8)].rates(len(chain))
+            rates = self.lookup[lookup_bucket(ngram)].rates(len(chain))
             tree, scores = graft(tree, scores, chain, list(itertools.accumulate(rates, operator.mul)))
         n = self._widest_paying(list(itertools.accumulate(scores[:width], initial=1.0)), choice, context)
         tree = tree.first(n)
@@ -650,7 +658,7 @@ class AdaptivePolicy:
         if accepted:
             self.wait[choice.source] = PROBE_FIRST  # it pays again: a later parking probes soon
         if choice.source == LOOKUP and match is not None:
-            self.matches.append((match, min(ngram, 8), 0))
+            self.matches.append((match, lookup_bucket(ngram), 0))
         elif choice.source == DFLASH:
             # A block drafted and then not verified at all cost a draft for nothing: a miss at position 1.
             self.dflash.observe(max(k, 1), accepted)
@@ -660,7 +668,7 @@ class AdaptivePolicy:
                 self.bins.trials[b] += 1
                 self.bins.hits[b] += j < accepted
         elif choice.source == LOOKUP:
-            self.lookup[min(ngram, 8)].observe(k, accepted)
+            self.lookup[lookup_bucket(ngram)].observe(k, accepted)
 
     def wrote(self, tokens: list[int]) -> None:
         """The tokens a cycle wrote. Lookup's proposals cost nothing to make, so its odds learn how far
@@ -691,7 +699,7 @@ class AdaptivePolicy:
         on = set(path)
         if tree.lookup:
             taken = next((j for j, i in enumerate(tree.lookup) if i not in on), len(tree.lookup))
-            self.lookup[min(ngram, 8)].observe(len(tree.lookup), taken)
+            self.lookup[lookup_bucket(ngram)].observe(len(tree.lookup), taken)
             if taken:
                 self.wait[LOOKUP] = PROBE_FIRST
         if any(tree.ranks[i - 1] >= 0 for i in path[1:]):

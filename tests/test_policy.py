@@ -25,7 +25,7 @@ from tiny import (
 import dflash_mlx.engine as engine
 import dflash_mlx.speculative as speculative
 from dflash_mlx import SpeculativeCache, generate, stream_generate
-from dflash_mlx.drafters import NgramIndex
+from dflash_mlx.drafters import AGREEMENT_MAX, NgramIndex
 from dflash_mlx.pairing import prepare
 from dflash_mlx.policy import (
     DFLASH,
@@ -45,7 +45,8 @@ from dflash_mlx.policy import (
 def brute_force_match(tokens, sizes, cap, found=None):
     """Lookup's match by searching the whole context: the match found earlier (`found`: the context's
     length then, and where the match's tokens started) while the text since has copied it, else the
-    latest occurrence of the longest suffix -> (tokens, n, what was found)."""
+    latest occurrence of the longest suffix -> (tokens, how many tokens before it agree with the
+    text's last ones, what was found)."""
     sizes = sorted(sizes, reverse=True)
     if found is not None:
         end, i = found
@@ -54,15 +55,23 @@ def brute_force_match(tokens, sizes, cap, found=None):
             at = i + since
             for n in sizes:
                 if at >= n and tokens[at - n : at] == tokens[len(tokens) - n :]:
-                    return tokens[at : at + cap], n, found
+                    return tokens[at : at + cap], agreement(tokens, at), found
     for n in sizes:
         if len(tokens) < n:
             continue
         suffix = tokens[len(tokens) - n :]
         for i in range(len(tokens) - 1, n - 1, -1):
             if tokens[i - n : i] == suffix:
-                return tokens[i : i + cap], n, (len(tokens), i)
+                return tokens[i : i + cap], agreement(tokens, i), (len(tokens), i)
     return [], 0, None
+
+
+def agreement(tokens, i):
+    """How many tokens before index i equal the last ones (at most AGREEMENT_MAX)."""
+    n = 0
+    while n < min(i, AGREEMENT_MAX) and tokens[i - 1 - n] == tokens[len(tokens) - 1 - n]:
+        n += 1
+    return n
 
 
 def brute_force_possible(tokens, sizes):
@@ -110,7 +119,8 @@ def test_lookup_follows_the_match_it_is_copying_rather_than_the_latest_occurrenc
     index.extend([10, 11])
     assert index.match(4) == ([12, 13, 20, 21], 2)  # found in the document, and followed
     index.extend([12, 13, 20, 21, 22, 23])
-    assert index.match(4) == ([14, 15, 16, 50], 4)  # not [99, 50, 10, 11], after the latest [20, 21, 22, 23]
+    # not [99, 50, 10, 11], after the latest [20, 21, 22, 23]; the text agrees with the document's 8
+    assert index.match(4) == ([14, 15, 16, 50], 8)
     index.extend([14, 77])  # a token the document does not have: the copy ends
     assert index.copying is None
     index.extend([20, 21, 22, 23])
@@ -640,6 +650,20 @@ def test_lookup_is_chosen_where_it_pays_and_left_where_it_does_not():
     for _ in range(60):  # two-token matches that are always wrong
         choice = policy.choose(500, ([7] * 16, 2))
         policy.observe(choice, choice.k, 0, [], 2)
+    assert policy.choose(500, ([7] * 16, 2)).source == PLAIN
+
+
+def test_lookup_learns_a_copy_under_way_apart_from_a_suffix_just_met():
+    """An edit: where the answer has copied the document for a while its match holds; where it has just
+    changed something, a match of its last two tokens is often wrong. Odds learnt by how far the text
+    agrees before the match verify the first widely and leave the second to plain steps."""
+    policy = AdaptivePolicy(CPU, 0, lookup=True)
+    for _ in range(60):
+        for n, right in ((AGREEMENT_MAX, 15), (2, 0)):
+            choice = policy.choose(500, ([7] * 16, n))
+            policy.observe(choice, choice.k, min(choice.k, right), [], n)
+    copying = policy.choose(500, ([7] * 16, AGREEMENT_MAX))
+    assert copying.source == LOOKUP and copying.k >= 12
     assert policy.choose(500, ([7] * 16, 2)).source == PLAIN
 
 
