@@ -135,8 +135,9 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
 
     def select(self, hidden: mx.array, logits: mx.array, first: int, temperature: float):
-        """hidden, logits (k, ...) of the proposal positions -> (proposals (k,), the rows (k, top_k) they
-        were chosen by as logits over the candidates, the candidates (k, top_k))."""
+        """hidden, logits (k, ...) of the proposal positions -> (proposals (k,), the float32 probabilities
+        (k, top_k) over the candidates that each was drawn from (above temperature 0; at 0, the untempered
+        ones of the scores it was the argmax of), the candidates (k, top_k))."""
         candidates = mx.argpartition(logits, -self.top_k, axis=-1)[:, -self.top_k :]
         unary = mx.take_along_axis(logits, candidates, axis=-1)
         projected = self.hidden_projection(hidden)
@@ -144,12 +145,14 @@ class CandidateSelector(nn.Module):
         chosen, rows = [], []
         for j in range(hidden.shape[0]):
             edges = (self.predecessor_codebook[previous] * projected[j] * self.successor_codebook[candidates[j]]).sum(-1)
-            score = unary[j] + edges
-            pick = mx.argmax(score) if temperature == 0 else mx.random.categorical(score / temperature)
+            # (in float32: the division rounded in a bfloat16 drafter's dtype moves the draw away from
+            # the probabilities rejection sampling is given)
+            score = (unary[j] + edges).astype(mx.float32) / (temperature or 1.0)
+            pick = mx.argmax(score) if temperature == 0 else mx.random.categorical(score)
             previous = candidates[j, pick]
             chosen.append(previous)
             rows.append(score)
-        return mx.stack(chosen), mx.stack(rows), candidates
+        return mx.stack(chosen), mx.softmax(mx.stack(rows), axis=-1), candidates
 
 
 class DFlash2DraftModel(DFlashDraftModel):
@@ -183,9 +186,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         width chosen from them keeps rejection sampling exact."""
         hidden = self.propose_hidden(last, cache, block, compiled, heads=k)[0]
         logits = self._lm_head(hidden)
-        x, rows, candidates = self.candidate_selector.select(hidden, logits, last, temperature)
+        x, probs, candidates = self.candidate_selector.select(hidden, logits, last, temperature)
         if temperature == 0:
-            return x.astype(mx.int32), None, mx.softmax(rows, axis=-1).max(axis=-1)
-        q = mx.zeros(logits.shape, dtype=mx.float32)
-        q = mx.put_along_axis(q, candidates, mx.softmax(rows.astype(mx.float32) / temperature, axis=-1), axis=-1)
+            return x.astype(mx.int32), None, probs.max(axis=-1)
+        q = mx.put_along_axis(mx.zeros(logits.shape, dtype=mx.float32), candidates, probs, axis=-1)
         return x.astype(mx.int32), q, mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)

@@ -336,3 +336,25 @@ def test_a_sampler_that_flips_one_coin_per_call_stays_exact(model):
     assert sum(counts.get(s, 0) for s in joint) == RUNS  # nothing plain decoding could not write
     p = chisquare([counts.get(s, 0) for s in joint], [q * RUNS for q in joint.values()]).pvalue
     assert p > 1e-3, f"chi-square p-value {p:.2e}: the verify pass shared one coin"
+
+
+def test_a_dflash2_drafter_in_bfloat16_draws_its_proposals_from_the_q_it_reports():
+    """Rejection sampling is exact only if each proposal was drawn from the q handed to it. A bfloat16
+    drafter's scores divided by a temperature round in bfloat16, where q is float32: at logits of an
+    LLM's size (about 30) and close candidates, that moved the draws by up to 20% of their share."""
+    selector = make_dflash2(seed=11, top_k=3).candidate_selector
+    selector.set_dtype(mx.bfloat16)
+    selector.predecessor_codebook = mx.zeros_like(selector.predecessor_codebook)  # (scores: the logits)
+    logits = mx.array([[30.0, 30.25, 29.75] + [-5.0] * (V - 3)], dtype=mx.bfloat16)
+    hidden = mx.zeros((1, selector.hidden_projection.weight.shape[1]), dtype=mx.bfloat16)
+    runs = 4000
+    for temperature in (0.3, 0.7):
+        mx.random.seed(0)
+        picks = [selector.select(hidden, logits, 6, temperature) for _ in range(runs)]
+        _, probs, candidates = picks[0]
+        counts = dict.fromkeys(candidates[0].tolist(), 0)
+        for x, _, _ in picks:
+            counts[x.item()] += 1
+        q = np.array(probs[0], dtype=np.float64)
+        p = chisquare(list(counts.values()), q / q.sum() * runs).pvalue
+        assert p > 1e-3, f"chi-square p-value {p:.2e} at T={temperature}: proposals not drawn from their q"
