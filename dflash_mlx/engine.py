@@ -57,7 +57,7 @@ class Cycle:
     choice: Choice
     x: mx.array  # proposals
     confidence: list
-    found: tuple  # lookup's (tokens, suffix length) for this cycle
+    found: tuple  # lookup's (tokens, n) for this cycle (`NgramIndex.match`)
     row: int  # its row in the step's pass
     n: mx.array
     nxt: mx.array

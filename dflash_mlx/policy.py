@@ -475,7 +475,7 @@ class AdaptivePolicy:
     def probed(self, choice: Choice, offered: list[Choice], n: int) -> Choice:
         """The choice made, or where it is a plain step, a parked option of those `offered` that is due a
         probe (its old evidence discounted first); counts the cycles each was passed over. `n`: the
-        lookup match's suffix length."""
+        lookup match's n (`NgramIndex.match`)."""
         for option in offered:
             source = option.source
             if source == choice.source:
