@@ -22,6 +22,7 @@ LOOKUP_MAX = 16
 # The longest agreement `match` counts: how far back the text agrees with the context before a match
 # tells how long the match will hold (a copy under way holds longer than a suffix just met).
 AGREEMENT_MAX = 32
+LOOKUP_BUCKETS = 8  # the classes `lookup_bucket` gives: 1..8
 # The "suffix length" a proposal from the phrase table is reported with: the policy learns its odds apart.
 PHRASES = 1
 PHRASES_MAX = 8  # (a table's chain rarely holds longer; each token costs a few dict lookups)
@@ -117,7 +118,7 @@ class NgramIndex:
 def lookup_bucket(n: int) -> int:
     """The class 1..8 a policy learns lookup's odds by, from `match`'s n: the phrase table's (1) and each
     suffix length up to 4 apart, then agreements of 5-7, 8-15, 16-31 and 32 or more tokens."""
-    return n if n <= 4 else min(n.bit_length() + 2, 8)
+    return n if n <= 4 else min(n.bit_length() + 2, LOOKUP_BUCKETS)
 
 
 def draft_block(k: int, block_size: int) -> int:

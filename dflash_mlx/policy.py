@@ -40,6 +40,7 @@ from mlx.utils import tree_flatten
 from .batching import batchable, merge
 from .cache import SpeculativeCache
 from .drafters import (
+    LOOKUP_BUCKETS,
     LOOKUP_MAX,
     LOOKUP_NGRAMS,
     PHRASES,
@@ -300,7 +301,7 @@ class AdaptivePolicy:
         self.trees = trees  # whether a drafted block may be verified as a tree (`shape`)
         self.max = {DFLASH: max_dflash, LOOKUP: max_lookup if lookup else 0}
         self.dflash = _Odds(max_dflash)
-        self.lookup = {n: _Odds(max_lookup) for n in range(1, 9)}  # by `lookup_bucket`
+        self.lookup = {n: _Odds(max_lookup) for n in range(1, LOOKUP_BUCKETS + 1)}  # by `lookup_bucket`
         # the chance a match follows where one may
         self.follows = {n: _Odds(1) for n in (*LOOKUP_NGRAMS, PHRASES)}
         self.waited_for: list[int] = []  # the suffix lengths plain_next waited for a match at
