@@ -438,11 +438,15 @@ class AdaptivePolicy:
 
     def _choose(self, context: int, lookup: tuple[list[int], int]) -> Choice:
         tokens, n = lookup
-        for m in self.waited_for:  # where plain_next waited for a match: did one follow?
-            if n > m:
+        # Where plain_next waited for a match: did one follow, at which suffix length? (`match` finds
+        # the longest suffix that occurred before: its n, the agreement, is at least that suffix, and
+        # where it is longer, the longest suffix length occurred before too.)
+        suffix = min(n, max(LOOKUP_NGRAMS))
+        for m in self.waited_for:
+            if suffix > m:
                 break
-            self.follows[m].observe(1, n == m)
-            if n == m:
+            self.follows[m].observe(1, suffix == m)
+            if suffix == m:
                 break
         self.waited_for = []
         pace = self._paces(context)

@@ -28,6 +28,7 @@ from dflash_mlx import SpeculativeCache, generate, stream_generate
 from dflash_mlx.drafters import AGREEMENT_MAX, NgramIndex
 from dflash_mlx.pairing import prepare
 from dflash_mlx.policy import (
+    DECAY,
     DFLASH,
     LOOKUP,
     PLAIN,
@@ -665,6 +666,26 @@ def test_lookup_learns_a_copy_under_way_apart_from_a_suffix_just_met():
     copying = policy.choose(500, ([7] * 16, AGREEMENT_MAX))
     assert copying.source == LOOKUP and copying.k >= 12
     assert policy.choose(500, ([7] * 16, 2)).source == PLAIN
+
+
+def test_a_plain_step_that_waited_for_a_match_learns_whether_one_followed_at_the_suffix_it_followed_at():
+    """A copy under way: the next token gives a match whose agreement is far longer than any suffix
+    length; the policy that waited for it learns that a match followed at the longest one."""
+    index = NgramIndex()
+    index.extend([1, 2, 3, 4, 5, 9, 2, 3, 4])  # (the next token may complete a 4-, 3- or 2-gram seen before)
+    assert index.possible() == [4, 3, 2]
+    policy = AdaptivePolicy(CPU, 0, lookup=True)
+    for _ in range(40):  # long matches always right: worth waiting for
+        choice = policy.choose(500, ([7] * 16, 4))
+        policy.observe(choice, choice.k, choice.k, [], 4)
+    assert not policy.plain_next(500, index)
+    policy.choose(500, ([7] * 16, 20))
+    assert (policy.follows[4].hits[1], policy.follows[4].trials[1]) == (1, 1)
+    assert policy.follows[3].trials[1] == policy.follows[2].trials[1] == 0
+    assert not policy.plain_next(500, index)
+    policy.choose(500, ([7] * 16, 3))  # (the 4-gram did not follow; the 3-gram did)
+    assert (policy.follows[4].hits[1], policy.follows[3].hits[1]) == (1 * DECAY, 1)
+    assert policy.follows[4].trials[1] == 1 * DECAY + 1
 
 
 def test_lookup_learns_how_far_a_match_held_past_the_proposals_it_verified():
