@@ -360,15 +360,17 @@ def stream_generate(
             # (with a kept cache's pending token)
             answer.prompt_tps = cache.last_prefill / (time.perf_counter() - tic)
             response = answer.respond(first, None, seq.finish, scores=seq.scores)
-        yield response
         if response.finish_reason is not None:
+            yield response
             return
         engine = Engine(target, draft)
         with _MLX_CALLS:
             engine.add(seq)
             engine.launch()
         try:
-            # The next step starts before this one's tokens are handed out (see engine.py).
+            # The next step starts before this one's tokens are handed out (see engine.py), the first
+            # token's too, as mlx-lm's loop starts its second step before handing out its first.
+            yield response
             while True:
                 with _MLX_CALLS:
                     (r,) = engine.collect()

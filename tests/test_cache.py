@@ -281,6 +281,15 @@ def test_a_cache_an_interrupted_pass_left_half_updated_is_refused(where, monkeyp
     assert (
         generate(target, draft, no_eos_tokenizer(want), more, max_tokens=6, prompt_cache=clean).tokens == want
     )
+    first = SpeculativeCache(target, draft)  # a stop at the first token: its next step under way
+    stream = stream_generate(target, draft, tok, prompt, max_tokens=20, prompt_cache=first)
+    next(stream)
+    stream.close()
+    assert not first.broken and len(first.tokens) == len(prompt) + 1
+    want = greedy_reference(model, first.tokens + more, 6)
+    assert (
+        generate(target, draft, no_eos_tokenizer(want), more, max_tokens=6, prompt_cache=first).tokens == want
+    )
     gone = SpeculativeCache(target, draft)  # a generator dropped unfinished gives the cache back
     stream = stream_generate(target, draft, tok, prompt, max_tokens=20, prompt_cache=gone)
     next(stream)
