@@ -62,10 +62,12 @@ TREE = "tree"  # a cycle that verified a tree of the drafter's guesses, lookup's
 # Each cycle of a source weighs its older evidence by DECAY, on top of prior odds PRIOR_HITS / PRIOR_TRIALS.
 # A parked option is probed after PROBE_FIRST cycles, then after twice as many each time it still loses;
 # a probe first discounts the old evidence to PROBE_KEEP, so that one success can bring it back.
+# An answer starts from what the last ones learnt, but may not be like them (an edit, then a chat):
+# an option parked for longer is probed within PROBE_ANSWER cycles of it.
 DECAY = 0.97
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0
 CONFIDENCE_BINS = 10
-PROBE_FIRST, PROBE_MAX, PROBE_KEEP = 16, 1024, 0.25
+PROBE_FIRST, PROBE_MAX, PROBE_KEEP, PROBE_ANSWER = 16, 1024, 0.25, 64
 # Cycles are timed in runs of up to PACE_RUN of the same source (a plain step starts the next before its
 # own token is read, so on some backends one step's time holds part of the next's). Only how sources
 # compare decides, and a busy machine slows them all: so plain steps are the reference, and a lookup
@@ -1240,6 +1242,7 @@ def policy_for(
             policy.restore(json.loads(learnt_path(key).read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # none kept, or unreadable: from the priors
+    policy.wait = {source: min(wait, PROBE_ANSWER) for source, wait in policy.wait.items()}
     policy.key = key
     _LEARNT[key] = policy
     return policy

@@ -32,6 +32,8 @@ from dflash_mlx.policy import (
     DFLASH,
     LOOKUP,
     PLAIN,
+    PROBE_ANSWER,
+    PROBE_MAX,
     WIDTHS,
     AdaptivePolicy,
     BatchPace,
@@ -639,6 +641,38 @@ def test_what_cycles_timed_another_way_learnt_is_not_read(monkeypatch):
     policies._LEARNT.clear()
     fresh = policy_for(target, draft, block_size=None, lookup=True)
     assert fresh.learnt() == AdaptivePolicy(policy.costs, 15, lookup=True).learnt()
+
+
+def test_the_drafter_parked_for_long_by_earlier_answers_is_probed_early_in_the_next(monkeypatch):
+    """Answers where the drafter lost (edits) left it parked for up to PROBE_MAX cycles; the next
+    answer, in this process or the next, may be one where it pays (a chat): it is probed within
+    PROBE_ANSWER cycles, and where its proposals are taken it comes back."""
+    import dflash_mlx.policy as policies
+
+    model, draft = make_target("llama"), make_draft()
+    target = prepare(model, draft)
+    monkeypatch.setattr(policies, "costs_for", lambda *_: CPU)  # (a pair where the drafter can pay)
+    policies._LEARNT.clear()
+    last = policy_for(target, draft, block_size=None, lookup=False)
+    for _ in range(12):  # each probe lost: the waits doubled up to the most
+        last.dflash.observe(15, 0)
+        last.wait[DFLASH] = min(2 * last.wait[DFLASH], PROBE_MAX)
+    assert last.wait[DFLASH] == PROBE_MAX and last.choose(100, ([], 0)).source == PLAIN
+    policies.keep_learnt(last)
+    for new_process in (False, True):
+        if new_process:
+            policies._LEARNT.clear()
+        policy = policy_for(target, draft, block_size=None, lookup=False)
+        chosen = []
+        for _ in range(4 * PROBE_ANSWER):  # the drafter's proposals now always taken
+            choice = policy.choose(100, ([], 0))
+            if choice.source == DFLASH:
+                policy.observe(choice, choice.k, choice.k, [0.9] * choice.k, 0)
+            chosen.append(choice.source)
+        # (not at once: where it still loses, each answer's probe costs)
+        assert PROBE_ANSWER // 2 < chosen.index(DFLASH) < PROBE_ANSWER
+        assert chosen[-PROBE_ANSWER:] == [DFLASH] * PROBE_ANSWER
+    policies._LEARNT.clear()
 
 
 def test_lookup_is_chosen_where_it_pays_and_left_where_it_does_not():
