@@ -61,7 +61,7 @@ TREE = "tree"  # a cycle that verified a tree of the drafter's guesses, lookup's
 
 # Each cycle of a source weighs its older evidence by DECAY, on top of prior odds PRIOR_HITS / PRIOR_TRIALS.
 # A parked option is probed after PROBE_FIRST cycles, then after twice as many each time it still loses;
-# a probe first discounts the old evidence to PROBE_KEEP, so that one success can bring it back.
+# a probe first discounts the old evidence to PROBE_KEEP, so that a few successes bring it back.
 # An answer starts from what the last ones learnt, but may not be like them (an edit, then a chat):
 # an option parked for longer is probed within PROBE_ANSWER cycles of it.
 DECAY = 0.97

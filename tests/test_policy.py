@@ -718,8 +718,8 @@ def test_a_plain_step_that_waited_for_a_match_learns_whether_one_followed_at_the
     assert policy.follows[3].trials[1] == policy.follows[2].trials[1] == 0
     assert not policy.plain_next(500, index)
     policy.choose(500, ([7] * 16, 3))  # (the 4-gram did not follow; the 3-gram did)
-    assert (policy.follows[4].hits[1], policy.follows[3].hits[1]) == (1 * DECAY, 1)
-    assert policy.follows[4].trials[1] == 1 * DECAY + 1
+    assert (policy.follows[4].hits[1], policy.follows[3].hits[1]) == (DECAY, 1)
+    assert policy.follows[4].trials[1] == DECAY + 1
 
 
 def test_lookup_learns_how_far_a_match_held_past_the_proposals_it_verified():
