@@ -236,11 +236,14 @@ def serve(
             # grace period is over (it would hold them all to its end, then cut their connections). A
             # second signal, of any kind, stops it at once. Closing runs in a thread of its own: the
             # signal may have come while this thread held a lock that closing takes (telling a worker
-            # process), and would wait for itself.
-            if not came:
+            # process), and would wait for itself. The signal is counted first: one that comes while
+            # this handler starts that thread must not start another (the two starts broke threading's
+            # own bookkeeping).
+            first = not came
+            came.append(sig)
+            if first:
                 threading.Thread(target=scheduler.close_queue, args=(GRACE - 1,), daemon=True).start()
             self.force_exit = self.should_exit
-            came.append(sig)
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
