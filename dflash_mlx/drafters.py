@@ -16,9 +16,10 @@ from .models.dflash import DFlashDraftModel
 from .phrases import Phrases
 from .trees import candidates
 
-# Suffix lengths tried, longest first, and the most tokens one lookup proposes (see docs/policy.md).
+# Suffix lengths tried, longest first, and the most tokens one lookup proposes (see docs/policy.md): as
+# many as the widest pass priced verifies, for a copy under way.
 LOOKUP_NGRAMS = (4, 3, 2)
-LOOKUP_MAX = 16
+LOOKUP_MAX = 32
 # The longest agreement `match` counts: how far back the text agrees with the context before a match
 # tells how long the match will hold (a copy under way holds longer than a suffix just met).
 AGREEMENT_MAX = 32

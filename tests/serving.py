@@ -10,11 +10,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import mlx.core as mx
 import uvicorn
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import save_config, save_model
-from tiny import CONFIGS, VOCAB, make_target
+from tiny import VOCAB, successor_target
 
 from dflash_mlx.server.connections import protocol
 
@@ -124,30 +123,15 @@ REPLY = [
 
 
 def scripted_pair(path: Path, successors: dict[str, str] | None = None):
-    """A real mlx-lm Llama whose greedy reply is fixed: its decoder layers add nothing (zero output
-    projections), so each next token is successors[this token], through the embedding and the head
-    alone. -> (model, tokenizer) with thinking and tool-call markers (mlx-lm infers them and the JSON
-    tool parser from the vocabulary and the template)."""
+    """`successor_target` over words, saved at `path` with a tokenizer that has thinking and tool-call
+    markers (mlx-lm infers them and the JSON tool parser from the vocabulary and the template): each
+    next word is successors[this word], else "<eos>". -> (model, tokenizer)."""
     words = SCRIPT_WORDS
     ids = {w: i for i, w in enumerate(words)}
     if successors is None:
         successors = dict(zip(["assistant", *REPLY], REPLY))
-    hidden = 128
-    config = dict(CONFIGS["llama"], hidden_size=hidden, vocab_size=len(words), tie_word_embeddings=False)
-    model = make_target("llama", **{k: v for k, v in config.items() if k != "model_type"})
-    embed = mx.zeros((len(words), hidden))
-    head = mx.zeros((len(words), hidden))
-    for i in range(len(words)):
-        embed[i, i] = 1.0
-        head[ids[successors.get(words[i], "<eos>")], i] = 1.0
-    zeroed = {}
-    for n, layer in enumerate(model.model.layers):
-        zeroed[f"model.layers.{n}.self_attn.o_proj.weight"] = mx.zeros_like(layer.self_attn.o_proj.weight)
-        zeroed[f"model.layers.{n}.mlp.down_proj.weight"] = mx.zeros_like(layer.mlp.down_proj.weight)
-    model.load_weights(
-        [("model.embed_tokens.weight", embed), ("lm_head.weight", head), *zeroed.items()], strict=False
-    )
-    mx.eval(model.parameters())
+    by_id = {ids[w]: ids[s] for w, s in successors.items()}
+    model, config = successor_target(by_id, len(words), other=ids["<eos>"])
     save_model(path, model)
     save_config(dict(config, eos_token_id=ids["<eos>"]), path / "config.json")
     word_tokenizer_folder(path, words, TOOL_TEMPLATE, "<eos>")

@@ -20,6 +20,7 @@ from tiny import (
     make_tokenizer,
     no_eos_tokenizer,
     prompt_of,
+    successor_target,
 )
 
 import dflash_mlx.engine as engine
@@ -267,6 +268,21 @@ def test_lookup_proposals_cut_by_eos_stop_strings_and_max_tokens(scripted):
     stop = " ".join(full.text.split()[20:22])
     out = generate(model, None, no_eos, prompt, max_tokens=80, stop=[stop])
     assert out.text == full.text[: full.text.index(stop)] and out.finish_reason == "stop"
+
+
+def test_a_copy_under_way_is_verified_in_the_widest_pass_and_stays_mlx_lms_answer(scripted):
+    """A target whose answer goes on copying its prompt: lookup's matches run as long as the widest pass
+    priced, and a cycle verifies 31 proposals and takes them all; the answer is mlx-lm's, cut where
+    asked."""
+    loop = list(range(3, 43))
+    model, _ = successor_target({t: loop[(i + 1) % len(loop)] for i, t in enumerate(loop)})
+    prompt = loop + loop[:6]
+    ref = greedy_reference(model, prompt, 100)
+    assert ref[:40] == loop[6:] + loop[:6]
+    scripted([Choice(LOOKUP, 31)])
+    out = generate(model, None, make_tokenizer(), prompt, max_tokens=100)
+    assert out.tokens == ref and max(out.acceptance_lengths) == 32 and set(out.sources[1:]) == {LOOKUP}
+    assert generate(model, None, make_tokenizer(), prompt, max_tokens=45).tokens == ref[:45]
 
 
 # Costs in units of one plain step: a Mac-like target (a wide verify pass costs little more than a step)
@@ -700,6 +716,20 @@ def test_lookup_learns_a_copy_under_way_apart_from_a_suffix_just_met():
     copying = policy.choose(500, ([7] * 16, AGREEMENT_MAX))
     assert copying.source == LOOKUP and copying.k >= 12
     assert policy.choose(500, ([7] * 16, 2)).source == PLAIN
+
+
+def test_a_copy_is_verified_31_at_a_time_where_its_matches_hold_that_long_and_15_where_they_break_sooner():
+    """The demo target's passes measured on a 2-core CPU, a step = 1 (a 32-wide pass costs 4 steps, a
+    16-wide one 2.5): a copy whose matches hold for 32 tokens pays verified whole; one whose matches
+    break after 16 does not."""
+    wide = CostModel([64], [1, 2, 4, 8, 16, 32], [[1.0, 1.0, 1.72, 1.89, 2.51, 3.99]], [], [], [0.9], [0.95])
+    text = list(range(1000, 1032))
+    for holds, k in ((32, 31), (16, 15)):
+        policy = AdaptivePolicy(wide, 0, lookup=True)
+        for _ in range(60):
+            choice = policy.choose(100, (text, AGREEMENT_MAX))
+            policy.observe(choice, choice.k, min(choice.k, holds), [], AGREEMENT_MAX)
+        assert policy.choose(100, (text, AGREEMENT_MAX)) == Choice(LOOKUP, k)
 
 
 def test_a_plain_step_that_waited_for_a_match_learns_whether_one_followed_at_the_suffix_it_followed_at():

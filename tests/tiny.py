@@ -136,6 +136,27 @@ def make_target(family: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+def successor_target(successors: dict[int, int], vocab: int = VOCAB, other: int = 2, hidden: int = 128):
+    """A real mlx-lm Llama whose greedy reply is fixed: its decoder layers add nothing (zero output
+    projections), so each next token is successors[this token] (else `other`), through the embedding
+    and the head alone."""
+    config = dict(CONFIGS["llama"], hidden_size=hidden, vocab_size=vocab, tie_word_embeddings=False)
+    model = make_target("llama", **{k: v for k, v in config.items() if k != "model_type"})
+    embed, head = mx.zeros((vocab, hidden)), mx.zeros((vocab, hidden))
+    for i in range(vocab):
+        embed[i, i] = 1.0
+        head[successors.get(i, other), i] = 1.0
+    zeroed = {}
+    for n, layer in enumerate(model.model.layers):
+        zeroed[f"model.layers.{n}.self_attn.o_proj.weight"] = mx.zeros_like(layer.self_attn.o_proj.weight)
+        zeroed[f"model.layers.{n}.mlp.down_proj.weight"] = mx.zeros_like(layer.mlp.down_proj.weight)
+    model.load_weights(
+        [("model.embed_tokens.weight", embed), ("lm_head.weight", head), *zeroed.items()], strict=False
+    )
+    mx.eval(model.parameters())
+    return model, config
+
+
 def draft_config(
     target_layers: int = 4,
     layer_ids=(1, 2),
