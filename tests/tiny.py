@@ -139,7 +139,7 @@ def make_target(family: str = "llama", seed: int = 0, **overrides):
 def successor_target(successors: dict[int, int], vocab: int = VOCAB, other: int = 2, hidden: int = 128):
     """A real mlx-lm Llama whose greedy reply is fixed: its decoder layers add nothing (zero output
     projections), so each next token is successors[this token] (else `other`), through the embedding
-    and the head alone."""
+    and the head alone. -> (model, its config)."""
     config = dict(CONFIGS["llama"], hidden_size=hidden, vocab_size=vocab, tie_word_embeddings=False)
     model = make_target("llama", **{k: v for k, v in config.items() if k != "model_type"})
     embed, head = mx.zeros((vocab, hidden)), mx.zeros((vocab, hidden))
