@@ -1229,6 +1229,38 @@ def test_two_workers_share_the_requests_and_each_answer_is_the_one_generate_give
     assert pool.hits >= 1  # (the last prompt took the cache of the one it goes on from)
 
 
+def test_a_prompt_s_chunks_stay_long_where_a_pass_costs_more_than_a_turn(tiny, monkeypatch):  # noqa: F811
+    """Chunks sized by the speed of the last: where a pass's fixed cost outlasts a turn (a slow CPU
+    at a long context), each chunk's speed fell with its size, shrinking the next, down to one token
+    a pass."""
+    target, draft, tok = tiny
+    prefill, chunks = SpeculativeCache.prefill, []
+
+    def slow(cache, tokens, step=None, progress=None):
+        chunks.append(len(tokens))
+        time.sleep(0.1)
+        return prefill(cache, tokens, step, progress)
+
+    monkeypatch.setattr(SpeculativeCache, "prefill", slow)
+    monkeypatch.setattr(scheduler_module, "PREFILL_TURN_S", 0.05)
+    monkeypatch.setattr(scheduler_module, "PREFILL_ALONE_S", 0.05)
+    scheduler = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), Metrics(), 4, 4)
+    prompt, settings = [5 + i % 80 for i in range(600)], GenerationSettings(max_tokens=4)
+    got, finished = [], []
+    _submit(scheduler, prompt, settings, got, finished)
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not finished:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    assert finished == [None] and len(chunks) >= 4
+    assert min(chunks[:-1]) == scheduler_module.FIRST_CHUNK
+    assert got == generate(target, draft, tok, prompt, max_tokens=4).tokens
+
+
 def test_busy_seconds_count_every_chunk_of_a_prompt_s_prefill(tiny, monkeypatch):  # noqa: F811
     """Only a prompt's last chunk counted as busy: a long prompt's prefill left the counter still."""
     target, draft, tok = tiny

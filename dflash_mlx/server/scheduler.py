@@ -9,7 +9,9 @@ finish. A request joins once its prompt is prefilled; short prompts that wait at
 together in one pass where that has measured faster than one at a time (a GPU); a long prompt is
 prefilled a chunk at a time between steps, each chunk sized by the prefill speed last measured to take
 about PREFILL_TURN_S while others are under way (about PREFILL_ALONE_S alone, which is as long as a
-request that arrives meanwhile waits). Turns go to whatever has received the fewest tokens: the batch
+request that arrives meanwhile waits), and never under FIRST_CHUNK tokens: a pass's fixed cost can
+outlast the turn (a slow CPU at a long context), and chunks sized by the speed of smaller ones would
+shrink to a token a pass. Turns go to whatever has received the fewest tokens: the batch
 (its least served request) or a prefilling request, a chunk counting as the tokens the batch's requests
 receive in its time, so a long prompt shares the worker with the streams under way rather than holding
 them up. A request whose reader has fallen behind (a slow client) leaves the batch until it catches up;
@@ -50,7 +52,7 @@ log = logging.getLogger("dflash_mlx.server")
 
 PREFILL_TURN_S = 0.25  # about how long a prefill chunk takes while other requests are under way
 PREFILL_ALONE_S = 1.0  # ... and while none is
-FIRST_CHUNK = 64  # prompt tokens in a chunk before any prefill speed is known
+FIRST_CHUNK = 64  # prompt tokens in a chunk before any prefill speed is known, and the fewest after
 MAX_BACKLOG = 64  # events a request's reader may leave unread before it leaves the batch
 STALLED_S = 60.0  # seconds out of the batch with its reader taking nothing: a hung client, whose answer ends
 # Short prompts (each the last chunk of its request, of at most SHORT tokens) that wait at once are
@@ -541,7 +543,7 @@ class _Worker:
         if self.prefill_rate is None:
             return min(FIRST_CHUNK, step)
         seconds = PREFILL_ALONE_S if len(self.active) == 1 and not self.s.waiting else PREFILL_TURN_S
-        return max(1, min(step, int(self.prefill_rate * seconds)))
+        return min(step, max(FIRST_CHUNK, int(self.prefill_rate * seconds)))
 
     def _end(self, job: _Job, error: BaseException | None, keep: bool = True) -> None:
         if job.seq is not None and not job.seq.removed and job.seq.finish is None:
