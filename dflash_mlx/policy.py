@@ -82,6 +82,15 @@ PACE_RUN, PACE_RUNS, PACE_CLOSE, PACE_PAIR = 4, 9, 2.0, 64
 # BATCH_RUNS turns: plain unless speculating gave more than BATCH_MARGIN more, the other way tried
 # again every BATCH_PROBE turns (see BatchPace).
 BATCH_RUN, BATCH_RUNS, BATCH_PROBE, BATCH_MARGIN = 8, 3, 6, 0.05
+# Lookup's odds are learnt per position from every answer, but how far a match holds past its first
+# token is the text's own: a copy under way in an edit holds to its end, a document's names quoted in
+# its summary break a token or two later, and a miss at one position says nothing of those past it.
+# So an answer also compares the tokens its matches held past their first with what their odds
+# promised there, by the odds' class (each match's weighing YIELD_DECAY less per match of its class
+# since; YIELD_PRIOR promised and held to start with), and scales the odds past the first position
+# by that yield, at most 1 (a match that holds longer than promised teaches every position it reached
+# at once).
+YIELD_PRIOR, YIELD_DECAY = 4.0, 0.8
 WIDTHS = (1, 2, 4, 8, 16, 32)  # the target pass widths priced, and so the only ones verified
 
 
@@ -229,6 +238,11 @@ class _Odds:
             self.hits[j_] += j <= accepted
 
 
+def _scaled(rates: list[float], scale: float) -> list[float]:
+    """Odds by position with the second scaled, and with it the chance of reaching each one past it."""
+    return [rates[0], rates[1] * scale, *rates[2:]] if len(rates) > 1 and scale != 1.0 else rates
+
+
 def expected_tokens(rates: list[float]) -> list[float]:
     """E_k for k = 0 .. len(rates): tokens a cycle commits on average with k proposals verified."""
     out, alive = [1.0], 1.0
@@ -317,6 +331,8 @@ class AdaptivePolicy:
         self.ran: dict[tuple, list] = {}  # (source, bucket) -> its last run: [ratio, cycles then, paired]
         self.probing = 0  # plain steps left in a probe
         self.matches: list[tuple] = []  # lookup's matches still being followed: (tokens, bucket, held)
+        # by `lookup_bucket`: match tokens held past the first, and promised there (YIELD_PRIOR)
+        self.yielded = {n: (0.0, 0.0) for n in self.lookup}
         self.after_plain = False  # whether the last cycle chosen was a plain step
         self.plain_probed: set[int] = set()  # the context buckets where plain steps were probed
         self.key: tuple | None = None  # where what it learns is kept (`policy_for`, `keep_learnt`)
@@ -382,16 +398,23 @@ class AdaptivePolicy:
         return [0.0] + [self._draft_time(k, context) for k in range(1, self.max[DFLASH] + 1)]
 
     def _best(
-        self, odds: _Odds, n: int, context: int, drafted: bool, pace: float = 1.0, extra: float = 0.0
+        self,
+        odds: _Odds,
+        n: int,
+        context: int,
+        drafted: bool,
+        pace: float = 1.0,
+        extra: float = 0.0,
+        scale: float = 1.0,
     ) -> tuple[float, int]:
         """-> (tokens per second, k) of the best k >= 1 for the acceptance odds at `odds`' positions
-        1..n, a draft pass's time counted where `drafted`, the cycle's price scaled by `pace` and
-        `extra` seconds added (see `_switch`)."""
-        key = (id(odds), odds.changes, n, context, drafted, pace, extra)
+        1..n (the second scaled by `scale`: `_scaled`), a draft pass's time counted where `drafted`,
+        the cycle's price scaled by `pace` and `extra` seconds added (see `_switch`)."""
+        key = (id(odds), odds.changes, n, context, drafted, pace, extra, scale)
         if key not in self._bests:
             if len(self._bests) >= 256:
                 self._bests.clear()
-            e = expected_tokens(odds.rates(n))
+            e = expected_tokens(_scaled(odds.rates(n), scale))
             best = (0.0, 0)
             for k in self.costs.counts(n):
                 t = self.costs.target_time(k + 1, context)
@@ -399,6 +422,15 @@ class AdaptivePolicy:
                 best = max(best, (e[k] / (t * pace + extra), -k))
             self._bests[key] = best[0], -best[1]
         return self._bests[key]
+
+    def _yield(self, n: int) -> float:
+        """What lookup's odds for a match of `match`'s n are scaled by in this answer (see YIELD_PRIOR)."""
+        taken, promised = self.yielded[lookup_bucket(n)]
+        return min(1.0, (taken + YIELD_PRIOR) / (promised + YIELD_PRIOR))
+
+    def _lookup_rates(self, n: int, k: int) -> list[float]:
+        """Lookup's odds at positions 1..k for a match of `match`'s n, as this answer prices them."""
+        return _scaled(self.lookup[lookup_bucket(n)].rates(k), self._yield(n))
 
     def _switch(self, context: int) -> float:
         """What leaving a run of plain steps for one cycle costs besides the cycle: the next plain step
@@ -412,14 +444,14 @@ class AdaptivePolicy:
         proposals (as many as it has) and with the drafter's."""
         tokens, n = lookup
         k = min(len(tokens), self.max[LOOKUP])
-        by_lookup = expected_tokens(self.lookup[lookup_bucket(n)].rates(k)) if k else [1.0]
+        by_lookup = expected_tokens(self._lookup_rates(n, k)) if k else [1.0]
         by_dflash = expected_tokens(self.dflash.rates(self.max[DFLASH])) if self.max[DFLASH] else [1.0]
         return by_lookup, by_dflash
 
     def upcoming(self, index) -> tuple[list[float], list[float]]:
         """`expectations` of the cycle after the next token, which is not known yet: lookup's by the
         learnt chance that a match follows at each suffix length it may follow at (as `plain_next`
-        weighs them); `index` None: no lookup."""
+        weighs them, by the odds unscaled); `index` None: no lookup."""
         by_lookup, rest = [1.0] * (self.max[LOOKUP] + 1), 1.0
         if index is not None and self.max[LOOKUP]:
             for n in index.possible() + ([PHRASES] if index.phrases else []):
@@ -457,7 +489,7 @@ class AdaptivePolicy:
         options = [(1.0 / step, Choice(PLAIN, 0))]
         if self.max[LOOKUP] and tokens:
             odds, most = self.lookup[lookup_bucket(n)], min(len(tokens), self.max[LOOKUP])
-            rate, k = self._best(odds, most, context, False, pace[LOOKUP], switch)
+            rate, k = self._best(odds, most, context, False, pace[LOOKUP], switch, self._yield(n))
             options.append((rate, Choice(LOOKUP, k)))
         if self.max[DFLASH]:
             rate, k = self._best(self.dflash, self.max[DFLASH], context, True, pace[DFLASH], switch)
@@ -500,7 +532,9 @@ class AdaptivePolicy:
         """Whether to start the next cycle's plain step before this cycle's token is read, which makes
         it cheaper still than a step built in advance (`CostModel`). Not when the drafter is due a probe
         or would beat it, nor when lookup, which needs that token, is worth waiting for: at each suffix
-        length a match may follow at, the learnt chance that one does times what it would gain."""
+        length a match may follow at, the learnt chance that one does times what it would gain (by the
+        odds unscaled by the answer's yield: a match that follows may agree further than the suffix it
+        was waited for at, a class of its own, and waits priced down stopped letting those in)."""
         if self.probing:
             return True
         pace = self._paces(context)
@@ -641,7 +675,7 @@ class AdaptivePolicy:
         tokens, ngram = found
         chain = tokens[: min(width, self.max[LOOKUP])]
         if chain:
-            rates = self.lookup[lookup_bucket(ngram)].rates(len(chain))
+            rates = self._lookup_rates(ngram, len(chain))
             tree, scores = graft(tree, scores, chain, list(itertools.accumulate(rates, operator.mul)))
         n = self._widest_paying(list(itertools.accumulate(scores[:width], initial=1.0)), choice, context)
         tree = tree.first(n)
@@ -675,7 +709,17 @@ class AdaptivePolicy:
                 self.bins.trials[b] += 1
                 self.bins.hits[b] += j < accepted
         elif choice.source == LOOKUP:
-            self.lookup[lookup_bucket(ngram)].observe(k, accepted)
+            self._held(lookup_bucket(ngram), k, accepted)
+
+    def _held(self, bucket: int, k: int, held: int) -> None:
+        """The first `held` of k tokens of a match in `bucket` were the text's: its odds learn it, and
+        so does this answer's yield past the first (see YIELD_PRIOR)."""
+        odds = self.lookup[bucket]
+        if k > 1:
+            e = expected_tokens(odds.rates(k))
+            past = (max(held - 1, 0), e[-1] - e[1])
+            self.yielded[bucket] = tuple(YIELD_DECAY * x + y for x, y in zip(self.yielded[bucket], past))
+        odds.observe(k, held)
 
     def wrote(self, tokens: list[int]) -> None:
         """The tokens a cycle wrote. Lookup's proposals cost nothing to make, so its odds learn how far
@@ -692,7 +736,7 @@ class AdaptivePolicy:
                     break
                 seen += 1
             if seen == len(match) or seen < held + len(tokens):
-                self.lookup[bucket].observe(len(match), seen)
+                self._held(bucket, len(match), seen)
             else:
                 following.append((match, bucket, seen))
         self.matches = following
@@ -706,7 +750,7 @@ class AdaptivePolicy:
         on = set(path)
         if tree.lookup:
             taken = next((j for j, i in enumerate(tree.lookup) if i not in on), len(tree.lookup))
-            self.lookup[lookup_bucket(ngram)].observe(len(tree.lookup), taken)
+            self._held(lookup_bucket(ngram), len(tree.lookup), taken)
             if taken:
                 self.wait[LOOKUP] = PROBE_FIRST
         if any(tree.ranks[i - 1] >= 0 for i in path[1:]):

@@ -718,18 +718,56 @@ def test_lookup_learns_a_copy_under_way_apart_from_a_suffix_just_met():
     assert policy.choose(500, ([7] * 16, 2)).source == PLAIN
 
 
+# The demo target's passes measured on a 2-core CPU, a step = 1: a 32-wide pass costs 4 steps, a
+# 16-wide one 2.5.
+WIDE_CPU = CostModel([64], [1, 2, 4, 8, 16, 32], [[1.0, 1.0, 1.72, 1.89, 2.51, 3.99]], [], [], [0.9], [0.95])
+
+
 def test_a_copy_is_verified_31_at_a_time_where_its_matches_hold_that_long_and_15_where_they_break_sooner():
-    """The demo target's passes measured on a 2-core CPU, a step = 1 (a 32-wide pass costs 4 steps, a
-    16-wide one 2.5): a copy whose matches hold for 32 tokens pays verified whole; one whose matches
-    break after 16 does not."""
-    wide = CostModel([64], [1, 2, 4, 8, 16, 32], [[1.0, 1.0, 1.72, 1.89, 2.51, 3.99]], [], [], [0.9], [0.95])
+    """A copy whose matches hold for 32 tokens pays verified whole; one whose matches break after 16
+    does not."""
     text = list(range(1000, 1032))
     for holds, k in ((32, 31), (16, 15)):
-        policy = AdaptivePolicy(wide, 0, lookup=True)
+        policy = AdaptivePolicy(WIDE_CPU, 0, lookup=True)
         for _ in range(60):
             choice = policy.choose(100, (text, AGREEMENT_MAX))
             policy.observe(choice, choice.k, min(choice.k, holds), [], AGREEMENT_MAX)
         assert policy.choose(100, (text, AGREEMENT_MAX)) == Choice(LOOKUP, k)
+
+
+@pytest.mark.parametrize("yielding", [True, False])
+def test_an_answer_whose_matches_break_sooner_than_the_last_ones_stops_verifying_them_widely(
+    yielding, monkeypatch
+):
+    """Edits copy their document: once a match's first token holds, the rest does, and lookup's odds
+    say so. A summary of the same code quotes a name now and then and goes its own way a token or two
+    later. Its misses reach the positions past the first one at a time, so the odds alone would keep
+    verifying 31 proposals (4 steps) for 1-3 tokens; what its matches held past their first token
+    against what the odds promised prices them down after one such pass, and lookup goes on in
+    passes of one proposal, which pay. A copy under way (a match of another class) is still verified
+    whole."""
+    import dflash_mlx.policy as policies
+
+    if not yielding:  # (the odds alone: a yield that never moves from 1)
+        monkeypatch.setattr(policies, "YIELD_PRIOR", 1e12)
+    text = list(range(1000, 1032))
+    edits = AdaptivePolicy(WIDE_CPU, 0, lookup=True)
+    for _ in range(40):
+        for n in (3, AGREEMENT_MAX):
+            choice = edits.choose(100, (text, n))
+            edits.observe(choice, choice.k, choice.k, [], n)
+    summary = AdaptivePolicy(WIDE_CPU, 0, lookup=True)
+    summary.learn_from(edits)
+    widths = []
+    for i in range(24):
+        choice = summary.choose(100, (text, 3))
+        summary.observe(choice, choice.k, min(choice.k, i % 3), [], 3)
+        widths.append(choice.k if choice.source == LOOKUP else 0)
+    if yielding:
+        assert widths[0] == 31 and widths[1:] == [1] * 23
+        assert summary.choose(100, (text, AGREEMENT_MAX)) == Choice(LOOKUP, 31)
+    else:
+        assert widths == [31] * 24
 
 
 def test_a_plain_step_that_waited_for_a_match_learns_whether_one_followed_at_the_suffix_it_followed_at():
