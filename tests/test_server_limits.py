@@ -1229,23 +1229,23 @@ def test_two_workers_share_the_requests_and_each_answer_is_the_one_generate_give
     assert pool.hits >= 1  # (the last prompt took the cache of the one it goes on from)
 
 
-def test_a_prompt_s_chunks_stay_long_where_a_pass_costs_more_than_a_turn(tiny, monkeypatch):  # noqa: F811
-    """Chunks sized by the speed of the last: where a pass's fixed cost outlasts a turn (a slow CPU
-    at a long context), each chunk's speed fell with its size, shrinking the next, down to one token
-    a pass."""
-    target, draft, tok = tiny
+def _slow_prefills(monkeypatch, seconds: float) -> list[int]:
+    """Each prefill pass takes `seconds` longer -> the lengths of the chunks prefilled, as they come."""
     prefill, chunks = SpeculativeCache.prefill, []
 
     def slow(cache, tokens, step=None, progress=None):
         chunks.append(len(tokens))
-        time.sleep(0.1)
+        time.sleep(seconds)
         return prefill(cache, tokens, step, progress)
 
     monkeypatch.setattr(SpeculativeCache, "prefill", slow)
-    monkeypatch.setattr(scheduler_module, "PREFILL_TURN_S", 0.05)
-    monkeypatch.setattr(scheduler_module, "PREFILL_ALONE_S", 0.05)
-    scheduler = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), Metrics(), 4, 4)
-    prompt, settings = [5 + i % 80 for i in range(600)], GenerationSettings(max_tokens=4)
+    return chunks
+
+
+def _answered_alone(pair, prompt, settings, metrics=None) -> tuple[list[int], list]:
+    """One request through a scheduler of its own -> (its tokens, its end's error as `_submit` gives)."""
+    target, draft, tok = pair
+    scheduler = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), metrics or Metrics(), 4, 4)
     got, finished = [], []
     _submit(scheduler, prompt, settings, got, finished)
     scheduler.start()
@@ -1256,39 +1256,27 @@ def test_a_prompt_s_chunks_stay_long_where_a_pass_costs_more_than_a_turn(tiny, m
             time.sleep(0.01)
     finally:
         scheduler.stop()
+    return got, finished
+
+
+def test_a_prompt_s_chunks_stay_long_where_a_pass_costs_more_than_a_turn(tiny, monkeypatch):  # noqa: F811
+    """Chunks sized by the speed of the last: where a pass's fixed cost outlasts a turn (a slow CPU
+    at a long context), each chunk's speed fell with its size, shrinking the next, down to one token
+    a pass."""
+    chunks = _slow_prefills(monkeypatch, 0.1)
+    monkeypatch.setattr(scheduler_module, "PREFILL_TURN_S", 0.05)
+    monkeypatch.setattr(scheduler_module, "PREFILL_ALONE_S", 0.05)
+    prompt = [5 + i % 80 for i in range(600)]
+    got, finished = _answered_alone(tiny, prompt, GenerationSettings(max_tokens=4))
     assert finished == [None] and len(chunks) >= 4
     assert min(chunks[:-1]) == scheduler_module.FIRST_CHUNK
-    assert got == generate(target, draft, tok, prompt, max_tokens=4).tokens
+    assert got == generate(*tiny, prompt, max_tokens=4).tokens
 
 
 def test_busy_seconds_count_every_chunk_of_a_prompt_s_prefill(tiny, monkeypatch):  # noqa: F811
     """Only a prompt's last chunk counted as busy: a long prompt's prefill left the counter still."""
-    target, draft, tok = tiny
-    prefill, chunks = SpeculativeCache.prefill, []
-
-    def slow(cache, tokens, step=None, progress=None):
-        chunks.append(len(tokens))
-        time.sleep(0.2)
-        return prefill(cache, tokens, step, progress)
-
-    monkeypatch.setattr(SpeculativeCache, "prefill", slow)
-    metrics = Metrics()
-    scheduler = Scheduler(target, draft, tok, PromptCachePool(target, draft, 0), metrics, 4, 4)
-    got, finished = [], []
-    _submit(
-        scheduler,
-        list(range(5, 205)),
-        GenerationSettings(max_tokens=2, prefill_step_size=16, block_size=4),
-        got,
-        finished,
-    )
-    scheduler.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not finished:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-    finally:
-        scheduler.stop()
+    chunks, metrics = _slow_prefills(monkeypatch, 0.2), Metrics()
+    settings = GenerationSettings(max_tokens=2, prefill_step_size=16, block_size=4)
+    _, finished = _answered_alone(tiny, list(range(5, 205)), settings, metrics)
     assert finished == [None] and len(chunks) >= 10
     assert metrics.registry.get_sample_value("dflash_mlx_busy_seconds_total") >= 0.2 * len(chunks)
