@@ -540,10 +540,8 @@ class _Worker:
     def _chunk(self, job: _Job) -> int:
         """Prompt tokens to prefill in this turn (at most the request's prefill step)."""
         step = job.request.settings.prefill_step_size or prefill_step()
-        if self.prefill_rate is None:
-            return min(FIRST_CHUNK, step)
         seconds = PREFILL_ALONE_S if len(self.active) == 1 and not self.s.waiting else PREFILL_TURN_S
-        return min(step, max(FIRST_CHUNK, int(self.prefill_rate * seconds)))
+        return min(step, max(FIRST_CHUNK, int((self.prefill_rate or 0.0) * seconds)))
 
     def _end(self, job: _Job, error: BaseException | None, keep: bool = True) -> None:
         if job.seq is not None and not job.seq.removed and job.seq.finish is None:
