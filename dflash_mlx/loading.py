@@ -30,7 +30,6 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # weights, configs, tokenizer and template files
 
-from . import cpu_kernels
 from .data import tokenizer_fingerprint
 from .errors import NotFound, UserError
 from .files import atomic_folder, check_utf8_name, folder_bytes, is_write_error, moved_aside, one_at_a_time
@@ -421,7 +420,6 @@ def load(name: str, dtype="auto"):
         args.max_position_embeddings = context  # some of mlx-lm's ModelArgs (gpt_oss) drop it; limits need it
     if dtype is not None:
         model.set_dtype(dtype)
-    cpu_kernels.install()
     evaluate_kept_arrays(model)  # (here, in the loading thread: an answer may be asked for in another)
     return model, tokenizer
 
@@ -493,7 +491,6 @@ def load_draft(name: str, dtype="auto") -> DFlashDraftModel:
     model.load_weights(list(weights.items()))
     if dtype is not None:
         model.set_dtype(dtype)
-    cpu_kernels.install()
     evaluate_kept_arrays(model)
     model.eval()
     model.phrases = Phrases.load(path)  # (not a parameter: lookup's fallback, see phrases.py)

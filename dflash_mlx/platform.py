@@ -286,14 +286,6 @@ def report() -> dict:
         facts["kernel cache"] = os.environ.get(PTX_ENV) or "MLX's default (/tmp/mlx/<version>/ptx)"
         graphs = os.environ.get(GRAPHS_ENV)
         facts["cuda graphs"] = f"{'on' if graphs_on() else 'off'} ({GRAPHS_ENV}={graphs!r})"
-    if dev == "cpu":
-        from .cpu_kernels import STOCK_ENV, in_use
-
-        facts["attention kernels"] = (
-            f"dflash-mlx's softmax and SwiGLU ({STOCK_ENV}=1 for MLX's)"
-            if in_use()
-            else f"MLX's ({STOCK_ENV} is set)"
-        )
     facts["cpu cores"] = os.cpu_count()
     facts["home"] = str(cache_home())
     facts["demo target"] = (

@@ -37,7 +37,6 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import cpu_kernels
 from .batching import batchable, merge
 from .cache import SpeculativeCache
 from .drafters import (
@@ -1154,7 +1153,6 @@ def cost_key(target, draft) -> str:
             backend(),
             mx.__version__,
             blas["library"],
-            cpu_kernels.in_use(),
         ],
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -26,7 +26,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from .. import cpu_kernels
 from ..batching import RaggedKVCache
 from ..errors import UserError
 from ..trees import TreePass, gather_path
@@ -137,7 +136,6 @@ class Target:
     """An mlx-lm model seen as a speculative-decoding target."""
 
     def __init__(self, model: nn.Module, layer_ids=()):
-        cpu_kernels.install()
         self.family = family_of(model)
         if self.family not in FAMILIES:
             raise UserError(

@@ -10,12 +10,7 @@ from pathlib import Path
 import pytest
 
 import dflash_mlx  # noqa: F401
-from dflash_mlx import cpu_kernels
 from dflash_mlx.loading import load, smollm2_gguf
-
-# One set of kernels for the whole run: a reference that mlx-lm computes before a test's first target is
-# loaded would otherwise run on MLX's stock attention and the answer it is compared with on ours.
-cpu_kernels.install()
 
 # Converted models and measured costs go to a folder of this run's, not the user's ~/.cache (a test that
 # needs its own home sets DFLASH_MLX_HOME itself).
