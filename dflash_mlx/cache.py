@@ -169,19 +169,11 @@ class SpeculativeCache:
         self.undo.buffers = None  # (see Target.verify)
         mx.async_eval(*arrays)
 
-    def commit(self, features: mx.array | None, new_tokens: list[int]) -> None:
-        """After a verify pass: keep its first len(new_tokens) positions, and commit new_tokens.
-
-        The block was [pending, x_1, ...]; the emitted tokens are x_1 .. x_{m-1} (accepted) and one
-        more, which becomes the new pending token. So positions 0 .. m-1 of the block stay.
-        """
-        self.keep(features, len(new_tokens))
-        self.add(new_tokens)
-
     def keep(self, features: mx.array | None, m: int, path: list[int] | None = None) -> None:
-        """The models' half of `commit`: keep the first m positions of the last verify pass (or of a tree
-        pass, the positions of its accepted `path`). The m committed tokens follow with `add`, which may
-        come after the next pass is launched."""
+        """After a verify pass over [pending, x_1, ...] that accepted x_1 .. x_{m-1}: keep its first m
+        positions (of a tree pass, those of its accepted `path`). The m tokens committed (the accepted
+        ones and the target's, the new pending token) follow with `add`, which may come after the next
+        pass is launched."""
         self.target.rollback(self.target_cache, self.undo, m, None if path is None else {0: path})
         self.undo = None
         self.kept(features, m, path)
