@@ -430,7 +430,6 @@ class Answer:
         self.stops = StopText(stop)
         self.prompt_tokens, self.prompt_tps = prompt_tokens, 0.0
         self.produced = 0
-        self.shown = 0  # characters of text handed out
         self.tokens: list[int] = []  # the answer's tokens so far, EOS left out
         self.tic = None  # when the first token was handed out
 
@@ -446,22 +445,6 @@ class Answer:
             _ = detok.last_segment  # (read: the prompt's text is not the answer's)
         return detok
 
-    def _through_stop(self, new: list[int], end: int) -> int:
-        """How many of `new` (the last tokens) the answer's text needs to reach `end` characters: a
-        stop string can end inside a step's tokens, and those after it are not the answer's."""
-        kept = len(self.tokens) - sum(t not in self.eos for t in new)
-        detok = self._detokenizer()
-        for t in self.tokens[:kept]:
-            detok.add_token(t)
-        text = len(detok.last_segment)
-        for i, t in enumerate(new):
-            if t not in self.eos:
-                detok.add_token(t)
-                text += len(detok.last_segment)
-            if text >= end:
-                return i + 1
-        return len(new)
-
     def respond(
         self,
         new: list[int],
@@ -472,21 +455,24 @@ class Answer:
         scores: list | None = None,
     ) -> GenerationResponse:
         self.tic = self.tic or time.perf_counter()
-        for t in new:
-            if t not in self.eos:
+        # Stop strings are looked for token by token, as in plain decoding: of two that overlap, the one
+        # whose last token comes first ends the answer, however many tokens this cycle brought.
+        pieces, hit = [], None
+        for i, t in enumerate(new or [None]):
+            if t is not None and t not in self.eos:
                 self.detok.add_token(t)
                 self.tokens.append(t)
-        if finish is not None:
-            self.detok.finalize()
-        text, hit = self.stops.feed(self.detok.last_segment)
-        if hit is not None:
-            finish = "stop"
-            if len(new) > 1:
-                new = new[: self._through_stop(new, self.shown + len(text) + len(hit))]
-        elif finish is not None:
+            if finish is not None and i == max(len(new) - 1, 0):
+                self.detok.finalize()
+            piece, hit = self.stops.feed(self.detok.last_segment)
+            pieces.append(piece)
+            if hit is not None:
+                finish, new = "stop", new[: i + 1]
+                break
+        text = "".join(pieces)
+        if hit is None and finish is not None:
             text += self.stops.flush()
         self.produced += len(new)
-        self.shown += len(text)
         elapsed = time.perf_counter() - self.tic
         return GenerationResponse(
             text,

@@ -231,6 +231,25 @@ def test_stop_strings_across_tokens_are_held_back_then_flushed(targets):
     assert out.text == full and out.finish_reason == "length"
 
 
+def test_of_two_overlapping_stop_strings_the_one_completed_first_ends_the_answer(targets):
+    # Token by token (plain decoding), a stop string that starts later but ends sooner is met first;
+    # a cycle that brings both at once must end where plain decoding does.
+    model, prompt = targets["llama"], prompt_of(9)
+    ref = greedy_reference(model, prompt, 30)
+    tok = no_eos_tokenizer(ref)
+    full = generate(model, make_draft(), tok, prompt, max_tokens=30, block_size=1).text
+    words = full.split()
+    i = next(i for i in range(4, 20) if full.index(words[i][1:]) == full.index(words[i]) + 1)
+    early = " ".join(words[i : i + 2])  # starts first, completed a token later
+    late = words[i][1:]  # starts inside it, completed with its first token
+    oracle = OracleDraft(draft_config(block_size=16), prompt + ref, [None])
+    out = generate(model, oracle, tok, prompt, max_tokens=30, block_size=16, stop=[early, late])
+    plain = generate(model, make_draft(), tok, prompt, max_tokens=30, block_size=1, stop=[early, late])
+    assert max(out.acceptance_lengths) > 2
+    assert out.text == plain.text == full[: full.index(late)]
+    assert out.tokens == plain.tokens and out.finish_reason == plain.finish_reason == "stop"
+
+
 def test_array_prompt_and_a_custom_greedy_sampler(targets):
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
