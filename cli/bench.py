@@ -97,14 +97,23 @@ def bench(
 ):
     """DFlash against plain mlx-lm decoding of the same target, prompt by prompt (or many at once with
     --concurrency), in one process (or, with --fresh, in new ones)."""
-    with user_errors({"temperature": "--temps", "block size": "--block-sizes"}):
+    with user_errors(
+        {"temperature": "--temps", "block size": "--block-sizes", "tree": "--block-sizes' treeN"}
+    ):
         if concurrency is not None and (block_sizes is not None or temps is not None):
             raise UserError(
                 "--concurrency runs the adaptive policy at temperature 0: leave out "
-                + " and ".join(f for f, v in (("--block-sizes", block_sizes), ("--temps", temps)) if v)
+                + " and ".join(
+                    f for f, v in (("--block-sizes", block_sizes), ("--temps", temps)) if v is not None
+                )
             )
-        bs = _listed("--block-sizes", block_sizes or "16,adaptive", _policy, "4,16,tree16,adaptive")
-        ts = _listed("--temps", temps or "0", float, "0,0.7")
+        bs = _listed(
+            "--block-sizes",
+            "16,adaptive" if block_sizes is None else block_sizes,
+            _policy,
+            "4,16,tree16,adaptive",
+        )
+        ts = _listed("--temps", "0" if temps is None else temps, float, "0,0.7")
         if no_lookup and concurrency is None and all(isinstance(b, int) for b in bs):
             raise UserError(
                 "--no-lookup leaves lookup out of the adaptive policy's and trees' proposals; fixed blocks "

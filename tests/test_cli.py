@@ -965,13 +965,15 @@ def test_bench_concurrency_races_mlx_lms_continuous_batching_with_the_same_outpu
     for args in ("--temps 1", "--block-sizes 4", "--temps 0 --block-sizes adaptive"):
         r = run(f"bench -m {root}/target -d {root}/draft --concurrency 2 {args} -o {tmp_path}/d")
         assert r.exit_code == 1 and "--concurrency runs the adaptive policy at temperature 0" in r.stderr
-    for args in ("--concurrency a,b", "--block-sizes 4,x", "--temps hot"):
+    for args in ("--concurrency a,b", "--block-sizes 4,x", "--temps hot", '--block-sizes ""', '--temps ""'):
         r = run(f"bench -m {root}/target -d {root}/draft {args} -o {tmp_path}/d")
         flag = args.split()[0]
         assert r.exit_code == 1 and r.stderr.startswith(f"error: {flag} takes comma-separated entries"), (
             r.stderr
         )
-        assert repr(args.split()[1]) in r.stderr and "None" not in r.stderr
+        assert repr(shlex.split(args)[1]) in r.stderr and "None" not in r.stderr
+    r = run(f"bench -m {root}/target -d {root}/draft --block-sizes 16,tree1 -o {tmp_path}/d")
+    assert r.exit_code == 1 and "error: --block-sizes' treeN must be from 2 to 32" in r.stderr, r.stderr
 
 
 def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
