@@ -36,7 +36,7 @@ class PromptCachePool:
         self.target, self.draft, self.max_bytes = target, draft, max_bytes
         self.draft_window = draft_window
         self.caches: list[SpeculativeCache] = []  # least recently used first
-        self.evictions = self.duplicates = 0
+        self.hits = self.misses = self.evictions = self.duplicates = 0
         self.lock = threading.Lock()  # (the server's workers take and keep caches from their threads)
 
     @property
@@ -66,7 +66,9 @@ class PromptCachePool:
             else:
                 best = best.copy()
             if best.truncate(shared) and best.processed > 0:
+                self.hits += 1
                 return Taken(best, best.processed)
+        self.misses += 1
         return Taken(SpeculativeCache(self.target, self.draft, self.draft_window), 0)
 
     def put(self, cache: SpeculativeCache) -> None:
