@@ -31,7 +31,7 @@ from .chat import apply_chat_template
 from .errors import NotFound, UserError, unpaired_surrogate
 from .files import check_writable, is_write_error, one_at_a_time
 from .hub import download
-from .platform import backend, ctrl_c_in_mlx, device_memory, pip_install
+from .platform import backend, ctrl_c_in_mlx, device_memory, pip_install, signals_held
 from .policy import weights_digest
 from .settings import GenerationSettings
 
@@ -826,23 +826,25 @@ def generate_data(
     def write_finished() -> None:
         nonlocal index, done, admitted
         while shards and shards[0]["left"] == 0:
-            shard = shards.pop(0)
-            seqs = ended(shard)
-            if seqs:
-                _write_shard(
-                    folder,
-                    index,
-                    seqs,
-                    shard["first"],
-                    shard["next"],
-                    source,
-                    fingerprint,
-                    made_from,
-                    settings,
-                    target,
-                )
-                index += 1
-            done, admitted = done + len(seqs), admitted - len(seqs)
+            seqs = ended(shards[0])
+            with signals_held():  # (a stop comes after the shard is on disk and counted)
+                if seqs:
+                    shard = shards[0]
+                    _write_shard(
+                        folder,
+                        index,
+                        seqs,
+                        shard["first"],
+                        shard["next"],
+                        source,
+                        fingerprint,
+                        made_from,
+                        settings,
+                        target,
+                    )
+                    index += 1
+                shards.pop(0)
+                done, admitted = done + len(seqs), admitted - len(seqs)
 
     def keep_finished() -> None:
         """On a stop: the finished answers of shards not yet written, as a shard that consumes no
@@ -850,7 +852,10 @@ def generate_data(
         seqs = [seq for shard in shards for seq in ended(shard)]
         if seqs:
             first = shards[0]["first"]
-            _write_shard(folder, index, seqs, first, first, source, fingerprint, made_from, settings, target)
+            with signals_held():  # (a second Ctrl-C does not cost the answers being kept)
+                _write_shard(
+                    folder, index, seqs, first, first, source, fingerprint, made_from, settings, target
+                )
 
     try:
         with ctrl_c_in_mlx():

@@ -17,6 +17,7 @@ import numpy as np
 
 from .errors import UserError
 from .files import atomic_file
+from .platform import signals_held
 
 FILE = "phrases.npz"
 SIZES = (4, 3, 2)  # context lengths, longest (most specific) first
@@ -89,7 +90,7 @@ class Phrases:
 
     def save(self, folder: str | Path) -> Path:
         dest = Path(folder) / FILE
-        with atomic_file(dest) as tmp:
+        with signals_held(), atomic_file(dest) as tmp:  # (a stop waits for the whole file)
             with open(tmp, "wb") as f:  # (a file object: savez would add .npz to the temporary name)
                 keys = np.fromiter(self.next, np.uint64, len(self.next))
                 tokens = np.fromiter(self.next.values(), np.int32, len(self.next))

@@ -33,6 +33,7 @@ import signal
 import site
 import sys
 import sysconfig
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -458,3 +459,24 @@ def ctrl_c_in_mlx():
         except KeyboardInterrupt:
             raise KeyboardInterrupt from None
         raise
+
+
+@contextmanager
+def signals_held():
+    """Ctrl-C, SIGTERM and SIGHUP wait for the block to end: a short write cut in the middle would
+    leave its state half done, and Python's zipfile (numpy's .npz) then raises its own error in place
+    of the KeyboardInterrupt. A signal that came is delivered when the block ends without an error.
+    Outside the main thread, where no handler can be set, nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came = []
+    held = [s for s in (signal.SIGINT, *stop_signals()) if signal.getsignal(s) not in (signal.SIG_IGN, None)]
+    previous = {s: signal.signal(s, lambda signum, _: came.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if came:
+        signal.raise_signal(came[0])

@@ -913,6 +913,30 @@ def test_a_full_disk_names_the_data_folder_keeps_the_shards_before_and_leaves_no
     )
 
 
+def test_a_stop_during_a_shard_write_comes_after_the_shard_is_whole_on_disk(tmp_path, monkeypatch):
+    import signal
+
+    model, tok = make_target("llama"), make_tokenizer(eos=95)
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 11)]
+    options = dict(max_new_tokens=8, batch_size=2, shard_size=2)
+    generate_data(model, tok, prompts, tmp_path / "whole", **options)
+    whole = load_shards(tmp_path / "whole")
+    real = np.savez_compressed
+
+    def ctrl_c_midway(path, **arrays):  # (a Ctrl-C cutting zipfile short raised its own ValueError)
+        signal.raise_signal(signal.SIGINT)
+        return real(path, **arrays)
+
+    monkeypatch.setattr(np, "savez_compressed", ctrl_c_midway)
+    with pytest.raises(KeyboardInterrupt):
+        generate_data(model, tok, prompts, tmp_path / "stopped", **options)
+    monkeypatch.undo()
+    kept = load_shards(tmp_path / "stopped")
+    assert kept[:2] == whole[:2] and not list((tmp_path / "stopped").glob(".*"))
+    generate_data(model, tok, prompts, tmp_path / "stopped", **options)
+    assert sorted(load_shards(tmp_path / "stopped")) == sorted(whole)
+
+
 def test_greedy_answers_finished_before_a_stop_are_kept_and_not_generated_again(tmp_path):
     model, tok = make_target("llama"), make_tokenizer(eos=95)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(5, 13)]
