@@ -55,7 +55,7 @@ from .options import (
 
 
 def generate(
-    prompt: str | None = typer.Option(None, "--prompt", "-p", help="The prompt (default: read stdin)."),
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="The prompt (default, or -: read stdin)."),
     model: Model = DEMO,
     draft: Draft = None,
     max_tokens: MaxTokens = 256,
@@ -84,6 +84,8 @@ def generate(
 ):
     """Answer one prompt: the text on stdout, the statistics on stderr."""
     with user_errors(SAMPLING):
+        if prompt == "-":  # (as Unix tools name stdin)
+            prompt = None
         if prompt is None and sys.stdin.isatty():
             raise UserError("give --prompt, or pipe the prompt on stdin")
         if prompt is None:  # the newline `echo` adds is dropped, as $(...) drops it

@@ -254,7 +254,12 @@ def user_errors(named: dict[str, str] | None = None):
     except (UserError, OSError) as e:
         if isinstance(e, OSError) and e.filename is None and is_write_error(e):
             raise  # (the output itself, `> /dev/full`: said by the entry point, `cli.run`)
-        typer.secho(f"error: {flagged(str(e), named)}", fg="red", err=True)
+        said = flagged(str(e), named)
+        if isinstance(e, PermissionError) and e.filename is not None:  # (OSError's own says no more)
+            said = (
+                f"permission denied on {e.filename}: let this user use it (chmod, chown) or give another path"
+            )
+        typer.secho(f"error: {said}", fg="red", err=True)
         raise typer.Exit(1) from None
     except RuntimeError as e:
         said = NO_USER if str(e) == NO_SUCH_USER else kernel_error(e)

@@ -142,6 +142,12 @@ def serve(
         ):
             if not ok:
                 raise UserError(f"{flag} must be {what}, got {value}")
+        if workers * processes > max_concurrency:  # (each worker answers one request at least)
+            raise UserError(
+                f"{workers * processes} workers (--workers {workers} × --processes {processes}) would "
+                f"answer at most {max_concurrency} requests at once (--max-concurrency): raise "
+                "--max-concurrency or give fewer workers"
+            )
         if request_timeout is not None and not request_timeout > 0:
             raise UserError(f"--request-timeout must be a number of seconds above 0, got {request_timeout}")
         # (empty, each would open the server up: every address, or no key asked for)

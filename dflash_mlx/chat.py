@@ -46,6 +46,8 @@ def apply_chat_template(
         raise UserError(
             "apply_chat_template returns token ids, and takes no tokenize: tokenizer.decode(ids) is the text"
         )
+    if not isinstance(add_generation_prompt, bool):  # ("no" would be taken as True)
+        raise UserError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
     _check_messages(messages, system)
     text = chat_text(
         tokenizer, messages, system=system, add_generation_prompt=add_generation_prompt, **template_kwargs

@@ -377,6 +377,11 @@ def reading_target(path: Path):
     except RuntimeError as e:  # mlx's terse "[load_safetensors] ..." for a truncated or corrupt file
         if is_write_error(e):
             raise
+        unread = str(e).partition("Failed to open file ")[2].strip()
+        if unread:  # (the file is there, as mlx-lm listed it: unreadable, or a link that leads nowhere)
+            raise UserError(
+                f"cannot read {unread}: this user may not read it (chmod, chown), or it is a link to nothing"
+            ) from None
         raise UserError(
             f"cannot load the target at {path}: {str(e).strip()} (truncated or corrupt weights?)"
         ) from None

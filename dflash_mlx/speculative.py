@@ -30,7 +30,7 @@ from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer, TokenizerWrapper
 
 from .cache import SpeculativeCache
 from .engine import Engine, Sequence
-from .errors import UserError
+from .errors import UserError, unpaired_surrogate
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
 from .pairing import context_room, prepare
@@ -94,6 +94,10 @@ class GenerationResult:
 def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> list[int]:
     """A prompt as token ids: a string tokenised as is (with BOS unless it starts with one), ids as given."""
     if isinstance(prompt, str):
+        if (at := unpaired_surrogate(prompt)) is not None:  # (the tokenizer's own error is a TypeError)
+            raise UserError(
+                f"an unpaired UTF-16 surrogate ({prompt[at]!r}) in the prompt is not text: remove it"
+            )
         bos = tokenizer.bos_token
         return tokenizer.encode(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos), verbose=False
@@ -498,6 +502,8 @@ def generate(model, draft, tokenizer, prompt, *, verbose: bool = False, **kwargs
         inspect.signature(stream_generate).bind(model, draft, tokenizer, prompt, **kwargs)
     except TypeError as e:
         raise TypeError(f"generate() {e}") from None
+    if not isinstance(verbose, (bool, np.bool_)):
+        raise UserError(f"verbose must be True or False, got {verbose!r}")
     if isinstance(prompt, abc.Iterator):  # (read once here: max_tokens=0 counts its tokens after)
         prompt = list(prompt)
     text, tokens, acc, sources, last = [], [], [], [], None

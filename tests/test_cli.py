@@ -509,6 +509,8 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
         r = subprocess.run(cmd, input=b"caf\xe9 w5", capture_output=True, timeout=120, env=env)
         assert r.returncode == 1 and r.stderr.decode().startswith("error: the prompt is not UTF-8 text")
         assert r.stderr.count(b"\n") == 1
+    r = subprocess.run(cmd + ["-p", "-"], input=b"caf\xe9 w5", capture_output=True, timeout=120)  # (stdin)
+    assert r.returncode == 1 and r.stderr.decode().startswith("error: the prompt is not UTF-8 text")
     r = subprocess.run([*cmd[:-1], "--system", b"caf\xe9", "-p", "w5"], capture_output=True, timeout=120)
     assert r.returncode == 1 and r.stderr.decode().startswith("error: --system is not UTF-8 text"), r.stderr
     for given in (["-p", ""], ["-p", " \n"], []):  # (nothing on stdin either)
@@ -525,6 +527,13 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert r.returncode == 141 and r.stderr == b""
+    code = code.replace(
+        "BrokenPipeError(32, 'Broken pipe')", "PermissionError(13, 'Permission denied', '/m/a')"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.decode() == (
+        "error: permission denied on /m/a: let this user use it (chmod, chown) or give another path\n"
+    )
     # `--json` into a reader that has gone away (`| true`) ends as quietly as the text does
     p = subprocess.Popen(cmd + ["-p", "w5", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()
@@ -622,6 +631,13 @@ def test_a_truncated_target_is_one_line(pair, tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     r = run(f"generate -m {tmp_path}/target -d {root}/draft -p w5")
     assert r.exit_code == 1 and "truncated or corrupt weights" in r.stderr and "Traceback" not in r.output
+    weights.unlink()
+    weights.symlink_to(tmp_path / "moved-away.safetensors")  # (as an unreadable file: mlx cannot open it)
+    r = run(f"generate -m {tmp_path}/target -d {root}/draft -p w5")
+    assert r.exit_code == 1 and r.stderr == (
+        f"error: cannot read {weights}: this user may not read it (chmod, chown), or it is a link to "
+        "nothing\n"
+    )
     for folder in ("target", "draft"):  # a broken config.json is named, for the target and the drafter
         shutil.copytree(root / folder, tmp_path / f"bad-{folder}")
         (tmp_path / f"bad-{folder}" / "config.json").write_text('{"model_type": "llama",')

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tiny import _COMMON, make_draft, make_target, make_tokenizer, prompt_of
 
-from dflash_mlx import SpeculativeCache, UserError, generate, stream_generate, warm_up
+from dflash_mlx import SpeculativeCache, UserError, apply_chat_template, generate, stream_generate, warm_up
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +44,15 @@ def test_a_string_prompt_without_a_tokenizer_and_a_cache_of_another_pair_are_ref
         generate(model, make_draft(), None, [5, 6], max_tokens=4, prompt_cache=other)
 
 
-def test_empty_prompt_is_refused(model):
+def test_an_empty_prompt_and_one_that_is_not_text_are_refused(model):
     for prompt in (
         "",
         [],
     ):
         with pytest.raises(UserError, match="prompt is empty"):
             generate(model, make_draft(), make_tokenizer(), prompt, max_tokens=4)
+    with pytest.raises(UserError, match=r"^an unpaired UTF-16 surrogate \('\\ud800'\) in the prompt is"):
+        generate(model, make_draft(), make_tokenizer(), "w5 \ud800", max_tokens=4)
 
 
 def test_max_tokens_zero_yields_nothing(model):
@@ -114,9 +116,11 @@ def test_arguments_of_the_wrong_shape_or_kind_are_refused_by_name(model):
     for sampler in (5, lambda logprobs, key: logprobs):  # (the second failed deep in the cycle)
         with pytest.raises(UserError, match="sampler must be a function of log-probabilities"):
             generate(model, draft, tok, [5, 6], sampler=sampler)
-    for name in ("lookup", "compile", "continues"):
+    for name in ("lookup", "compile", "continues", "verbose"):
         with pytest.raises(UserError, match=f"{name} must be True or False, got 'no'"):
             generate(model, draft, tok, [5, 6], **{name: "no"})
+    with pytest.raises(UserError, match="add_generation_prompt must be True or False, got 'no'"):
+        apply_chat_template(tok, "w5", add_generation_prompt="no")
     with pytest.raises(UserError, match="a sampler replaces temperature, top_p, top_k and min_p"):
         generate(model, draft, tok, [5, 6], sampler=lambda logprobs: mx.argmax(logprobs, -1), temperature=0.7)
     for swapped in (  # (each once failed on an attribute deep inside)

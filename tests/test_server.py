@@ -704,6 +704,29 @@ def test_web_pages_of_this_machine_and_of_origins_named_may_call_it_from_a_brows
             assert r.status_code == 200 and ("access-control-allow-origin" in r.headers) is allowed, origin
         r = httpx.get(f"{url}/v1/models", headers={"Origin": "http://localhost:5173"}, timeout=60)
         assert r.status_code == 401  # (the key is still needed)
+        # a question refused: the APIs' error (shown in the browser's console), naming what lets it
+        for path, origin, method, says in (
+            (
+                "/v1/chat/completions",
+                "https://elsewhere.example",
+                "POST",
+                "pages from https://elsewhere.example may not call this server (`serve --allow-origin "
+                "https://elsewhere.example` lets them)",
+            ),
+            (
+                "/v1/messages",
+                "http://localhost:5173",
+                "DELETE",
+                "browsers may call this server with GET, HEAD",
+            ),
+        ):
+            asks = {"Origin": origin, "Access-Control-Request-Method": method}
+            r = httpx.options(f"{url}{path}", headers=asks, timeout=60)
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["message"].startswith(says), r.text
+            assert error["type"] == "invalid_request_error" and (r.json().get("type") == "error") is (
+                path == "/v1/messages"
+            )
 
 
 def test_an_endpoint_not_offered_is_a_404_that_names_those_that_are(server):
@@ -1231,6 +1254,7 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
         (["--cache-gb", "nan"], "error: --cache-gb must be 0 or more, got nan"),
         (["--max-concurrency", "0"], "error: --max-concurrency must be from 1 to 256, got 0"),
         (["--processes", "0"], "error: --processes must be from 1 to 64, got 0"),
+        (["--workers", "3", "--processes", "2"], "error: 6 workers (--workers 3 × --processes 2) would"),
         (["--host", " "], "error: --host is empty"),  # (empty, each would let everyone in)
         (["--api-key", ""], "error: the API key (--api-key or DFLASH_MLX_API_KEY) is empty"),
         (["--name", ""], "error: --name is empty"),

@@ -166,6 +166,32 @@ class Guard:
         return bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), key)
 
 
+class BrowserAccess(CORSMiddleware):
+    """Starlette's CORS, with a refused browser question answered as the APIs' errors are: JSON that
+    says what was refused and how the server lets it, where Starlette's is plain text naming a header."""
+
+    def preflight_response(self, request_headers):
+        answer = super().preflight_response(request_headers)
+        if answer.status_code != 400:
+            return answer
+        origin, refused = request_headers["origin"], bytes(answer.body).decode()
+        why = {
+            "origin": f"pages from {origin} may not call this server (`serve --allow-origin {origin}` "
+            "lets them)",
+            "method": "browsers may call this server with GET, HEAD and POST only",
+            "private-network": "pages from the internet may not call this server on its private network",
+        }
+        failures = set(refused.removeprefix("Disallowed CORS ").split(", "))
+        message = "; ".join(text for failure, text in why.items() if failure in failures) or refused
+        headers = {k: v for k, v in answer.headers.items() if k.startswith("access-control-") or k == "vary"}
+
+        async def refuse(scope, receive, send):  # (the error's shape follows the path's API)
+            body = error_body(scope["path"], 400, message)
+            await Json(body, status_code=400, headers=headers)(scope, receive, send)
+
+        return refuse
+
+
 def _structure_refused(body: bytes, most: int, deepest: int) -> tuple[int, str] | None:
     """(status, why) when the JSON text `body` (UTF-8) holds more than `most` objects, arrays and keys,
     or nests deeper than `deepest`; else None. Validating each item takes microseconds on the event
@@ -399,7 +425,7 @@ def create_app(target, draft, tokenizer, config: ServerConfig) -> FastAPI:
     # Ollama lets them), others where the user named them. Outside the guard: a browser's question
     # carries no API key.
     app.add_middleware(
-        CORSMiddleware,
+        BrowserAccess,
         allow_origins=list(config.allow_origins),
         allow_origin_regex=LOCAL_ORIGIN,
         allow_methods=["GET", "HEAD", "POST"],
