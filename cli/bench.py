@@ -139,10 +139,11 @@ def bench(
             )
         if levels is not None and (not levels or min(levels) < 1):
             raise UserError(f"--concurrency takes numbers of answers of 1 or more, got {concurrency!r}")
-        if not 1 <= workers <= 256 or (workers > 1 and levels is None):
-            raise UserError(f"--workers takes a number from 1 to 256, with --concurrency; got {workers}")
-        if not 1 <= processes <= 64 or (processes > 1 and levels is None):
-            raise UserError(f"--processes takes a number from 1 to 64, with --concurrency; got {processes}")
+        for flag, value, most in (("--workers", workers, 256), ("--processes", processes, 64)):
+            if not 1 <= value <= most:
+                raise UserError(f"{flag} takes a number from 1 to {most}, with --concurrency; got {value}")
+            if value > 1 and levels is None:
+                raise UserError(f"{flag} sets how a --concurrency run answers: give --concurrency too")
         grid = settings_grid(bs, ts, max_tokens, lookup=not no_lookup, draft_window=draft_window)
         check_writable(out, "--out")  # now, not after hours of benchmarking
         folder = Path(out).expanduser()
@@ -159,6 +160,7 @@ def bench(
                     )
                 target, drafter, tokenizer = load_pair(model, draft)
                 name = draft_for(model, draft)
+                rendering = template_kwargs(model, think, tokenizer)  # (a --think it has no switch for: now)
                 if not has_matplotlib() and levels is None:
                     typer.echo(
                         f"note: matplotlib is not installed, so no plot.png ({pip_install('matplotlib')})",
@@ -184,7 +186,7 @@ def bench(
                             max_tokens=max_tokens,
                             lookup=not no_lookup,
                             draft_window=draft_window,
-                            template_kwargs=template_kwargs(model, think, tokenizer),
+                            template_kwargs=rendering,
                             progress=done,
                         )
                     else:
@@ -193,7 +195,7 @@ def bench(
                             lookup=not no_lookup,
                             draft_window=draft_window,
                             max_tokens=max_tokens,
-                            template_kwargs=template_kwargs(model, think, tokenizer),
+                            template_kwargs=rendering,
                             progress=done,
                         )
                         if fresh is not None:

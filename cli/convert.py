@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 
 import typer
 from rich.markup import escape
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dflash_mlx.convert import convert_draft, convert_target, export_draft, is_drafter
 from dflash_mlx.errors import AlreadyExists, UserError
@@ -23,7 +24,7 @@ from dflash_mlx.loading import (
 )
 from dflash_mlx.platform import cache_home
 
-from .options import stderr, user_errors
+from .options import Bar, stderr, user_errors
 
 Q_BITS, Q_GROUP_SIZES = (2, 3, 4, 5, 6, 8), (32, 64, 128)  # what MLX's affine quantization takes
 
@@ -87,8 +88,13 @@ def convert(
                 f"{output} holds files but no model (a config.json with a model_type, and weights): "
                 "--force replaces a model folder only; give another folder"
             )
+        if out_path.is_dir() and (others := _not_a_models(out_path)):
+            raise UserError(  # (the user's own files beside a model's would go with it)
+                f"{output} holds other files than a model's ({', '.join(others[:3])}), which --force would "
+                "delete with it: move them out, or give another folder"
+            )
         made = []
-        with Progress(
+        with Bar(
             SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=stderr()
         ) as bar:
             task = bar.add_task(f"converting {escape(source)}")
@@ -136,6 +142,30 @@ def convert(
 
 def _megabytes(folder: Path) -> str:
     return f"{folder_bytes(folder) / 1e6:.1f} MB"
+
+
+# What a model's folder holds (mlx-lm's and Hugging Face's files, a drafter's phrase table): the rest
+# is the user's, which --force keeps from being replaced.
+MODEL_FILES = (
+    "*.json",
+    "*.safetensors",
+    "*.jinja",
+    "*.model",
+    "*.tiktoken",
+    "*.py",
+    "merges.txt",
+    "vocab.txt",
+)
+MODEL_FILES += ("phrases.npz", "README.md", "LICENSE*", ".gitattributes")
+
+
+def _not_a_models(path: Path) -> list[str]:
+    """The names in a model's folder that are not a model's files (a folder among them)."""
+    return sorted(
+        p.name
+        for p in path.iterdir()
+        if not (p.is_file() and any(fnmatch.fnmatch(p.name, pattern) for pattern in MODEL_FILES))
+    )
 
 
 def _model_folder(path: Path) -> bool:

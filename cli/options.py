@@ -56,7 +56,8 @@ Tree = Annotated[
     typer.Option(
         "--tree",
         help="Verify a tree of the drafter's guesses in a pass of N (as wide as a block of N) every "
-        "cycle, without lookup (default: each cycle chooses, trees included; see docs/policy.md).",
+        "cycle, lookup's match a branch of it unless --no-lookup (default: each cycle chooses, trees "
+        "included; see docs/policy.md).",
     ),
 ]
 NoLookup = Annotated[bool, typer.Option("--no-lookup", help="Leave prompt lookup out of the choices.")]
@@ -98,6 +99,18 @@ def stderr() -> Console:
     return Console(stderr=True, emoji=False, soft_wrap=not sys.stderr.isatty())
 
 
+class Bar(Progress):
+    """rich's Progress, gone when bad input ends its work: the error is then the one line shown."""
+
+    def __exit__(self, kind, error, traceback):
+        if not isinstance(error, (UserError, OSError)):
+            return super().__exit__(kind, error, traceback)
+        self.live.transient = True
+        if not self.disable:  # (Progress.stop would add a blank line to a log)
+            self.live.stop()
+        return None
+
+
 def progress_bar(
     label: str, *, detail: bool = False, disable: bool = False, transient: bool = False
 ) -> Progress:
@@ -106,7 +119,7 @@ def progress_bar(
     columns = [TextColumn(label), BarColumn(), MofNCompleteColumn()]
     if detail:
         columns.append(TextColumn("{task.description}"))
-    return Progress(*columns, TimeRemainingColumn(), console=stderr(), disable=disable, transient=transient)
+    return Bar(*columns, TimeRemainingColumn(), console=stderr(), disable=disable, transient=transient)
 
 
 def long_prompt(tokens: int) -> bool:

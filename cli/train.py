@@ -115,6 +115,7 @@ def data(
                 return
             target, tokenizer = load(model)
             Target(target)  # a family `train run` cannot use is refused before hours of generation
+            rendering = template_kwargs(model, think, tokenizer)  # (a --think it has no switch for: now)
             if batch_size is None:
                 fits = answer_rows(target, max_prompt_tokens + max_new_tokens)
                 batch_size = max(1, min(fits, total - done))
@@ -152,7 +153,7 @@ def data(
                         max_prompt_tokens=max_prompt_tokens,
                         limit=limit,
                         source=source,
-                        template_kwargs=template_kwargs(model, think, tokenizer),
+                        template_kwargs=rendering,
                         progress=step,
                         temperature=temp,
                         seed=seed,

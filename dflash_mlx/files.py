@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from .errors import AlreadyExists, UserError, unpaired_surrogate
-from .platform import cache_home
+from .platform import cache_home, signals_held
 
 
 @contextlib.contextmanager
@@ -39,6 +39,9 @@ def atomic_folder(dest: str | Path, force: bool = False):
         raise AlreadyExists(f"{dest} already exists (pass --force to replace it)")
     if dest.exists() and not (dest.is_dir() or dest.is_file()):  # (/dev/null, a pipe: never replaced)
         raise UserError(f"cannot write {dest}: it is not a regular file or folder")
+    above = next((p for p in dest.parents if _there(p)), None)
+    if above is not None and not above.is_dir():  # (mkdir's error says "File exists")
+        raise UserError(f"cannot write {dest}: {above} is a file, not a folder")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=_partial(dest), dir=dest.parent))
@@ -187,12 +190,10 @@ def folder_bytes(path: Path) -> int:
 def _remove_after_all(path: Path) -> None:
     """Remove what the new folder replaced. A Ctrl-C meanwhile (a model's old folder takes seconds to
     remove) is too late to stop the command, whose work is in place: it would leave the old folder half
-    removed under a hidden name, and the command would say it was interrupted."""
-    while True:
-        try:
-            return _remove(path)
-        except KeyboardInterrupt:
-            continue
+    removed under a hidden name, and the command would say it was interrupted. So Ctrl-C, SIGTERM and
+    SIGHUP wait for it, and are then dropped."""
+    with signals_held(deliver=False):
+        _remove(path)
 
 
 def _remove(path: Path) -> None:

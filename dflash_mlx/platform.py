@@ -462,11 +462,12 @@ def ctrl_c_in_mlx():
 
 
 @contextmanager
-def signals_held():
+def signals_held(deliver: bool = True):
     """Ctrl-C, SIGTERM and SIGHUP wait for the block to end: a short write cut in the middle would
     leave its state half done, and Python's zipfile (numpy's .npz) then raises its own error in place
-    of the KeyboardInterrupt. A signal that came is delivered when the block ends without an error.
-    Outside the main thread, where no handler can be set, nothing is held."""
+    of the KeyboardInterrupt. A signal that came is delivered when the block ends without an error
+    (`deliver`; else dropped: the work it would stop is done). Outside the main thread, where no
+    handler can be set, nothing is held."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -478,5 +479,5 @@ def signals_held():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if came:
+    if came and deliver:
         signal.raise_signal(came[0])

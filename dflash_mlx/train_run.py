@@ -419,11 +419,6 @@ def prepare_run(
         note(line)
     if run is None:
         usable_sequences(seqs, cfg)  # refused before a run folder or a progress bar appears
-        if cfg.warmup >= cfg.steps:
-            note(
-                f"note: the warm-up ({cfg.warmup} steps) is not shorter than the run ({cfg.steps}), so the "
-                "learning rate never reaches its peak; a shorter --warmup fixes that"
-            )
     try:
         held_out = sharegpt_prompts("heldout")[:eval_prompts] if eval_prompts else []
     except UserError as e:  # the package is an extra
@@ -438,6 +433,11 @@ def prepare_run(
         )
     if run is None and start is None:  # (a new drafter's architecture, refused before the run's bar shows)
         check_new_drafter(Target(target), tokenizer, cfg)
+    if run is None and cfg.warmup >= cfg.steps:  # (once the options are known to be good)
+        note(
+            f"note: the warm-up ({cfg.warmup} steps) is not shorter than the run ({cfg.steps}), so the "
+            "learning rate never reaches its peak; a shorter --warmup fixes that"
+        )
     context = context_length(target)
     fits = [
         m

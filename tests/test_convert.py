@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import struct
 import time
@@ -688,10 +689,30 @@ def test_bad_inputs_give_one_clear_line_and_no_output(tmp_path, zlab):
     assert (tmp_path / "notes" / "todo.txt").read_text() == "important" and (
         tmp_path / "notes" / "sub"
     ).is_dir()
+    # ... nor a model's folder that holds the user's own files too (they went with it)
+    assert cli("convert", zlab, tmp_path / "mine").exit_code == 0
+    (tmp_path / "mine" / "notes.txt").write_text("important")
+    (tmp_path / "mine" / "data").mkdir()
+    r = cli("convert", zlab, tmp_path / "mine", "--force")
+    assert (
+        r.exit_code == 1
+        and "mine holds other files than a model's (data, notes.txt), which --force" in r.output
+    )
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "important"
+    (tmp_path / "mine" / "notes.txt").unlink()
+    (tmp_path / "mine" / "data").rmdir()
+    assert (
+        cli("convert", zlab, tmp_path / "mine", "--force").exit_code == 0
+    )  # (its own files alone: replaced)
     (tmp_path / "a-file").write_text("not a model")  # nor a file (one in a model's folder: its config.json)
     for force in (["--force"], []):  # (without it, not told that --force would do)
         r = cli("convert", zlab, tmp_path / "a-file", *force)
         assert r.exit_code == 1 and "a-file is a file: --force replaces a model folder only" in r.output
+    r = cli("convert", zlab, tmp_path / "a-file" / "sub")  # (mkdir's own error: "File exists")
+    assert (
+        r.exit_code == 1
+        and f"cannot write {tmp_path}/a-file/sub: {tmp_path}/a-file is a file, not a" in r.output
+    )
     assert (tmp_path / "a-file").read_text() == "not a model"
     os.mkfifo(tmp_path / "pipe")  # ... but never what is not a file or a folder (/dev/null, a pipe)
     r = cli("convert", zlab, tmp_path / "pipe", "--force")
@@ -737,7 +758,7 @@ def test_a_ctrl_c_while_the_replaced_folder_is_removed_comes_too_late_to_stop_th
     def interrupted(path):
         calls.append(path.name)
         if path.name == ".model.old" and calls.count(".model.old") == 2:  # (the first: a leftover's)
-            raise KeyboardInterrupt
+            signal.raise_signal(signal.SIGINT)
         return real(path)
 
     monkeypatch.setattr(files, "_remove", interrupted)
@@ -747,7 +768,7 @@ def test_a_ctrl_c_while_the_replaced_folder_is_removed_comes_too_late_to_stop_th
     except KeyboardInterrupt:  # (as a failure of this test, not a stop of the whole session)
         pytest.fail("the Ctrl-C after the new folder went in stopped the write")
     assert (dest / "weights").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["model"]
-    assert calls.count(".model.old") == 3
+    assert calls.count(".model.old") == 2
 
 
 def test_a_link_to_nowhere_where_a_folder_goes_is_replaced_with_force_only(tmp_path):
@@ -907,3 +928,30 @@ def test_sigterm_during_a_conversion_leaves_no_partial_folder(tmp_path, sig):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["tiny.gguf", "out", running.name, elsewhere.name]
     )
+
+
+def test_a_kill_while_the_replaced_folder_is_removed_lets_the_removal_finish(tmp_path):
+    """The new folder is in place by then: a `kill` (or Ctrl-C) that lands while the old one is removed
+    used to end the process there, leaving the old folder half removed under a hidden name."""
+    import subprocess
+    import sys
+
+    script = (
+        "import signal, sys\nfrom pathlib import Path\nfrom dflash_mlx import files\nreal = files._remove\n"
+        "def remove(path):\n"
+        "    if path.name.endswith('.old') and path.exists() and not getattr(remove, 'done', False):\n"
+        "        remove.done = True\n        signal.raise_signal(signal.SIGTERM)\n"
+        "    return real(path)\n"
+        "files._remove = remove\n"
+        "with files.atomic_folder(Path(sys.argv[1]), force=True) as tmp:\n"
+        "    (tmp / 'new.txt').write_text('new')\n"
+        "print('done')\n"
+    )
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "old.txt").write_text("old")
+    r = subprocess.run([sys.executable, "-c", script, str(dest)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "done\n", (r.returncode, r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in dest.iterdir()] == [
+        "new.txt"
+    ]

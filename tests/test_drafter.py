@@ -167,6 +167,11 @@ def test_with_a_draft_window_the_drafters_pass_stops_growing_with_the_context():
         cache.prefill(prompt_of(context), step=1024)
         sizes[context] = cache.draft_cache[0].keys.shape[2]  # the rows every draft pass attends over
     assert sizes[500] == sizes[8000] == 256 + DraftCache.STEP
+    # a window as large as the settings allow holds only the context there is (it held 2**30 rows at once)
+    for window in (2**30, 16384):  # (at least the model's context: no window)
+        cache = SpeculativeCache(target, draft, draft_window=window)
+        cache.prefill(prompt_of(500), step=1024)
+        assert cache.draft_cache[0].keys.shape[2] == -(-500 // DraftCache.STEP) * DraftCache.STEP
 
 
 def write_zlab_checkpoint(path, draft, dtype=mx.bfloat16):
