@@ -15,7 +15,19 @@ from dflash_mlx.profile import check_sizes, draft_window_profile, profile_pair
 from dflash_mlx.profile import profile as measure
 from dflash_mlx.settings import GenerationSettings
 
-from .options import DEMO, SAMPLING, Draft, DraftWindow, Json, busy, measuring, stderr, stdout, user_errors
+from .options import (
+    DEMO,
+    SAMPLING,
+    Draft,
+    DraftWindow,
+    Json,
+    busy,
+    measuring,
+    progress_bar,
+    stderr,
+    stdout,
+    user_errors,
+)
 
 RANDOM = {"--hidden": 1024, "--layers": 8, "--vocab": 32000, "--block-size": 16, "--cycles": 24}
 
@@ -68,12 +80,14 @@ def profile(
     with user_errors({n: f"--{n}" for n in ("hidden", "layers", "vocab", "cycles")} | SAMPLING):
         values = [RANDOM[flag] if value is None else value for flag, value in sizes.items()]
         check_sizes(*values)  # (before the note that it started)
-        with busy(stderr(), "timing cycles, verify and draft passes ..."):
-            r = measure(*values)
+        with progress_bar("timing cycles, verify and draft passes") as bar:
+            task = bar.add_task("", total=None)
+            r = measure(*values, progress=lambda done, total: bar.update(task, completed=done, total=total))
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return
-    t = Table(title=f"one speculative cycle, random target {r['config']}", show_header=True)
+    shape = " · ".join(f"{k.replace('_', ' ')} {v}" for k, v in r["config"].items())
+    t = Table(title=f"one speculative cycle, random target: {shape}", show_header=True)
     t.add_column("")
     t.add_column("draft step compiled", justify="right")
     t.add_column("draft step eager", justify="right")

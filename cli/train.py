@@ -181,6 +181,8 @@ def phrases(
     match (what the target usually writes next after a few tokens)."""
     with user_errors():
         folder = Path(out).expanduser()
+        if not out.strip():
+            raise UserError("--out is empty: give the drafter's folder the table is for")
         if not (folder / "config.json").is_file() or not is_drafter_config(read_config(folder)):
             raise UserError(
                 f"{out} is not a drafter's folder (a DFlash config.json): give -o the drafter's folder the "
@@ -296,6 +298,8 @@ def run(
     --micro-batch, --eval-prompts, --feature-cache-gb and --export may change.
     """
     with user_errors(RUN_FLAGS):
+        if not out.strip():  # (not the current folder)
+            raise UserError("--out is empty: give the run's folder")
         recipe = {
             "lr": lr,
             "warmup": warmup,
@@ -307,7 +311,7 @@ def run(
             "intermediate_size": intermediate_size,
             "block_size": block_size,
             "mask_token_id": mask_token_id,
-            "target_layer_ids": _layer_ids(target_layer_ids) if target_layer_ids else None,
+            "target_layer_ids": _layer_ids(target_layer_ids) if target_layer_ids is not None else None,
         }
         prepared = prepare_run(
             data,

@@ -162,7 +162,7 @@ def _lines(f, path) -> Iterator[str]:
         if len(raw) > MOST_TEXT:
             raise UserError(f"{path}, line {n}: over {MOST_TEXT // 2**20} MiB without a line end: not JSONL")
         try:
-            yield raw.decode("utf-8")
+            yield raw.decode("utf-8-sig" if n == 1 else "utf-8")  # (a BOM, as Windows editors write)
         except UnicodeDecodeError:
             raise UserError(
                 f"{path}, line {n}: not UTF-8 text; convert the file (e.g. iconv -f latin1 -t utf-8)"
@@ -527,8 +527,15 @@ def resume_point(
     kept = json.loads(str(last["settings"])) if "settings" in last and str(last["settings"]) else None
     if kept is not None and settings is not None and kept != (asked := json.loads(settings)):
         greedy = 0 in (kept.get("temp"), asked.get("temp"))  # (then a seed is no setting of its own)
+
+        def said(k: str, v) -> str:  # (the chat template's switches as the flag that set them)
+            if k != "chat template":
+                return f"{k} {v}"
+            thinking = {True: "--think", False: "--no-think"}.get((v or {}).get("enable_thinking"))
+            return thinking or ("the chat template's defaults" if not v else f"chat template {v}")
+
         differ = ", ".join(
-            f"{k} {kept[k]} (not {asked.get(k)})"
+            f"{said(k, kept[k])} (not {said(k, asked.get(k)).removeprefix(k + ' ')})"
             for k in sorted(kept)
             if kept[k] != asked.get(k) and not (k == "seed" and greedy)
         )

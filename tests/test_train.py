@@ -692,6 +692,8 @@ def test_bad_training_input_is_refused(tiny_setup, tmp_path, monkeypatch):
     (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.jsonl, line 2: not UTF-8 text"):
         jsonl_prompts(tmp_path / "latin1.jsonl")
+    (tmp_path / "bom.jsonl").write_text('{"prompt": "from notepad"}\n', encoding="utf-8-sig")  # (a BOM)
+    assert jsonl_prompts(tmp_path / "bom.jsonl") == [[{"role": "user", "content": "from notepad"}]]
     # a line without an end (/dev/zero) is refused at MOST_TEXT, not read until memory runs out
     monkeypatch.setattr(data_module, "MOST_TEXT", 20)
     (tmp_path / "long.jsonl").write_text('{"prompt": "fine"}\n' * 3 + '{"prompt": "past twenty"}\n')
@@ -1059,7 +1061,7 @@ def test_data_generation_resumes_only_the_same_prompts_answered_alike(tmp_path):
         (dict(temperature=0.7), r"temp 0.0 \(not 0.7\)"),  # (no seed: a greedy run has none)
         (
             dict(template_kwargs={"enable_thinking": False}),
-            r"chat template \{\} \(not \{'enable_thinking': False\}\)",
+            r"the chat template's defaults \(not --no-think\)",
         ),
     ):
         with pytest.raises(ValueError, match=rf"holds answers made with {message}: give the same to go on"):
