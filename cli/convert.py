@@ -88,7 +88,7 @@ def convert(
                 f"{output} holds files but no model (a config.json with a model_type, and weights): "
                 "--force replaces a model folder only; give another folder"
             )
-        if out_path.is_dir() and (others := _not_a_models(out_path)):
+        if out_path.is_dir() and (others := _not_model_files(out_path)):
             raise UserError(  # (the user's own files beside a model's would go with it)
                 f"{output} holds other files than a model's ({', '.join(others[:3])}), which --force would "
                 "delete with it: move them out, or give another folder"
@@ -146,20 +146,11 @@ def _megabytes(folder: Path) -> str:
 
 # What a model's folder holds (mlx-lm's and Hugging Face's files, a drafter's phrase table): the rest
 # is the user's, which --force keeps from being replaced.
-MODEL_FILES = (
-    "*.json",
-    "*.safetensors",
-    "*.jinja",
-    "*.model",
-    "*.tiktoken",
-    "*.py",
-    "merges.txt",
-    "vocab.txt",
-)
-MODEL_FILES += ("phrases.npz", "README.md", "LICENSE*", ".gitattributes")
+MODEL_FILES = "*.json *.safetensors *.jinja *.model *.tiktoken *.py merges.txt vocab.txt phrases.npz".split()
+MODEL_FILES += ["README.md", "LICENSE*", ".gitattributes"]
 
 
-def _not_a_models(path: Path) -> list[str]:
+def _not_model_files(path: Path) -> list[str]:
     """The names in a model's folder that are not a model's files (a folder among them)."""
     return sorted(
         p.name
