@@ -25,7 +25,7 @@ from .drafters import NgramIndex
 from .errors import UserError
 from .models.dflash import DFlashDraftModel
 from .models.targets import Target
-from .pairing import context_length, prepare
+from .pairing import prepare
 from .sampling import log_probabilities
 from .settings import GenerationSettings
 
@@ -64,13 +64,7 @@ class SpeculativeCache:
         self.draft = draft
         self.draft_window = draft_window = GenerationSettings(draft_window=draft_window).draft_window
         self.target_cache = target.make_cache()
-        # (a window the whole context fits in keeps every position: no window, and no buffer of its size)
-        window = (
-            draft_window
-            if draft_window is not None and draft_window < (context_length(target) or 1 << 62)
-            else None
-        )
-        self._draft_cache = draft.make_cache(window) if draft is not None else None
+        self._draft_cache = draft.make_cache(draft_window) if draft is not None else None
         self.unabsorbed: list[mx.array] = []  # committed positions' features the drafter has yet to take in
         self.tokens: list[int] = []  # every committed token, processed or pending
         # where each short n-gram of `tokens` last occurred (prompt lookup), and the target's phrases

@@ -173,9 +173,9 @@ def profile(
     def draft_step(compiled):
         mx.eval(draft.propose_logits(prompt[0], cache.draft_cache, block_size, compiled))
 
-    _median_ms(verify, 1, tick)  # (each traced and warmed once first)
-    _median_ms(lambda: draft_step(True), 1, tick)
-    _median_ms(lambda: draft_step(False), 1, tick)
+    for first in (verify, lambda: draft_step(True), lambda: draft_step(False)):  # (traced and warmed)
+        first()
+        tick()
     result["verify_ms"] = _median_ms(verify, cycles, tick)
     result["draft_ms_compiled"] = _median_ms(lambda: draft_step(True), cycles, tick)
     result["draft_ms_eager"] = _median_ms(lambda: draft_step(False), cycles, tick)

@@ -263,7 +263,9 @@ class DraftCache:
         need = self.rows + n
         if self.keys is None or need > self.keys.shape[2]:
             size = -(-need // self.STEP) * self.STEP
-            if self.window is not None and need > self.window // 2:  # (a buffer of its size, once near it)
+            # (a buffer the window's size once the context nears it: a window past the context, which
+            # the settings allow up to 2**30, never allocates one)
+            if self.window is not None and need > self.window // 2:
                 size = max(size, self.window + self.STEP)
             grown = []
             for old, new in ((self.keys, keys), (self.values, values)):
