@@ -75,14 +75,14 @@ def chat(
     console = Console(highlight=False, emoji=False, soft_wrap=not sys.stdout.isatty())
     with user_errors(SAMPLING):
         check_lookup(no_lookup, block_size)
-        GenerationSettings(
+        GenerationSettings.answers(
             temperature=temp,
             repetition_penalty=repetition_penalty,
             block_size=block_size,
             lookup=not no_lookup,
             max_tokens=max_tokens,
             draft_window=draft_window,
-        ).answering()  # before loading
+        )  # before loading
         with busy(console, f"loading {model} ..."):
             target, drafter, tokenizer = load_pair(model, draft)
             name = draft_for(model, draft)

@@ -127,7 +127,9 @@ def convert(
                     kind = "drafter"
                 else:
                     step("converting target with mlx-lm")
-                    out = convert_target(str(folder), output, dtype, quantize, q_bits, q_group_size, force)
+                    out = convert_target(
+                        str(folder), output, dtype, quantize, q_bits, q_group_size, force, step
+                    )
                     kind = "target"
             bar.update(task, description=f"{escape(source)}: done")
     typer.echo(f"wrote {kind} to {out} ({_megabytes(Path(out))})")

@@ -165,7 +165,7 @@ def serve(
                     f"scheme and a host, no path) or '*', got {origin!r}"
                 )
         check_lookup(no_lookup, block_size)
-        defaults = GenerationSettings(
+        defaults = GenerationSettings.answers(
             temperature=temp,
             top_p=top_p,
             top_k=top_k,
@@ -174,7 +174,7 @@ def serve(
             block_size=block_size,
             lookup=not no_lookup,
             draft_window=draft_window,
-        ).answering()
+        )
         # Connections waiting to be accepted are accepted up to `backlog` at a time, before any is
         # refused: the most open at once leaves room for them below the limit on open files.
         files = _open_files()

@@ -12,6 +12,7 @@ from dflash_mlx.bench import counted
 from dflash_mlx.data import (
     answer_rows,
     check_data_options,
+    check_prompt_room,
     data_settings,
     generate_data,
     load_shards,
@@ -116,6 +117,7 @@ def data(
             target, tokenizer = load(model)
             Target(target)  # a family `train run` cannot use is refused before hours of generation
             rendering = template_kwargs(model, think, tokenizer)  # (a --think it has no switch for: now)
+            check_prompt_room(tokenizer, max_prompt_tokens, rendering)  # (generate_data checks again)
             if batch_size is None:
                 fits = answer_rows(target, max_prompt_tokens + max_new_tokens)
                 batch_size = max(1, min(fits, total - done))
@@ -401,9 +403,7 @@ def evaluate(
 ):
     """Mean acceptance length tau of a drafter on a prompt set, from real stream_generate runs."""
     with user_errors():
-        settings = GenerationSettings(
-            temperature=temp, block_size=block_size, max_tokens=max_tokens
-        ).answering()
+        settings = GenerationSettings.answers(temperature=temp, block_size=block_size, max_tokens=max_tokens)
         ps = first_prompts(prompts, limit)
         target, drafter, tokenizer = load_pair(model, draft)
         answers, interrupted = [], False

@@ -123,14 +123,14 @@ def settings_grid(block_sizes, temperatures, max_tokens: int, lookup: bool = Tru
     setting once (a repeated one would be run again and overwrite its own record)."""
     sizes = dict.fromkeys(b if b is None or str(b).startswith("tree") else int(b) for b in block_sizes)
     return {
-        (b, t): GenerationSettings(
+        (b, t): GenerationSettings.answers(
             temperature=t,
             block_size=b if isinstance(b, int) else None,
             tree=int(b[4:]) if isinstance(b, str) else None,
             lookup=lookup,
             max_tokens=max_tokens,
             draft_window=draft_window,
-        ).answering()
+        )
         for t in dict.fromkeys(float(t) for t in temperatures)
         for b in sizes
     }

@@ -7,6 +7,7 @@ interrupted run never leaves a half folder that would later load.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import sys
 from collections.abc import Callable
@@ -146,8 +147,10 @@ def convert_target(
                     "name: `-q --dtype float32` on that)"
                 )
             tmp.rmdir()  # mlx-lm's convert insists on creating the folder itself
-            # (mlx-lm prints its progress, "[INFO] Loading", ...: to stderr, as ours goes, not into stdout)
-            with reading_target(folder), contextlib.redirect_stdout(sys.stderr):
+            # mlx-lm prints its progress ("[INFO] Loading", ...): to `progress`, or to stderr as ours
+            # goes, never into stdout
+            said = sys.stderr if progress is None else _Lines(progress)
+            with reading_target(folder), contextlib.redirect_stdout(said):
                 mlx_lm_convert(
                     str(folder),
                     str(tmp),
@@ -157,6 +160,19 @@ def convert_target(
                     dtype=dtype,
                 )
     return Path(dest)
+
+
+class _Lines(io.TextIOBase):
+    """A text stream that hands each whole line printed to it, "[INFO] " left off, to `say`."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say, self.part = say, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.part = (self.part + text).split("\n")
+        for line in filter(None, (line.removeprefix("[INFO] ").strip() for line in lines)):
+            self.say(line)
+        return len(text)
 
 
 def _from_float(quantize: bool) -> str:

@@ -747,6 +747,23 @@ def check_data_options(
         )
 
 
+def check_prompt_room(tokenizer, max_prompt_tokens: int, template_kwargs: dict | None = None) -> None:
+    """Refuse a prompt length no prompt fits in (the chat template around empty turns takes more), once
+    the tokenizer is known and before any prompt is answered."""
+    user = {"role": "user", "content": ""}
+    least = len(apply_chat_template(tokenizer, user, **(template_kwargs or {})))
+    try:  # (a system turn of its own can be shorter than a template's default one)
+        system = apply_chat_template(tokenizer, user, system="", **(template_kwargs or {}))
+        least = min(least, len(system))
+    except Exception:  # (a template that takes no system turn raises its own error)
+        pass
+    if least > max_prompt_tokens:
+        raise UserError(
+            f"the chat template alone takes {least} tokens, so no prompt fits in {max_prompt_tokens}: "
+            "raise --max-prompt-tokens"
+        )
+
+
 def generate_data(
     model,
     tokenizer,
@@ -781,6 +798,7 @@ def generate_data(
     made_from = prompts_fingerprint(prompts)
     settings = data_settings(max_new_tokens, temperature, seed, template_kwargs)
     done, consumed = resume_point(folder, source, shard_size, prompts, settings)
+    check_prompt_room(tokenizer, max_prompt_tokens, template_kwargs)
     fingerprint = tokenizer_fingerprint(tokenizer)
     if shards_tokenizer(folder) not in ("", fingerprint):
         raise UserError(

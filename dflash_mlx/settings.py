@@ -116,6 +116,17 @@ class GenerationSettings(SamplingParams):
     def answering(self) -> GenerationSettings:
         """These settings where the answer is the point (a chat turn, a benchmark, an acceptance
         measurement): at least one token."""
-        if self.max_tokens < 1:
-            raise UserError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _at_least_one(self.max_tokens)
         return self
+
+    @classmethod
+    def answers(cls, **fields) -> GenerationSettings:
+        """Settings where the answer is the point, max_tokens checked first (so that -1 is not sent
+        to try 0, which is refused next)."""
+        _at_least_one(fields.get("max_tokens", cls.max_tokens))
+        return cls(**fields)
+
+
+def _at_least_one(max_tokens: int) -> None:
+    if max_tokens < 1:
+        raise UserError(f"max_tokens must be >= 1, got {max_tokens}")

@@ -44,8 +44,10 @@ from .train import (
     TrainConfig,
     check_new_drafter,
     check_same_data,
+    check_same_target,
     data_fingerprint,
     saved_run,
+    target_fingerprint,
     train,
     usable_sequences,
 )
@@ -391,13 +393,17 @@ def prepare_run(
             for k, v in control.items()
         }
         check_resume(out, run, recipe, init)
-        notes = [f"resuming {out} at step {run['step']} of {control['steps']}"]
+        if run["step"] < control["steps"]:
+            notes = [f"resuming {out} at step {run['step']} of {control['steps']}"]
+        else:
+            notes = [
+                f"{out} is at step {run['step']}, which --steps {control['steps']} does not pass: nothing "
+                "to train (give a larger --steps to go on)"
+            ]
         if init:
             notes[0] += " (from its own checkpoint, not from --init again)"
         # Before loading the target (train() checks again, for callers from Python).
         check_same_data(run, data_fingerprint(usable_sequences(seqs, TrainConfig(**run["train_config"]))))
-        if run["step"] >= control["steps"]:
-            notes.append("nothing to train: give a larger --steps to go on")
     elif init:
         given = [k for k in ARCHITECTURE if k != "block_size" and recipe.get(k) is not None]
         if given:
@@ -415,8 +421,6 @@ def prepare_run(
     if run is None:
         recipe = {**backend_defaults(), **{k: v for k, v in recipe.items() if v is not None}}
     cfg = TrainConfig(**{k: v for k, v in {**recipe, **control}.items() if v is not None})
-    for line in notes if run is not None else []:  # (once the options are known to be good)
-        note(line)
     if run is None:
         usable_sequences(seqs, cfg)  # refused before a run folder or a progress bar appears
     try:
@@ -425,6 +429,10 @@ def prepare_run(
         raise UserError(f"{e} (it holds the held-out prompts), or pass --eval-prompts 0") from None
     target, tokenizer = load(model)
     check_data_tokenizer(folders, tokenizer, Target(target).vocab_size, model)
+    if run is not None:  # (train() checks again, for callers from Python)
+        check_same_target(run, target_fingerprint(Target(target)))
+        for line in notes:  # (once the options and the target are known to be good)
+            note(line)
     digest = weights_digest(target)
     for folder in (f for f, _ in folders if shards_target(f) not in ("", digest)):
         note(

@@ -290,8 +290,9 @@ def test_bad_flags_and_inputs_fail_clearly(pair):
         f"train eval -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 0"
     )  # would report "tau 0.00 over 0 cycles"
     assert r.exit_code == 1 and "--max-tokens must be >= 1, got 0" in r.stderr
-    r = run(f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 0")
-    assert r.exit_code == 1 and "--max-tokens must be >= 1" in r.stderr
+    for n in (0, -1):  # (-1 was sent to ">= 0", and 0 then refused)
+        r = run(f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens {n}")
+        assert r.exit_code == 1 and f"--max-tokens must be >= 1, got {n}" in r.stderr
     r = run(f"train run --data {root}/nowhere -o {root}/run --target-layer-ids 1,a")
     assert r.exit_code == 1 and "--target-layer-ids takes comma-separated layer numbers" in r.stderr
     r = run(f"train run --data {root}/nowhere -o {root}/run --target-layer-ids 1,1")
@@ -1431,7 +1432,12 @@ def test_train_commands_on_the_tiny_pair(pair, tmp_path):
     ), r.output
     r = run(first)  # nothing given: the run's own settings, and it is done
     assert r.exit_code == 0, r.output
-    assert "at step 5 of 5" in r.stderr and "nothing to train" in r.stderr and "is not used" not in r.stderr
+    done = f"{tmp_path / 'resumed'} is at step 5, which --steps 5 does not pass: nothing to train"
+    assert done in " ".join(r.stderr.split()) and "is not used" not in r.stderr
+    r = run(f"{first} --steps 4")  # (it said it resumed at step 5 of 4)
+    assert r.exit_code == 0 and "at step 5, which --steps 4 does not pass" in " ".join(r.stderr.split())
+    r = run(first.replace(f"{root}/target", f"{tmp_path}/fine-tune"))  # (a note it resumed came first)
+    assert r.exit_code == 1 and r.stderr.startswith("error: the run trained against another target")
     r = run(f"{first} --steps 0")  # (it said it resumed at step 5 of 0, and that there was nothing to train)
     assert r.exit_code == 1 and r.stderr.strip() == "error: --steps must be at least 1, got 0", r.stderr
     r = run(f"{first} --data {tmp_path}/data-copy --steps 8")  # a folder more: another order, another run

@@ -307,3 +307,26 @@ def test_a_long_stop_string_holds_back_only_what_could_begin_it():
     assert stops.feed("ZZ") == ("en", None)  # ... it did not; "ZZ" may begin the other
     assert stops.feed("d.") == ("ZZd.", None)
     assert stops.feed(" the end.") == (" the ", "end.")
+
+
+def test_a_prompt_length_the_chat_template_alone_passes_is_refused_before_any_answer(ours, tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli.main import app
+    from dflash_mlx.data import check_prompt_room
+
+    _, tokenizer = ours
+    empty = {"role": "user", "content": ""}
+    least = min(len(apply_chat_template(tokenizer, empty, system=s)) for s in (None, ""))
+    check_prompt_room(tokenizer, least)  # (a prompt of empty turns fits)
+    (tmp_path / "p.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    r = CliRunner().invoke(
+        app,
+        ["train", "data", "-m", "smollm2-135m-instruct", "--source", str(tmp_path / "p.jsonl")]
+        + ["-o", str(tmp_path / "d"), "--max-prompt-tokens", str(least - 1)],
+    )
+    assert r.exit_code == 1 and r.output.splitlines() == [  # (no "answering N prompts" line first)
+        f"error: the chat template alone takes {least} tokens, so no prompt fits in {least - 1}: raise "
+        "--max-prompt-tokens"
+    ], r.output
+    assert not (tmp_path / "d").exists()
