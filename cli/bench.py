@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -224,17 +225,20 @@ def bench(
                 raise
         results.update(model=model, draft=name, prompt_set=prompts)
         title = f"dflash-mlx bench: {model} + {name} on {prompts}"
+        # A stopped run's part never replaces an earlier run's complete results: it is shown only.
+        kept = results.get("interrupted") and _complete(folder / "results.json")
         try:
-            paths = write(results, folder, title)
+            paths = [] if kept else write(results, folder, title)
         except OSError:
             typer.echo(markdown(results, title))  # the numbers are not lost with the files
             raise
-    summary = paths[1].read_text()
+    summary = markdown(results, title) if kept else paths[1].read_text()
     if sys.stdout.isatty():
         stdout().print(Markdown(summary))
     else:  # (piped: the Markdown itself, which reads as text and keeps its tables whole)
         typer.echo(summary)
-    typer.echo("wrote " + ", ".join(str(p) for p in paths))
+    if paths:
+        typer.echo("wrote " + ", ".join(str(p) for p in paths))
     bad = [s for s in results.get("summary", results.get("concurrency")) if s["identical"] is False]
     if bad:
         typer.secho(
@@ -250,14 +254,28 @@ def bench(
             if "concurrency" in results
             else counted(len(results["prompts"]), "prompt run")
         )
+        kept_note = (
+            f"; {out} keeps an earlier run's complete results, so these are not written there (give "
+            "another --out to keep them)"
+            if kept
+            else ""
+        )
         typer.secho(
-            f"stopped {stopped_by(terminated)}: the results cover the {done} finished by then",
+            f"stopped {stopped_by(terminated)}: the results cover the {done} finished by then{kept_note}",
             fg="yellow",
             err=True,
         )
         raise typer.Exit(interrupted_code(terminated))
     if bad:
         raise typer.Exit(1)
+
+
+def _complete(path: Path) -> bool:
+    """Whether `path` holds a bench run's results that were not stopped early."""
+    try:
+        return json.loads(path.read_text()).get("interrupted") is False
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _listed(flag: str, value: str, kind, example: str) -> list:

@@ -1054,6 +1054,23 @@ def test_bench_fails_loudly_when_outputs_differ(pair, tmp_path, monkeypatch):
     )
     assert r.exit_code == 143 and "stopped by SIGTERM: the results cover the 1 prompt run" in r.stderr
     assert json.loads((tmp_path / "d" / "results.json").read_text())["interrupted"]
+    # A stopped run shows its part but leaves an earlier run's complete results as they were
+    complete = {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()}
+    runs.clear()
+    monkeypatch.setattr(dflash_mlx.bench, "_dflash", stop_at_the_third)
+    r = run(
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 16 -o "
+        f"{tmp_path}/b --block-sizes 16"
+    )
+    assert r.exit_code == 130 and f"{tmp_path}/b keeps an earlier run's complete results" in r.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()} == complete
+    assert "stopped early" in r.stdout and "| block 16 |" in r.stdout and "wrote" not in r.stdout
+    r = run(  # (a stopped run's part is replaced, here by a whole run: stop_at_the_third has stopped)
+        f"bench -m {root}/target -d {root}/draft --prompts {root}/prompts.jsonl --max-tokens 16 -o "
+        f"{tmp_path}/d --block-sizes 16"
+    )
+    assert f"wrote {tmp_path}/d/results.json" in r.stdout
+    assert json.loads((tmp_path / "d" / "results.json").read_text())["interrupted"] is False
 
 
 def test_models_and_doctor_speak_json():
