@@ -58,14 +58,14 @@ def bench(
     block_sizes: str | None = typer.Option(
         None,
         help="Comma-separated policies: fixed block sizes, treeN (a tree in a pass as wide as a "
-        "block of N, every cycle), and 'adaptive' (each cycle chooses). \\[default: 16,adaptive]",
+        "block of N, every cycle), and 'adaptive' (each cycle chooses).  [default: 16,adaptive]",
         show_default=False,
     ),
     no_lookup: NoLookup = False,
     draft_window: DraftWindow = None,
     temps: str | None = typer.Option(
         None,
-        help="Comma-separated temperatures (identity is checked at 0). \\[default: 0]",
+        help="Comma-separated temperatures (identity is checked at 0).  [default: 0]",
         show_default=False,
     ),
     max_tokens: MaxTokens = 256,

@@ -17,6 +17,7 @@ from dflash_mlx.channels import REASONING, Channels
 from dflash_mlx.chat import ChatSession
 from dflash_mlx.errors import UserError
 from dflash_mlx.loading import draft_for, load_pair, template_kwargs
+from dflash_mlx.pairing import MAX_BLOCK_SIZE
 from dflash_mlx.platform import backend
 from dflash_mlx.settings import GenerationSettings
 
@@ -49,12 +50,13 @@ HELP = """[bold]commands[/bold]
   /system TEXT     set the system prompt (nothing after it: the template's own)
   /temp X          sampling temperature (0 = greedy, exactly the target's text)
   /block N         a fixed DFlash block of N (0: back to choosing each cycle)
+  /max N           answers of up to N tokens
   /stats           totals for this conversation
   /save FILE       write the conversation as JSON
   /exit            quit (or Ctrl-D)
 Ctrl-C stops an answer and keeps what was written (before the answer starts, or a second time:
 drops the message). End a line with \\ to continue it, or wrap several lines in \"\"\"; a pasted
-text is one message, sent with Enter."""
+text is one message, sent with Enter. A message that starts with / starts with a space."""
 
 
 def chat(
@@ -121,8 +123,11 @@ def ask(console: Console, label: str, colour: str = "") -> str:
 def read_message(console: Console) -> str:
     """One message: a line, lines continued with a trailing backslash, or a \"\"\"-block."""
     line = ask(console, "you>", "1;32")
-    if line.strip() == '"""':
-        lines = []
+    opened = line.lstrip()
+    # (text may follow the opening quotes; only a line of the quotes alone closes the block, so that a
+    # docstring inside it does not; a line that ends with them too is a message of its own)
+    if opened.startswith('"""') and (opened.rstrip() == '"""' or not opened.rstrip().endswith('"""')):
+        lines = [opened[3:]] if opened[3:].strip() else []
         while True:
             try:
                 line = ask(console, "...")
@@ -145,7 +150,7 @@ def read_message(console: Console) -> str:
 
 
 def status_line(turn: dict) -> str:
-    parts = [f"{turn['tokens']} tokens"]
+    parts = [counted(turn["tokens"], "token")]
     if turn["tokens"] > 1:  # a rate needs a second token (the first comes with the prefill)
         parts.append(f"{turn['tokens_per_s']:.1f} tokens/s")
     if turn["mean_acceptance"] is not None:
@@ -154,6 +159,8 @@ def status_line(turn: dict) -> str:
     parts.append(f"prefill {turn['prefill_tokens']}")
     if turn["interrupted"]:
         parts.append("stopped")
+    elif turn["finish_reason"] == "length":
+        parts.append("at the /max limit")
     return " · ".join(parts)
 
 
@@ -269,8 +276,9 @@ def answer(session, console: Console, text: str, hide_thinking: bool) -> None:
 
 def _echo_off():
     """Stop the terminal echoing what is typed while an answer streams: Ctrl-C as "^C", and text typed
-    ahead, which would land inside the answer's text (readline shows it at the next prompt); -> a call
-    that puts the terminal back as it was (if it is still there)."""
+    ahead, which would land inside the answer's text (readline shows it at the next prompt), and keep
+    that text when Ctrl-C stops the answer (the terminal throws its input away on Ctrl-C unless told
+    not to: NOFLSH); -> a call that puts the terminal back as it was (if it is still there)."""
     try:
         import termios
     except ImportError:  # pragma: no cover - Windows
@@ -281,7 +289,7 @@ def _echo_off():
     except (termios.error, OSError, ValueError):  # no terminal
         return lambda: None
     quiet = list(saved)
-    quiet[3] &= ~(termios.ECHOCTL | termios.ECHO)
+    quiet[3] = (quiet[3] & ~(termios.ECHOCTL | termios.ECHO)) | termios.NOFLSH
     termios.tcsetattr(fd, termios.TCSANOW, quiet)
 
     def restore():
@@ -320,11 +328,18 @@ def command(session, console: Console, line: str) -> str | None:
             session.settings = replace(session.settings, temperature=_number(arg, float, "/temp X"))
             console.print(f"[dim]temperature {session.settings.temperature}[/dim]")
         elif name == "/block":
-            if (block := _number(arg, int, "/block N")) < 0:
-                raise UserError("/block takes a block size of 1 to 256, or 0 to choose each cycle")
+            if not 0 <= (block := _number(arg, int, "/block N")) <= MAX_BLOCK_SIZE:
+                raise UserError(
+                    f"/block takes a block size of 1 to {MAX_BLOCK_SIZE}, or 0 to choose each cycle"
+                )
             session.settings = replace(session.settings, block_size=block or None)
             block = session.settings.block_size
             console.print(f"[dim]{f'block size {block}' if block else 'each cycle chooses'}[/dim]")
+        elif name == "/max":
+            if (most := _number(arg, int, "/max N")) < 1:
+                raise UserError(f"/max takes a number of tokens of 1 or more, got {most}")
+            session.settings = replace(session.settings, max_tokens=most)
+            console.print(f"[dim]answers of up to {counted(most, 'token')}[/dim]")
         elif name == "/stats":
             turns = session.turns
             toks = sum(t["tokens"] for t in turns)
@@ -349,7 +364,11 @@ def command(session, console: Console, line: str) -> str | None:
                 raise UserError("/save needs a file name")
             console.print(f"[dim]saved to {escape(str(session.save(arg)))}[/dim]")
         else:
-            warn(console, f"unknown command {name}: /help lists them")
+            warn(
+                console,
+                f"unknown command {name}: /help lists them (a message that starts with / starts with "
+                "a space)",
+            )
     except (ValueError, OSError) as e:  # a UserError, a number that does not parse, a file /save cannot write
         warn(console, str(e))
     return None

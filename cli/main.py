@@ -19,7 +19,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
-    context_settings={"help_option_names": ["-h", "--help"]},  # (every command's, as they inherit it)
+    # Plain help (click's): rich's tables cut flag names short at 80 columns ("--repetition-pena…")
+    rich_markup_mode=None,
+    # (every command's, as they inherit them; help as wide as the terminal, up to 120 columns)
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120},
 )
 
 

@@ -33,7 +33,7 @@ RANDOM = {"--hidden": 1024, "--layers": 8, "--vocab": 32000, "--block-size": 16,
 
 
 def _random(flag: str, what: str):
-    return typer.Option(None, flag, help=f"{what} \\[default: {RANDOM[flag]}]", show_default=False)
+    return typer.Option(None, flag, help=f"{what}  [default: {RANDOM[flag]}]", show_default=False)
 
 
 def profile(

@@ -49,7 +49,9 @@ from .options import (
     user_errors,
 )
 
-app = typer.Typer(help="Train a DFlash drafter: make data, train, measure.", no_args_is_help=True)
+app = typer.Typer(
+    help="Train a DFlash drafter: make data, train, measure.", no_args_is_help=True, rich_markup_mode=None
+)
 # The settings' names in the errors of `train data` and `train run`, and their flags (see `flagged`).
 DATA_FLAGS = {
     n: "--" + n.replace(" ", "-")
@@ -84,8 +86,8 @@ def data(
     source: str = typer.Option(
         "sharegpt",
         help="sharegpt, sharegpt-followup, python-stdlib, humaneval, a .jsonl file, "
-        "or hf:org/name\\[/config]\\[:split\\[:field]].",
-    ),  # \\[ : literal [ in rich help
+        "or hf:org/name[/config][:split[:field]].",
+    ),
     limit: int | None = typer.Option(None, help="Stop after this many sequences (0: all)."),
     max_new_tokens: int = typer.Option(256, help="Longest answer."),
     max_prompt_tokens: int = typer.Option(384, help="Skip longer prompts."),

@@ -275,6 +275,7 @@ class ChatSession:
                     "drafted_share": drafted / tokens if tokens else 0.0,
                     "mix": dict(mix),
                     "interrupted": stopped,
+                    "finish_reason": "interrupted" if stopped else last.finish_reason if last else None,
                     "context_tokens": self.context_tokens(),
                 }
             )
@@ -360,7 +361,7 @@ class ContextFull(UserError):
             if own + room <= limit
             else "a shorter message"
             if own >= limit
-            else "a shorter message or a lower --max-tokens"
+            else "a shorter message or a lower /max N (the answer's most tokens)"
         )
         super().__init__(
             f"{what} needs {used} tokens plus {room} for the answer, and the model's context holds "

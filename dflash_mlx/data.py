@@ -146,8 +146,9 @@ MOST_TEXT = 64 * 2**20  # characters in one prompt: more than any model's contex
 
 def read_text(stream, what: str) -> str:
     """All of a text stream (stdin), refused past MOST_TEXT rather than read until memory runs out
-    (`yes | dflash-mlx generate`)."""
-    text = stream.read(MOST_TEXT + 1)
+    (`yes | dflash-mlx generate`); a byte-order mark at its start (Windows editors, PowerShell) left
+    out."""
+    text = stream.read(MOST_TEXT + 1).removeprefix("\ufeff")
     if len(text) > MOST_TEXT:
         raise UserError(
             f"{what} is over {MOST_TEXT // 2**20} M characters, more than a model's context holds: give less"

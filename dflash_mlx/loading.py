@@ -337,13 +337,14 @@ def local_copies(pair: Pair) -> dict[str, int]:
     return found
 
 
-def read_config(path: Path) -> dict:
-    """A model folder's config.json, or a one-line error naming the file."""
+def read_config(path: Path, role: str = "") -> dict:
+    """A model folder's config.json, or a one-line error naming the file (and the `role` the folder was
+    given for: "the drafter")."""
     file = path / "config.json"
     if not file.exists():
         if (path / "checkpoint" / "config.json").exists():  # (`train run`'s folder)
             raise NotFound(f"{path} is a training run; its drafter is {path / 'checkpoint'}")
-        raise NotFound(f"{path} has no config.json: not a model folder")
+        raise NotFound(f"{f'{role} ' if role else ''}{path} has no config.json: not a model folder")
     try:
         config = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -515,7 +516,7 @@ def draft_for(target: str, draft: str | None = None) -> str:
         if Path(target).expanduser().is_file() and not is_gguf(Path(target)):
             raise _a_file(target)
         if Path(target).expanduser().is_dir():
-            read_config(Path(target).expanduser())  # (a folder that holds no model says so)
+            read_config(Path(target).expanduser(), "the target")  # (a folder that holds no model says so)
         raise UserError(
             f"no known drafter for {target}: pass one (--draft), or train one with "
             "`dflash-mlx train` (`dflash-mlx models` lists the known pairs)"
@@ -534,7 +535,7 @@ def load_pair(target: str, draft: str | None = None, dtype="auto"):
     # A drafter misspelt, missing on the Hub or not a drafter is said before the target loads (or
     # downloads: minutes); only its config.json is fetched for that. A target's mistyped path first.
     check_name(target_name(target))
-    drafter_format(read_config(resolve_draft(name, ["config.json"])), name)
+    drafter_format(read_config(resolve_draft(name, ["config.json"]), "the drafter"), name)
     model, tokenizer = load(target, dtype)  # before the drafter's weights: a missing target is clearer
     drafter = load_draft(name, dtype)
     prepare(model, drafter)

@@ -78,7 +78,7 @@ class SamplingParams:
         if self.top_k < 0:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise UserError(f"min_p must be from 0 to 1, got {self.min_p}")
 
     @property
     def greedy(self) -> bool:

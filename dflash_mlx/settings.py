@@ -60,7 +60,7 @@ class GenerationSettings(SamplingParams):
             raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
         if self.draft_window is not None and not 1 <= self.draft_window <= 2**30:  # (positions are int32)
             raise UserError(
-                f"draft_window must be from 1 to 2**30 (leave it out for the whole context), "
+                f"draft_window must be from 1 to {2**30:,} (leave it out for the whole context), "
                 f"got {self.draft_window}"
             )
         if self.seed is not None:
@@ -84,7 +84,9 @@ class GenerationSettings(SamplingParams):
                 raise UserError(f"{name} must be from -100 to 100 (0: none), got {getattr(self, name)}")
         for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
             if not 1 <= (size := getattr(self, name)) <= 2**30:  # (MLX's slices take 32-bit indices)
-                raise UserError(f"{name} must be from 1 to 2**30 (the latest tokens looked at), got {size}")
+                raise UserError(
+                    f"{name} must be from 1 to {2**30:,} (the latest tokens looked at), got {size}"
+                )
         bias = self.logit_bias
         if bias is not None:
             ok = isinstance(bias, dict) and all(

@@ -122,7 +122,7 @@ def test_a_full_context_is_refused_politely(smollm2, capfd, caplog):
     model, tokenizer, _ = smollm2
     draft = make_draft(hidden=576, vocab=49152, target_layers=30, layer_ids=(1, 14, 27), layers=1)
     session = ChatSession(model, draft, tokenizer, max_tokens=24, max_context=80)
-    with pytest.raises(ContextFull, match="lower --max-tokens"):  # a first message: /reset would not help
+    with pytest.raises(ContextFull, match="lower /max N"):  # a first message: /reset would not help
         list(session.reply("word " * 40))
     with pytest.raises(ContextFull) as e:  # bigger than the whole context: no --max-tokens would do
         list(session.reply("word " * 100))
@@ -136,7 +136,9 @@ def test_a_full_context_is_refused_politely(smollm2, capfd, caplog):
     # where the message would not fit a new conversation either, /reset is not what to do
     with pytest.raises(ContextFull) as e:
         list(session.reply("word " * 40))
-    assert str(e.value).startswith("the conversation needs") and str(e.value).endswith("lower --max-tokens")
+    assert str(e.value).startswith("the conversation needs") and str(e.value).endswith(
+        "lower /max N (the answer's most tokens)"
+    )
     assert session.messages == kept
     session.reset()
     assert session.messages == session.turns == []  # /stats starts again with the conversation
@@ -268,7 +270,7 @@ def test_text_in_brackets_is_shown_as_typed_not_read_as_rich_markup(tmp_path):
     assert command(session, console, f"/save {tmp_path}/[red]chat.json") is None
     assert command(session, console, f"/save {tmp_path}/no[b]/chat.json") is None
     assert out.getvalue().splitlines() == [
-        "unknown command /[/dim]x: /help lists them",
+        "unknown command /[/dim]x: /help lists them (a message that starts with / starts with a space)",
         f"saved to {tmp_path}/[red]chat.json",
         f"cannot write {tmp_path}/no[b]/chat.json: there is no folder {tmp_path}/no[b]",
     ]
@@ -283,9 +285,16 @@ def test_text_in_brackets_is_shown_as_typed_not_read_as_rich_markup(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "lines, message", [(['"""', "first line", "second line"], "first line\nsecond line"), (["hi \\"], "hi ")]
+    "lines, message",
+    [
+        (['"""', "first line", "second line"], "first line\nsecond line"),  # Ctrl-D ends them
+        (["hi \\"], "hi "),
+        (['"""first line', "second line", ' """ '], "first line\nsecond line"),  # (text on the opening line)
+        (['"""', "def f():", '    """Doc."""', '"""'], 'def f():\n    """Doc."""'),  # (a docstring in it)
+        (['"""One line."""'], '"""One line."""'),  # (a message of its own)
+    ],
 )
-def test_ctrl_d_ends_a_multi_line_message_not_the_chat(lines, message):
+def test_multi_line_messages_and_ctrl_d_ending_them_not_the_chat(lines, message):
     """A \"\"\"-block or a line continued with a backslash: Ctrl-D (a piped input's end) sends what came."""
     from dflash_mlx.cli.chat import read_message
 
@@ -409,9 +418,13 @@ def test_the_chat_in_a_real_terminal(smollm2, tmp_path):
         child.sendline("Write a very long story about a dragon and a knight.")
         child.expect(r"model>")
         child.expect(r"\w+ \w+ \w+ \w+ \w+")  # the answer is streaming
+        child.send("/stats")  # typed ahead: it waits at the next prompt, Ctrl-C or not
         child.sendintr()  # Ctrl-C in the middle of the answer
         child.expect("stopped; the partial answer stays in the conversation")
         assert "^C" not in child.before  # (the terminal's echo of it would land inside the answer)
+        child.expect(PROMPT)
+        child.send("\r")
+        child.expect(r"3 answers, \d+ tokens")
         child.expect(PROMPT)
         child.sendline("In one word: which city did my first question ask about?")
         child.expect(r"prefill (\d+)")

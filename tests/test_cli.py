@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -328,7 +329,7 @@ def test_generate_and_profile_take_a_draft_window(pair):
         "profile --draft-window 99999999999",
     ):
         r = run(f"{bad} -m {root}/target -d {root}/draft")
-        assert r.exit_code == 1 and "--draft-window must be from 1 to 2**30" in r.stderr, r.output
+        assert r.exit_code == 1 and "--draft-window must be from 1 to 1,073,741,824" in r.stderr, r.output
     for shaping in ("--hidden 64", "--cycles 3 --layers 2"):  # (they shape the random pair alone)
         for other in ("", "--draft-window 64"):
             r = run(f"profile -m {root}/target -d {root}/draft {other} {shaping}")
@@ -514,6 +515,13 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     assert r.returncode == 1 and r.stderr.decode().startswith("error: the prompt is not UTF-8 text")
     r = subprocess.run([*cmd[:-1], "--system", b"caf\xe9", "-p", "w5"], capture_output=True, timeout=120)
     assert r.returncode == 1 and r.stderr.decode().startswith("error: --system is not UTF-8 text"), r.stderr
+    # a byte-order mark before it (Windows editors, PowerShell's pipes) is not part of the prompt
+    runs = [
+        subprocess.run([*cmd, "--json", "--max-tokens", "4"], input=text, capture_output=True, timeout=120)
+        for text in (b"w5 w6", b"\xef\xbb\xbfw5 w6")
+    ]
+    plain, marked = (json.loads(r.stdout) for r in runs)
+    assert (marked["prompt_tokens"], marked["text"]) == (plain["prompt_tokens"], plain["text"]), marked
     for given in (["-p", ""], ["-p", " \n"], []):  # (nothing on stdin either)
         r = subprocess.run(cmd[:-1] + given, input=b"", capture_output=True, timeout=120)
         assert (
@@ -564,7 +572,7 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     chat = cli + shlex.split(f"chat -m {root}/target -d {root}/draft --max-tokens 4")
     r = subprocess.run(
         chat,
-        input=b"caf\xe9 w5\n/block 300\n/block -1\n/stats\n/x:fire:\n" + b"w5 " * 40 + b"\n",
+        input=b"caf\xe9 w5\n/block 300\n/block -1\n/stats\n/x:fire:\n/max 0\n/max 3\n" + b"w5 " * 40 + b"\n",
         capture_output=True,
         timeout=120,
     )
@@ -572,12 +580,12 @@ def test_a_prompt_that_is_not_utf8_and_a_reader_that_goes_away_end_quietly(pair)
     assert r.returncode == 0 and "the message is not UTF-8 text (a stray byte at character 3)" in out, (
         r.stderr
     )
-    assert "block size must be between 1 and 256, got 300" in out and "0 answers" in out
-    assert "/block takes a block size of 1 to 256, or 0 to choose each cycle" in out
-    assert "unknown command /x:fire:: /help lists them" in out  # (rich made it an emoji)
+    assert out.count("/block takes a block size of 1 to 256, or 0 to choose each cycle") == 2
+    assert "0 answers" in out and "unknown command /x:fire:: /help lists them" in out  # (rich: an emoji)
+    assert "/max takes a number of tokens of 1 or more, got 0" in out and "answers of up to 3 tokens" in out
     # a log gets the status lines whole (rich folded them at 80 columns where no terminal was)
     (status,) = [line for line in out.splitlines() if " tokens/s · " in line]
-    assert status.endswith(" · prefill 40"), out
+    assert status.endswith(" · prefill 40 · at the /max limit") and "3 tokens · " in status, out
     assert (
         "you> 0 answers, 0 tokens, mean tau -, context 0/4096 tokens, temperature 0.0, adaptive, cycles -\n"
         in out
@@ -677,7 +685,9 @@ def test_wrong_folders_and_missing_drafters_are_named_before_any_loading(pair, t
     assert r.exit_code == 1 and f"no known drafter for {root / 'target'}: pass one (--draft)" in r.stderr
     (tmp_path / "nothing").mkdir()  # a folder that holds no model: said so, not "no known drafter"
     r = run(f"generate -m {tmp_path}/nothing -p w5")
-    assert r.exit_code == 1 and f"{tmp_path / 'nothing'} has no config.json: not a model folder" in r.stderr
+    assert r.exit_code == 1 and f"the target {tmp_path}/nothing has no config.json: not a model" in r.stderr
+    r = run(f"generate -m {root}/target -d {tmp_path}/nothing -p w5")  # (which of the two it is)
+    assert r.exit_code == 1 and f"the drafter {tmp_path}/nothing has no config.json: not a" in r.stderr
     (tmp_path / "notes.txt").write_text("not a model")
     r = run(f"generate -m {tmp_path}/notes.txt -p w5")
     assert r.exit_code == 1 and "notes.txt is a file; expected a model folder" in r.stderr, r.stderr
@@ -1207,13 +1217,15 @@ def test_every_command_prints_its_help():
     commands = list(walk(typer.main.get_command(app), []))
     assert {"chat", "train data"} <= {" ".join(path) for path, _ in commands}
     for path, cmd in commands:
-        r = run(" ".join(path), "--help")
+        r = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
         assert r.exit_code == 0, (path, r.output[-300:])
-        # (rich help keeps a docstring's line breaks: a sentence would break where the source wrapped)
-        assert all("\n" not in p for p in (cmd.help or "").split("\n\n")), path
-    # Square brackets in help text are printed, not read as rich markup.
+        # every flag whole on a terminal of 80 columns (rich's tables cut "--repetition-pena…")
+        flags = [o for param in cmd.params for o in param.opts + param.secondary_opts if o.startswith("-")]
+        missing = [f for f in flags if not re.search(f"(?<![\\w-]){re.escape(f)}(?![\\w-])", r.stdout)]
+        assert not missing and "…" not in r.stdout, (path, missing)
+    # Square brackets in help text are printed as written.
     assert "hf:org/name[/config][:split[:field]]" in run("train data --help").stdout
-    shown = {c: " ".join(run(c, "--help").stdout.replace("│", " ").split()) for c in ("bench", "profile")}
+    shown = {c: " ".join(run(c, "--help").stdout.split()) for c in ("bench", "profile")}
     assert "(each cycle chooses). [default: 16,adaptive]" in shown["bench"]
     assert "(identity is checked at 0). [default: 0]" in shown["bench"]
     assert "Width of the random target. [default: 1024]" in shown["profile"]

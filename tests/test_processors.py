@@ -155,8 +155,11 @@ def test_sampled_answers_with_penalties_follow_the_processed_distribution():
         (dict(repetition_penalty=0), "repetition_penalty must be from 0.01 to 100 (1: none), got 0"),
         (dict(repetition_penalty=float("nan")), "repetition_penalty must be from 0.01 to 100"),
         (dict(presence_penalty=float("inf")), "presence_penalty must be from -100 to 100 (0: none), got inf"),
-        (dict(frequency_context_size=0), "frequency_context_size must be from 1 to 2**30 (the latest tokens"),
-        (dict(repetition_context_size=2**32), "repetition_context_size must be from 1 to 2**30"),
+        (
+            dict(frequency_context_size=0),
+            "frequency_context_size must be from 1 to 1,073,741,824 (the latest tokens",
+        ),
+        (dict(repetition_context_size=2**32), "repetition_context_size must be from 1 to 1,073,741,824"),
         (dict(repetition_penalty="1.2"), "repetition_penalty must be a number, got '1.2'"),
         (dict(logit_bias={"5": 1.0}), "logit_bias must map token ids (whole numbers >= 0) to numbers"),
         (dict(logit_bias={5: True}), "logit_bias must map token ids (whole numbers >= 0) to numbers"),

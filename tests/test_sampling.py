@@ -262,11 +262,11 @@ def test_bad_sampling_settings_are_refused():
         (dict(temperature=float("inf")), "temperature must be a number from 0 to 10000, got inf"),
         (dict(temperature=1e5), "temperature must be a number from 0 to 10000, got 100000"),
         (dict(top_p=float("nan")), r"top_p must be from 0 to 1, got nan"),
-        (dict(min_p=float("nan")), r"min_p must be in \[0, 1\], got nan"),
+        (dict(min_p=float("nan")), r"min_p must be from 0 to 1, got nan"),
         (dict(top_p=-0.1), r"top_p must be from 0 to 1, got -0.1"),
         (dict(top_p=1.5), r"top_p must be from 0 to 1, got 1.5"),
         (dict(top_k=-2), "top_k must be >= 0, got -2"),
-        (dict(min_p=2), r"min_p must be in \[0, 1\], got 2"),
+        (dict(min_p=2), r"min_p must be from 0 to 1, got 2"),
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
