@@ -11,6 +11,7 @@ complete shard.
 from __future__ import annotations
 
 import ast
+import contextlib
 import gzip
 import hashlib
 import json
@@ -24,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from huggingface_hub import constants
+from jinja2 import TemplateError
 from mlx_lm.models.cache import make_prompt_cache
 
 from .benchsets import SETS, bench_set, parsed_stdlib
@@ -753,11 +755,11 @@ def check_prompt_room(tokenizer, max_prompt_tokens: int, template_kwargs: dict |
     the tokenizer is known and before any prompt is answered."""
     user = {"role": "user", "content": ""}
     least = len(apply_chat_template(tokenizer, user, **(template_kwargs or {})))
-    try:  # (a system turn of its own can be shorter than a template's default one)
+    # (a system turn of its own can be shorter than a template's default one; a template that takes no
+    # system turn raises)
+    with contextlib.suppress(TemplateError):
         system = apply_chat_template(tokenizer, user, system="", **(template_kwargs or {}))
         least = min(least, len(system))
-    except Exception:  # (a template that takes no system turn raises its own error)
-        pass
     if least > max_prompt_tokens:
         raise UserError(
             f"the chat template alone takes {least} tokens, so no prompt fits in {max_prompt_tokens}: "

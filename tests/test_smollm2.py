@@ -330,3 +330,20 @@ def test_a_prompt_length_the_chat_template_alone_passes_is_refused_before_any_an
         "--max-prompt-tokens"
     ], r.output
     assert not (tmp_path / "d").exists()
+
+
+def test_a_template_that_takes_no_system_turn_has_its_prompt_room_measured_without_one(ours, monkeypatch):
+    from dflash_mlx.data import check_prompt_room
+    from dflash_mlx.errors import UserError
+
+    _, tokenizer = ours
+    no_system = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turn') }}"
+        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    monkeypatch.setattr(tokenizer._tokenizer, "chat_template", no_system)
+    least = len(apply_chat_template(tokenizer, "", add_generation_prompt=True))
+    check_prompt_room(tokenizer, least)
+    with pytest.raises(UserError, match=f"the chat template alone takes {least} tokens"):
+        check_prompt_room(tokenizer, least - 1)
