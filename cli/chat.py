@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 from collections import Counter
@@ -358,11 +359,15 @@ def command(session, console: Console, line: str) -> str | None:
                 f"cycles {mix_text(mix) or '-'}[/dim]"
             )
         elif name == "/save":
-            if len(arg) > 1 and arg[0] == arg[-1] and arg[0] in "'\"":  # (a name quoted as in a shell)
+            if arg[:1] in ("'", '"'):  # (a name quoted as in a shell)
+                if len(arg) < 2 or arg[-1] != arg[0]:
+                    raise UserError("/save: the name's quote is not closed (quotes are optional)")
                 arg = arg[1:-1]
             if not arg.strip():
                 raise UserError("/save needs a file name")
-            console.print(f"[dim]saved to {escape(str(session.save(arg)))}[/dim]")
+            there = os.path.lexists(os.path.expanduser(arg))
+            saved = escape(str(session.save(arg)))
+            console.print(f"[dim]saved to {saved}{' (it replaced the file there)' if there else ''}[/dim]")
         else:
             warn(
                 console,

@@ -252,6 +252,14 @@ def test_save_writes_the_whole_conversation_at_a_home_path(smollm2, tmp_path, mo
         assert command(session, Console(file=io.StringIO()), line) is None
     saved = {p.name for p in tmp_path.iterdir()}
     assert saved == {"chat.json", "my chat.json", "my chat 2.json", "my chat 3.json"}
+    said = Console(file=io.StringIO(), width=200)
+    for line in ("/save ~/chat.json", "/save '~/unquoted.json"):  # (a file replaced is said so)
+        command(session, said, line)
+    assert said.file.getvalue().splitlines() == [
+        f"saved to {tmp_path}/chat.json (it replaced the file there)",
+        "/save: the name's quote is not closed (quotes are optional)",
+    ]
+    assert not (tmp_path / "unquoted.json").exists() and not (tmp_path / "'unquoted.json").exists()
 
 
 def test_text_in_brackets_is_shown_as_typed_not_read_as_rich_markup(tmp_path):
