@@ -145,6 +145,8 @@ def graft(tree: Tree, scores: list[float], chain: list[int], values: list[float]
     rise, values_of = {0: 1.0}, []  # rise: by how much a node's value rose (parents come first)
     for i, (parent, value, rank) in enumerate(zip(parents, base, ranks)):
         v = max(value * rise[parent] if rank >= 0 else 0.0, chained.get(i + 1, 0.0))
+        if parent:  # (a certain child's value * rise can round a hair above its parent's)
+            v = min(v, values_of[parent - 1])
         rise[i + 1] = v / value if value > 0 else rise[parent]
         values_of.append(v)
     order = sorted(range(len(tokens)), key=lambda i: (-values_of[i], depths[i]))

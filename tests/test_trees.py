@@ -110,6 +110,18 @@ def test_lookups_chain_joins_a_tree_sharing_the_nodes_it_matches_best_first():
     assert not graft(tree, scores, [10, 20], [0.9, 0.8])[0].first(2).first_guesses  # (lookup learns)
 
 
+def test_a_grafted_tree_keeps_parents_first_where_the_drafter_is_certain():
+    # The drafter sure of its guesses after 10: their values equal 10's, and 10's rising with lookup's
+    # odds must not lift them above it by a rounding (0.891 * (1.0 / 0.891) is a hair over 0.891).
+    tree, scores = build(
+        [[10, 11], [20, 21], [30, 31]], [[0.8018768429756165, 0.2], [1.0, 0.0], [1.0, 0.0]], 4
+    )
+    joined, values = graft(tree, scores, [10, 20, 30], [0.891, 0.4455, 0.22275])
+    assert joined.paths()[1:4] == [[10], [10, 20], [10, 20, 30]]
+    assert all(p <= i for i, p in enumerate(joined.parents)) and values == sorted(values, reverse=True)
+    joined.ancestors()  # (what a tree pass builds its mask from: raised IndexError)
+
+
 class WrongDraft(OracleDraft):
     """Guesses the target's continuation wrong at the first position of every block."""
 
